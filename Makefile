@@ -1,0 +1,40 @@
+# All set-up happens here: `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; override for a CUDA machine, e.g. TORCH_SPEC="torch==2.13.0".
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8080
+
+.PHONY: install serve test lint format demo-model clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/tgis serve --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check tgis tests scripts
+	$(VENV)/bin/ruff format --check tgis tests scripts
+
+format: install
+	$(VENV)/bin/ruff format tgis tests scripts
+	$(VENV)/bin/ruff check --fix tgis tests scripts
+
+# Re-train the bundled demo model (about 20 minutes on 2 cores).
+demo-model: install
+	$(PY) scripts/train_demo_model.py --output tgis/assets/demo-model
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

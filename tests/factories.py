@@ -1,0 +1,203 @@
+"""Tiny random models for tests: complete model directories in a few milliseconds.
+
+Every directory written here is a model transformers can load (`config.json`, weights in the
+requested format, `generation_config.json`) plus, by default, a tiny trained tokenizer
+(`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`).
+
+    model_dir = make_model_dir(tmp_path / "llama", arch="llama", weights="sharded-bin")
+
+Architectures: "llama" (tied input/output embeddings, grouped-query attention) and "gpt2"
+(tied embeddings, fused attention). Shapes: hidden 32, 2 layers, vocab 128.
+More causal LMs for the backend tests (same tiny shape, their own configs' defaults otherwise):
+"mistral", "qwen2" (q/k/v biases, untied), "gpt_neox", "bloom" (alibi) and "falcon"
+(multi-query, rotary; `new_decoder_architecture=True` and `alibi=True` as overrides).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+Arch = Literal["llama", "gpt2", "mistral", "qwen2", "gpt_neox", "bloom", "falcon"]
+WeightsFormat = Literal["bin", "sharded-bin", "safetensors", "sharded-safetensors"]
+
+VOCAB_SIZE = 128
+HIDDEN_SIZE = 32
+NUM_LAYERS = 2
+# Small enough that the tiny models above split into several shards (about 90 KB of weights).
+SHARD_SIZE = "20KB"
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A text generation server streams tokens to many clients at once.",
+    "Weights are downloaded once, converted to safetensors and served offline.",
+    "Continuous batching keeps the accelerator busy between requests.",
+    "Hello world! Hello tokens, hello batches, hello models.",
+)
+SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
+
+
+def tiny_config(arch: Arch = "llama", **overrides: object) -> PretrainedConfig:
+    """A transformers config of the tiny shape for `arch`; keyword arguments override fields.
+
+    Both architectures tie their input and output embeddings (`tie_word_embeddings=True`), so
+    their state dicts hold `lm_head.weight` as an alias of the embedding matrix.
+    """
+    from transformers import GPT2Config, LlamaConfig
+
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    if arch == "llama":
+        fields: dict[str, object] = {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": HIDDEN_SIZE,
+            "intermediate_size": 2 * HIDDEN_SIZE,
+            "num_hidden_layers": NUM_LAYERS,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": True,
+            **ids,
+        }
+        return LlamaConfig(**{**fields, **overrides})
+    if arch == "gpt2":
+        fields = {
+            "vocab_size": VOCAB_SIZE,
+            "n_embd": HIDDEN_SIZE,
+            "n_layer": NUM_LAYERS,
+            "n_head": 4,
+            "n_positions": 256,
+            "tie_word_embeddings": True,
+            **ids,
+        }
+        return GPT2Config(**{**fields, **overrides})
+    extra = _more_tiny_fields(arch, ids)
+    if extra is not None:
+        config_class, fields = extra
+        return config_class(**{**fields, **overrides})
+    raise ValueError(
+        f"unknown tiny architecture {arch!r}: use one of {('llama', 'gpt2', *MORE_ARCHS)}"
+    )
+
+
+MORE_ARCHS = ("mistral", "qwen2", "gpt_neox", "bloom", "falcon")
+
+
+def _more_tiny_fields(arch: str, ids: dict[str, int]) -> tuple[type, dict[str, object]] | None:
+    """Config class and tiny fields of the architectures beyond llama and gpt2 (None: unknown)."""
+    from transformers import BloomConfig, FalconConfig, GPTNeoXConfig, MistralConfig, Qwen2Config
+
+    heads = {"num_attention_heads": 4, "num_hidden_layers": NUM_LAYERS, "hidden_size": HIDDEN_SIZE}
+    if arch in ("mistral", "qwen2"):
+        kv = {"num_key_value_heads": 2, "intermediate_size": 2 * HIDDEN_SIZE}
+        config_class = MistralConfig if arch == "mistral" else Qwen2Config
+        return config_class, {
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 256,
+            **heads,
+            **kv,
+            **ids,
+        }
+    if arch == "gpt_neox":
+        return GPTNeoXConfig, {
+            "vocab_size": VOCAB_SIZE,
+            "intermediate_size": 4 * HIDDEN_SIZE,
+            "max_position_embeddings": 256,
+            **heads,
+            **ids,
+        }
+    if arch == "bloom":
+        return BloomConfig, {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": HIDDEN_SIZE,
+            "n_layer": NUM_LAYERS,
+            "n_head": 4,
+            **ids,
+        }
+    if arch == "falcon":
+        return FalconConfig, {
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 256,
+            **heads,
+            **ids,
+        }
+    return None
+
+
+def tiny_model(arch: Arch = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A randomly initialised causal LM of the tiny shape, in eval mode, float32, on CPU.
+
+    The same `seed` gives the same weights, so two calls build identical models.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    return model.eval()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer trained on `CORPUS`, with <unk>=0 <s>=1 </s>=2 <pad>=3, under VOCAB_SIZE.
+
+    Deterministic: the same corpus always trains the same vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS.values()), show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token=SPECIAL_TOKENS["unk"],
+        bos_token=SPECIAL_TOKENS["bos"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"],
+        model_input_names=["input_ids", "attention_mask"],  # causal LMs take no token_type_ids
+    )
+
+
+def save_model(
+    model: PreTrainedModel,
+    directory: Path,
+    weights: WeightsFormat = "safetensors",
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write `model` to `directory` in the given weights format; return the directory.
+
+    - "bin": one `pytorch_model.bin` (tied tensors stored once, shared by both names)
+    - "sharded-bin": `pytorch_model-0000i-of-0000n.bin` + `pytorch_model.bin.index.json`
+    - "safetensors": one `model.safetensors` (transformers drops the tied `lm_head.weight`)
+    - "sharded-safetensors": `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    safe = weights in ("safetensors", "sharded-safetensors")
+    shard = SHARD_SIZE if weights.startswith("sharded") else "10GB"
+    model.save_pretrained(directory, safe_serialization=safe, max_shard_size=shard)
+    if with_tokenizer:
+        tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_model_dir(
+    directory: Path,
+    arch: Arch = "llama",
+    weights: WeightsFormat = "safetensors",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Build a tiny random `arch` model and save it to `directory` (see `save_model`)."""
+    return save_model(tiny_model(arch, seed), directory, weights, with_tokenizer)
+
+
+def weight_files(directory: Path) -> list[str]:
+    """Names of the weight files (.bin / .safetensors) directly in `directory`, sorted."""
+    return sorted(
+        p.name for p in directory.iterdir() if p.suffix in (".bin", ".safetensors") and p.is_file()
+    )

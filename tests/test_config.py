@@ -1,0 +1,484 @@
+"""The validation core: the seeds' example launches validate, and every rule has a breaking test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgis.config import (
+    DEMO_MODEL,
+    LauncherArgs,
+    ModelFacts,
+    NeuronExport,
+    build_serve_config,
+)
+from tgis.errors import ConfigError
+
+MISTRAL = ModelFacts("mistral", 32768)
+LLAMA2 = ModelFacts("llama", 4096)
+LLAMA31 = ModelFacts("llama", 131072)
+GPT2 = ModelFacts("gpt2", 1024)
+LLAMA2_NEURON_BUDGET = ModelFacts(
+    "llama",
+    4096,
+    NeuronExport(batch_size=1, sequence_length=2048, num_cores=2, auto_cast_type="fp16"),
+)
+
+
+def build(facts: ModelFacts = GPT2, env: dict[str, str] | None = None, **flags: object):
+    return build_serve_config(LauncherArgs(**flags), facts, env or {})
+
+
+def error_of(facts: ModelFacts = GPT2, env: dict[str, str] | None = None, **flags: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        build(facts, env, **flags)
+    return str(info.value)
+
+
+# --- the seeds' example launches ---------------------------------------------------------
+
+
+def test_seed000_tpu_mistral_example_validates() -> None:
+    config = build(
+        MISTRAL,
+        {"HF_BATCH_SIZE": "1", "HF_SEQUENCE_LENGTH": "1024"},
+        model_id="mistralai/Mistral-7B-v0.1",
+        backend="tpu",
+        max_concurrent_requests=1,
+        max_input_length=512,
+        max_total_tokens=1024,
+        max_batch_prefill_tokens=512,
+        max_batch_total_tokens=1024,
+    )
+    assert config.static_shape is not None
+    assert (config.static_shape.batch_size, config.static_shape.sequence_length) == (1, 1024)
+    assert config.max_input_tokens == 512
+    assert config.max_batch_size == 1
+    assert config.max_batch_total_tokens == 1024
+
+
+def test_seed002_neuron_hub_exported_model_example_validates() -> None:
+    config = build(
+        LLAMA2_NEURON_BUDGET,
+        model_id="aws-neuron/Llama-2-7b-hf-neuron-budget",
+        backend="neuron",
+        max_batch_size=1,
+        max_input_length=1024,
+        max_total_tokens=2048,
+    )
+    assert config.max_batch_prefill_tokens == 1024  # advised: batch_size x max_input_length
+    assert config.max_batch_total_tokens == 2048
+    assert config.num_shard == 2
+    assert config.dtype == "float16"
+    assert config.notes == ()
+
+
+def test_seed002_neuron_export_at_startup_example_validates() -> None:
+    env = {
+        "HF_BATCH_SIZE": "1",
+        "HF_SEQUENCE_LENGTH": "4096",
+        "HF_AUTO_CAST_TYPE": "fp16",
+        "HF_NUM_CORES": "2",
+    }
+    config = build(
+        LLAMA2,
+        env,
+        model_id="NousResearch/Llama-2-7b-chat-hf",
+        backend="neuron",
+        max_batch_size=1,
+        max_input_length=3164,
+        max_total_tokens=4096,
+    )
+    assert config.static_shape is not None
+    assert config.static_shape.num_cores == 2
+    assert config.static_shape.auto_cast_type == "fp16"
+    assert config.max_batch_prefill_tokens == 3164
+    assert config.max_batch_total_tokens == 4096
+
+
+def test_seed002_neuron_local_model_derives_everything_from_config_neuron() -> None:
+    config = build(LLAMA2_NEURON_BUDGET, backend="auto")
+    assert config.backend == "neuron"
+    assert config.max_batch_size == 1
+    assert config.max_total_tokens == 2048
+    assert config.max_input_tokens == 1024  # half the window, as the Neuron entrypoint does
+    assert config.max_batch_prefill_tokens == 1024
+    assert config.max_batch_total_tokens == 2048
+
+
+def test_seed003_gaudi_basic_example_validates() -> None:
+    config = build(LLAMA31, model_id="meta-llama/Meta-Llama-3.1-8B-Instruct", backend="gaudi")
+    assert config.max_total_tokens == 4096
+    assert config.max_input_tokens == 4095
+    assert config.gaudi is not None
+    assert config.gaudi.pad_sequence_to_multiple_of == 128
+    assert config.gaudi.length_buckets[-2:] == (3968, 4095)
+    assert config.gaudi.decode_buckets == tuple(range(8, 129, 8))
+
+
+def test_seed003_gaudi_fp8_70b_example_validates() -> None:
+    env = {
+        "QUANT_CONFIG": "./quantization_config/maxabs_quant.json",
+        "MAX_TOTAL_TOKENS": "2048",
+        "BATCH_BUCKET_SIZE": "256",
+        "PREFILL_BATCH_BUCKET_SIZE": "4",
+        "PAD_SEQUENCE_TO_MULTIPLE_OF": "64",
+    }
+    config = build(
+        LLAMA31,
+        env,
+        model_id="meta-llama/Meta-Llama-3.1-70B-Instruct",
+        backend="gaudi",
+        sharded=True,
+        num_shard=8,
+        max_input_tokens=1024,
+        max_total_tokens=2048,
+        max_batch_prefill_tokens=4096,
+        max_batch_size=256,
+        max_waiting_tokens=7,
+        waiting_served_ratio=1.2,
+        max_concurrent_requests=512,
+    )
+    g = config.gaudi
+    assert g is not None
+    assert g.quant_config == "./quantization_config/maxabs_quant.json"
+    assert (g.decode_batch_size, g.prefill_batch_size, g.length_buckets[-1]) == (256, 4, 1024)
+    assert g.decode_buckets == (256,)
+    assert len(g.prefill_buckets) == 16  # 1 batch bucket x 16 length buckets of 64
+    assert config.num_shard == 8
+
+
+def test_seed003_gaudi_llava_example_validates() -> None:
+    config = build(
+        ModelFacts("llava_next", 32768),
+        {"PREFILL_BATCH_BUCKET_SIZE": "1", "BATCH_BUCKET_SIZE": "1"},
+        model_id="llava-hf/llava-v1.6-mistral-7b-hf",
+        backend="gaudi",
+        max_input_tokens=4096,
+        max_batch_prefill_tokens=16384,
+        max_total_tokens=8192,
+        max_batch_size=4,
+    )
+    g = config.gaudi
+    assert g is not None
+    assert g.prefill_batch_size == 4  # 16384 / 4096
+    assert g.decode_buckets == (1, 2, 3, 4)
+
+
+# --- TGI's general rules and defaults ----------------------------------------------------
+
+
+def test_defaults_follow_tgi_launcher() -> None:
+    config = build(GPT2)
+    assert config.model_id == DEMO_MODEL
+    assert (config.max_total_tokens, config.max_input_tokens) == (1024, 1023)
+    assert config.max_batch_prefill_tokens == 1023 + 50
+    assert config.max_batch_total_tokens is None
+    assert (config.max_concurrent_requests, config.max_best_of, config.max_stop_sequences) == (
+        128,
+        2,
+        4,
+    )
+    assert (config.max_top_n_tokens, config.max_waiting_tokens, config.waiting_served_ratio) == (
+        5,
+        20,
+        0.3,
+    )
+    assert config.backend == "cpu"
+
+
+def test_default_context_capped_at_4096_with_a_note() -> None:
+    config = build(LLAMA31)
+    assert config.max_total_tokens == 4096
+    assert "--max-total-tokens 131072" in config.notes[0]
+
+
+def test_prefill_default_with_batch_size() -> None:
+    assert build(GPT2, max_batch_size=4, max_total_tokens=512).max_batch_prefill_tokens == 4 * 511
+
+
+def test_env_fallbacks_use_launcher_names() -> None:
+    env = {"MODEL_ID": "gpt2", "MAX_TOTAL_TOKENS": "512", "MAX_INPUT_LENGTH": "100", "PORT": "8080"}
+    config = build(GPT2, env)
+    assert (config.model_id, config.max_total_tokens, config.max_input_tokens, config.port) == (
+        "gpt2",
+        512,
+        100,
+        8080,
+    )
+
+
+def test_flag_wins_over_env() -> None:
+    assert build(GPT2, {"MAX_TOTAL_TOKENS": "512"}, max_total_tokens=256).max_total_tokens == 256
+
+
+def test_max_input_tokens_and_alias_both_set() -> None:
+    message = error_of(max_input_tokens=10, max_input_length=10)
+    assert "both --max-input-tokens and its alias --max-input-length are set" in message
+
+
+def test_max_input_must_be_below_max_total() -> None:
+    message = error_of(max_input_tokens=512, max_total_tokens=512)
+    assert message == (
+        "--max-input-tokens 512 must be < --max-total-tokens 512 "
+        "(lower --max-input-tokens to at most 511, or raise --max-total-tokens above 512)"
+    )
+
+
+def test_env_value_is_named_by_its_variable() -> None:
+    message = error_of(env={"MAX_INPUT_TOKENS": "600"}, max_total_tokens=512)
+    assert message.startswith("MAX_INPUT_TOKENS=600 must be < --max-total-tokens 512")
+
+
+def test_max_total_beyond_model_positions() -> None:
+    message = error_of(GPT2, max_total_tokens=2048)
+    assert "--max-total-tokens 2048 exceeds the model's 1024 positions" in message
+    assert "set --max-total-tokens 1024 or less" in message
+
+
+def test_prefill_must_hold_one_max_prompt() -> None:
+    message = error_of(max_input_tokens=500, max_total_tokens=1000, max_batch_prefill_tokens=400)
+    assert "--max-batch-prefill-tokens 400 must be >= --max-input-tokens 500" in message
+    assert "set --max-batch-prefill-tokens 500 or more" in message
+
+
+def test_prefill_must_fit_batch_total() -> None:
+    message = error_of(
+        max_total_tokens=512, max_batch_prefill_tokens=4096, max_batch_total_tokens=2048
+    )
+    assert "--max-batch-prefill-tokens 4096 must be <= --max-batch-total-tokens 2048" in message
+
+
+def test_max_total_must_fit_batch_total() -> None:
+    message = error_of(
+        max_total_tokens=1024,
+        max_input_tokens=100,
+        max_batch_prefill_tokens=200,
+        max_batch_total_tokens=512,
+    )
+    assert "--max-total-tokens 1024 must be <= --max-batch-total-tokens 512" in message
+    assert "raise --max-batch-total-tokens to at least 1024" in message
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"max_concurrent_requests": 0}, "--max-concurrent-requests 0 must be >= 1"),
+        ({"max_best_of": 0}, "--max-best-of 0 must be >= 1"),
+        ({"max_stop_sequences": -1}, "--max-stop-sequences -1 must be >= 0"),
+        ({"waiting_served_ratio": 0.0}, "--waiting-served-ratio 0.0 must be > 0"),
+        ({"backend": "tpuv5"}, "--backend 'tpuv5' is not a backend"),
+        ({"dtype": "int4"}, "--dtype 'int4' is not a supported dtype"),
+        ({"num_shard": 2}, "the cpu backend runs one shard, not --num-shard 2"),
+    ],
+)
+def test_value_rules(flags: dict[str, object], expected: str) -> None:
+    assert expected in error_of(**flags)
+
+
+def test_env_parse_errors_name_the_variable() -> None:
+    assert error_of(env={"MAX_TOTAL_TOKENS": "lots"}) == (
+        "MAX_TOTAL_TOKENS='lots' is not an integer (set MAX_TOTAL_TOKENS to a whole number)"
+    )
+    assert "WARMUP_ENABLED='maybe' is not a boolean" in error_of(env={"WARMUP_ENABLED": "maybe"})
+
+
+def test_dtype_aliases_normalized() -> None:
+    assert build(dtype="bf16").dtype == "bfloat16"
+    assert build(dtype="half").dtype == "float16"
+
+
+# --- static shapes: tpu ------------------------------------------------------------------
+
+TPU_ENV = {"HF_BATCH_SIZE": "4", "HF_SEQUENCE_LENGTH": "1024"}
+
+
+def test_tpu_derives_unset_limits_from_shape() -> None:
+    config = build(MISTRAL, TPU_ENV, backend="tpu")
+    assert (config.max_concurrent_requests, config.max_batch_size) == (4, 4)
+    assert (config.max_total_tokens, config.max_input_tokens) == (1024, 1023)
+    assert config.max_batch_prefill_tokens == 4 * 1023
+    assert config.max_batch_total_tokens == 4096
+
+
+def test_tpu_shape_from_flags_without_env() -> None:
+    config = build(MISTRAL, backend="tpu", max_batch_size=2, max_total_tokens=512)
+    assert config.static_shape is not None
+    assert (config.static_shape.batch_size, config.static_shape.sequence_length) == (2, 512)
+
+
+def test_tpu_concurrent_requests_must_equal_batch_size() -> None:
+    message = error_of(MISTRAL, TPU_ENV, backend="tpu", max_concurrent_requests=128)
+    assert message == (
+        "--max-concurrent-requests 128 must equal the static batch size 4 (HF_BATCH_SIZE) on the tpu "
+        "backend (set --max-concurrent-requests 4, or change HF_BATCH_SIZE / HF_SEQUENCE_LENGTH)"
+    )
+
+
+def test_tpu_max_batch_size_must_equal_batch_size() -> None:
+    assert "--max-batch-size 8 must equal the static batch size 4" in error_of(
+        MISTRAL, TPU_ENV, backend="tpu", max_batch_size=8
+    )
+
+
+def test_tpu_max_total_must_equal_max_length() -> None:
+    message = error_of(MISTRAL, TPU_ENV, backend="tpu", max_total_tokens=2048)
+    assert (
+        "--max-total-tokens 2048 must equal the static sequence length (max_length) 1024" in message
+    )
+    assert "set --max-total-tokens 1024" in message
+
+
+def test_tpu_max_input_must_be_below_max_length() -> None:
+    message = error_of(MISTRAL, TPU_ENV, backend="tpu", max_input_tokens=1024)
+    assert (
+        "--max-input-tokens 1024 must be lower than the static sequence length (max_length) 1024"
+        in message
+    )
+
+
+def test_tpu_prefill_must_equal_batch_times_input() -> None:
+    message = error_of(
+        MISTRAL, TPU_ENV, backend="tpu", max_input_tokens=512, max_batch_prefill_tokens=512
+    )
+    assert (
+        "--max-batch-prefill-tokens 512 must be batch_size x max_input_tokens = 4 x 512 = 2048"
+        in message
+    )
+
+
+def test_tpu_batch_total_must_equal_max_tokens() -> None:
+    message = error_of(MISTRAL, TPU_ENV, backend="tpu", max_batch_total_tokens=8192)
+    assert (
+        "--max-batch-total-tokens 8192 must equal batch_size x max_length = 4 x 1024 = 4096"
+        in message
+    )
+
+
+# --- static shapes: neuron ---------------------------------------------------------------
+
+
+def test_neuron_prefill_mismatch_is_advice_not_error() -> None:
+    config = build(
+        LLAMA2_NEURON_BUDGET, backend="neuron", max_batch_prefill_tokens=2000, max_input_tokens=1000
+    )
+    assert any(
+        "should be batch_size x max_input_tokens = 1 x 1000 = 1000" in n for n in config.notes
+    )
+
+
+def test_neuron_env_must_match_compiled_shape() -> None:
+    message = error_of(LLAMA2_NEURON_BUDGET, {"HF_BATCH_SIZE": "4"}, backend="neuron")
+    assert message.startswith("HF_BATCH_SIZE=4 does not match the compiled model's batch_size=1")
+    assert "HF_SEQUENCE_LENGTH=4096 does not match" in error_of(
+        LLAMA2_NEURON_BUDGET, {"HF_SEQUENCE_LENGTH": "4096"}, backend="neuron"
+    )
+    assert "HF_NUM_CORES=8 does not match the compiled model's num_cores=2" in error_of(
+        LLAMA2_NEURON_BUDGET, {"HF_NUM_CORES": "8"}, backend="neuron"
+    )
+    assert "HF_AUTO_CAST_TYPE=bf16 does not match" in error_of(
+        LLAMA2_NEURON_BUDGET, {"HF_AUTO_CAST_TYPE": "bf16"}, backend="neuron"
+    )
+
+
+def test_neuron_flags_must_match_compiled_shape() -> None:
+    assert "--max-batch-size 4 must equal the static batch size 1 (config.neuron)" in error_of(
+        LLAMA2_NEURON_BUDGET, backend="neuron", max_batch_size=4
+    )
+    assert (
+        "--max-total-tokens 4096 must equal the static sequence length (max_length) 2048"
+        in error_of(LLAMA2_NEURON_BUDGET, backend="neuron", max_total_tokens=4096)
+    )
+    assert "--num-shard 4 does not match the 2 Neuron cores" in error_of(
+        LLAMA2_NEURON_BUDGET, backend="neuron", num_shard=4
+    )
+    assert "--dtype bfloat16 does not match the model's auto_cast_type fp16" in error_of(
+        LLAMA2_NEURON_BUDGET, backend="neuron", dtype="bfloat16"
+    )
+
+
+def test_neuron_model_refuses_other_backends() -> None:
+    assert "the model was exported for Neuron" in error_of(LLAMA2_NEURON_BUDGET, backend="cpu")
+
+
+def test_neuron_facts_from_optimum_neuron_config_json() -> None:
+    facts = ModelFacts.from_config(
+        {"model_type": "llama", "max_position_embeddings": 4096},
+        {"batch_size": 2, "sequence_length": 512, "tp_degree": 2, "torch_dtype": "bfloat16"},
+    )
+    assert facts.neuron == NeuronExport(2, 512, 2, "bf16", "neuron_config.json")
+    legacy = ModelFacts.from_config(
+        {
+            "neuron": {
+                "batch_size": 1,
+                "sequence_length": 2048,
+                "num_cores": 2,
+                "auto_cast_type": "fp16",
+            }
+        }
+    )
+    assert legacy.neuron is not None and legacy.neuron.source == "config.json `neuron`"
+
+
+def test_neuron_config_without_shape_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="lacks integer `batch_size` and `sequence_length`"):
+        ModelFacts.from_config({"neuron": {"num_cores": 2}})
+
+
+# --- gaudi ---------------------------------------------------------------------------------
+
+
+def test_gaudi_pad_above_max_input_is_explained() -> None:
+    message = error_of(LLAMA31, backend="gaudi", max_input_tokens=100, max_total_tokens=120)
+    assert message == (
+        "PAD_SEQUENCE_TO_MULTIPLE_OF=128 cannot be higher than --max-input-tokens 100: every prompt would "
+        "be padded past the longest allowed prompt (set PAD_SEQUENCE_TO_MULTIPLE_OF to 100 or less, "
+        "or raise --max-input-tokens)"
+    )
+
+
+def test_gaudi_length_buckets_end_at_max_input() -> None:
+    config = build(
+        LLAMA31,
+        {"PAD_SEQUENCE_TO_MULTIPLE_OF": "64"},
+        backend="gaudi",
+        max_input_tokens=200,
+        max_total_tokens=400,
+    )
+    assert config.gaudi is not None and config.gaudi.length_buckets == (64, 128, 192, 200)
+
+
+def test_gaudi_batch_rounding_note() -> None:
+    config = build(LLAMA31, backend="gaudi", max_batch_size=10)
+    assert config.gaudi is not None and config.gaudi.decode_batch_size == 16
+    assert any("--max-batch-size 10 is padded to 16" in n for n in config.notes)
+
+
+def test_gaudi_env_validation() -> None:
+    assert "BATCH_BUCKET_SIZE=0 must be >= 1" in error_of(
+        LLAMA31, {"BATCH_BUCKET_SIZE": "0"}, backend="gaudi"
+    )
+    assert "ENABLE_HPU_GRAPH='sometimes' is not a boolean" in error_of(
+        LLAMA31, {"ENABLE_HPU_GRAPH": "sometimes"}, backend="gaudi"
+    )
+    assert "PROF_RANKS='a,b' is not a comma-separated list" in error_of(
+        LLAMA31, {"PROF_RANKS": "a,b"}, backend="gaudi"
+    )
+
+
+def test_gaudi_profiler_and_graph_variables_read() -> None:
+    env = {
+        "PROF_WAITSTEP": "10",
+        "PROF_WARMUPSTEP": "10",
+        "PROF_STEP": "1",
+        "PROF_PATH": "/tmp/p",
+        "PROF_RANKS": "0,1",
+        "PROF_RECORD_SHAPES": "True",
+        "ENABLE_HPU_GRAPH": "false",
+        "WARMUP_ENABLED": "false",
+        "QUEUE_THRESHOLD_MS": "250",
+    }
+    config = build(LLAMA31, env, backend="gaudi")
+    g = config.gaudi
+    assert g is not None and g.profiling and g.prof_ranks == (0, 1) and g.prof_record_shapes
+    assert not g.enable_hpu_graph
+    assert (config.warmup_enabled, config.queue_threshold_ms) == (False, 250)

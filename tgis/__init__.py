@@ -1,0 +1,3 @@
+"""tgis: a text-generation inference server toolkit."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""`python -m tgis` runs the CLI."""
+
+from tgis.cli import main
+
+main()

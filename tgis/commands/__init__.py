@@ -1,0 +1,1 @@
+"""One module per `tgis` subcommand; each is thin: parse flags, call the core."""

@@ -1,0 +1,165 @@
+"""The launcher flags of `serve` and `warmup` (TGI's names), defined once.
+
+Each flag defaults to None: the validation core (tgis.config) applies the environment
+fallback and the derived default, so the help shows what the default will be.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tgis.config import DEFAULTS, LauncherArgs, ServeConfig
+
+MODEL = "Model"
+LIMITS = "Request limits"
+BATCHING = "Batching (continuous batcher)"
+DEVICE = "Backend and device"
+SERVER = "Server"
+
+
+def _opt(name: str, panel: str, help_text: str, default: str | None = None, **kw: Any) -> Any:
+    env = "TGIS_BACKEND" if name == "backend" else name.upper()
+    shown = default if default is not None else str(DEFAULTS.get(name, "derived"))
+    return typer.Option(
+        "--" + name.replace("_", "-"),
+        help=f"{help_text} \\[env: {env}]",
+        rich_help_panel=panel,
+        show_default=shown if shown else False,
+        **kw,
+    )
+
+
+ModelId = Annotated[
+    str | None,
+    _opt("model_id", MODEL, "Hub model id or local directory.", "the bundled demo model"),
+]
+Revision = Annotated[
+    str | None, _opt("revision", MODEL, "Branch, tag or commit of the model.", "main")
+]
+Dtype = Annotated[
+    str | None,
+    _opt(
+        "dtype",
+        DEVICE,
+        "float32, float16 or bfloat16.",
+        "float32 on CPU without bf16, else the model's",
+    ),
+]
+Backend = Annotated[str | None, _opt("backend", DEVICE, "auto, cpu, cuda, tpu, neuron or gaudi.")]
+NumShard = Annotated[
+    int | None, _opt("num_shard", DEVICE, "Devices (or Neuron cores) to shard the model over.", "1")
+]
+Sharded = Annotated[
+    str | None, _opt("sharded", DEVICE, "Shard the model: true or false.", "false", metavar="BOOL")
+]
+MaxConcurrentRequests = Annotated[
+    int | None,
+    _opt(
+        "max_concurrent_requests",
+        LIMITS,
+        "Requests in flight before 429 'Model is overloaded'.",
+        "128; the static batch size on tpu",
+    ),
+]
+MaxBestOf = Annotated[
+    int | None, _opt("max_best_of", LIMITS, "Largest best_of a request may ask for.")
+]
+MaxStopSequences = Annotated[
+    int | None, _opt("max_stop_sequences", LIMITS, "Most stop sequences per request.")
+]
+MaxTopNTokens = Annotated[
+    int | None, _opt("max_top_n_tokens", LIMITS, "Largest top_n_tokens per request.")
+]
+MaxInputTokens = Annotated[
+    int | None,
+    _opt("max_input_tokens", LIMITS, "Longest prompt, in tokens.", "max-total-tokens - 1"),
+]
+MaxInputLength = Annotated[
+    int | None, _opt("max_input_length", LIMITS, "Alias of --max-input-tokens.", "")
+]
+MaxTotalTokens = Annotated[
+    int | None,
+    _opt(
+        "max_total_tokens",
+        LIMITS,
+        "Prompt + new tokens per request.",
+        "min(model positions, 4096); max_length on tpu/neuron",
+    ),
+]
+MaxBatchPrefillTokens = Annotated[
+    int | None,
+    _opt(
+        "max_batch_prefill_tokens",
+        BATCHING,
+        "Token budget of one prefill step.",
+        "max-input-tokens + 50",
+    ),
+]
+MaxBatchTotalTokens = Annotated[
+    int | None,
+    _opt(
+        "max_batch_total_tokens",
+        BATCHING,
+        "KV budget of the running batch, in tokens.",
+        "measured at warmup; batch x max_length on tpu/neuron",
+    ),
+]
+MaxBatchSize = Annotated[
+    int | None,
+    _opt(
+        "max_batch_size",
+        BATCHING,
+        "Most requests in one batch.",
+        "unbounded; the static batch size on tpu/neuron",
+    ),
+]
+MaxWaitingTokens = Annotated[
+    int | None,
+    _opt(
+        "max_waiting_tokens",
+        BATCHING,
+        "Decode steps before waiting requests are forced into the batch.",
+    ),
+]
+WaitingServedRatio = Annotated[
+    float | None,
+    _opt("waiting_served_ratio", BATCHING, "Waiting/running ratio that triggers a prefill."),
+]
+Port = Annotated[int | None, _opt("port", SERVER, "HTTP port.")]
+ApiKey = Annotated[
+    str | None,
+    _opt("api_key", SERVER, "Bearer token required on generation routes.", "none"),
+]
+CorsAllowOrigin = Annotated[
+    str | None,
+    _opt("cors_allow_origin", SERVER, "Comma-separated origins allowed by CORS.", "none"),
+]
+Hostname = Annotated[str | None, _opt("hostname", SERVER, "Address to listen on.")]
+
+
+def launcher_args(values: dict[str, Any]) -> LauncherArgs:
+    """The LauncherArgs named in a command's locals()."""
+    from tgis.config import parse_bool
+
+    picked = {k: v for k, v in values.items() if k in LauncherArgs.__dataclass_fields__}
+    if isinstance(picked.get("sharded"), str):
+        picked["sharded"] = parse_bool("--sharded", picked["sharded"])
+    return LauncherArgs(**picked)
+
+
+def resolve_launcher_config(values: dict[str, Any]) -> tuple[ServeConfig, Path]:
+    """Flags -> model facts -> validated ServeConfig and the model's local directory."""
+    from tgis.backends.registry import detect_backend
+    from tgis.config import ModelFacts, build_serve_config, default_env, model_reference
+    from tgis.hub import read_model_config, resolve_model_dir
+
+    args = launcher_args(values)
+    env = default_env()
+    model_id, revision = model_reference(args, env)
+    model_dir = resolve_model_dir(model_id, revision)
+    config_json, neuron_json = read_model_config(model_dir)
+    facts = ModelFacts.from_config(config_json, neuron_json)
+    return build_serve_config(args, facts, env, lambda f: detect_backend(f, env)), model_dir

@@ -1,0 +1,98 @@
+"""`tgis serve`: resolve and validate the launcher configuration, then serve the model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tgis.commands.launcher_options import (
+    ApiKey,
+    Backend,
+    CorsAllowOrigin,
+    Dtype,
+    Hostname,
+    MaxBatchPrefillTokens,
+    MaxBatchSize,
+    MaxBatchTotalTokens,
+    MaxBestOf,
+    MaxConcurrentRequests,
+    MaxInputLength,
+    MaxInputTokens,
+    MaxStopSequences,
+    MaxTopNTokens,
+    MaxTotalTokens,
+    MaxWaitingTokens,
+    ModelId,
+    NumShard,
+    Port,
+    Revision,
+    Sharded,
+    WaitingServedRatio,
+    resolve_launcher_config,
+)
+
+
+def command(
+    model_id: ModelId = None,
+    revision: Revision = None,
+    backend: Backend = None,
+    dtype: Dtype = None,
+    num_shard: NumShard = None,
+    sharded: Sharded = None,
+    max_concurrent_requests: MaxConcurrentRequests = None,
+    max_best_of: MaxBestOf = None,
+    max_stop_sequences: MaxStopSequences = None,
+    max_top_n_tokens: MaxTopNTokens = None,
+    max_input_tokens: MaxInputTokens = None,
+    max_input_length: MaxInputLength = None,
+    max_total_tokens: MaxTotalTokens = None,
+    max_batch_prefill_tokens: MaxBatchPrefillTokens = None,
+    max_batch_total_tokens: MaxBatchTotalTokens = None,
+    max_batch_size: MaxBatchSize = None,
+    max_waiting_tokens: MaxWaitingTokens = None,
+    waiting_served_ratio: WaitingServedRatio = None,
+    port: Port = None,
+    hostname: Hostname = None,
+    api_key: ApiKey = None,
+    cors_allow_origin: CorsAllowOrigin = None,
+    shutdown_grace: Annotated[
+        float,
+        typer.Option(
+            "--shutdown-grace",
+            help="Seconds in-flight requests get to finish after SIGTERM.",
+            rich_help_panel="Server",
+        ),
+    ] = 30.0,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Validate and print the resolved configuration, then exit."),
+    ] = False,
+) -> None:
+    """Serve a model over HTTP: TGI's routes (/generate, /generate_stream, ...) and OpenAI's
+    (/v1/completions, /v1/chat/completions), with continuous batching.
+
+    Every flag falls back to the environment variable of TGI's launcher (MODEL_ID,
+    MAX_TOTAL_TOKENS, ...); accelerator variables (HF_BATCH_SIZE, HF_SEQUENCE_LENGTH,
+    BATCH_BUCKET_SIZE, ...) are read too. Unset limits are derived from the model and the
+    backend's shape rules. The server never downloads: run `tgis download-weights` first.
+
+    [bold]Examples[/]
+
+      tgis serve                       # the bundled demo model, port 3000
+      tgis serve --model-id bigscience/bloom-560m --max-total-tokens 2048 --port 8080
+      tgis serve --check --backend tpu --max-batch-size 4 --max-total-tokens 1024
+    """
+    from rich.console import Console
+
+    from tgis.commands.show_config import render_config
+
+    config, _ = resolve_launcher_config(locals())
+    console = Console()
+    render_config(console, config)
+    if check:
+        return
+    console.print(
+        "[yellow]The HTTP server and the generation engine are not part of this release yet: "
+        "`tgis serve` validates and prints the resolved configuration, then exits.[/]"
+    )

@@ -1,0 +1,160 @@
+"""Gaudi bucketing settings (seed 003's environment table), validated and explained.
+
+Gaudi runs HPU graphs per shape, so batch sizes and prompt lengths are rounded up to
+buckets: each bucket is a graph to compile at warmup and to keep in device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tgis.errors import ConfigError
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= value."""
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GaudiSettings:
+    batch_bucket_size: int = 8
+    prefill_batch_bucket_size: int = 4
+    pad_sequence_to_multiple_of: int = 128
+    enable_hpu_graph: bool = True
+    limit_hpu_graph: bool = True
+    skip_tokenizer_in_tgi: bool = False
+    use_flash_attention: bool = True
+    flash_attention_recompute: bool = True
+    quant_config: str | None = None
+    prof_waitstep: int = 0
+    prof_warmupstep: int = 0
+    prof_step: int = 0
+    prof_path: str = "/tmp/hpu_profile"
+    prof_ranks: tuple[int, ...] = (0,)
+    prof_record_shapes: bool = False
+    # Derived from the launcher limits:
+    decode_batch_size: int = 0
+    prefill_batch_size: int = 0
+    max_input_tokens: int = 0
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Batch sizes that decode graphs are captured for."""
+        return tuple(
+            range(self.batch_bucket_size, self.decode_batch_size + 1, self.batch_bucket_size)
+        )
+
+    @property
+    def length_buckets(self) -> tuple[int, ...]:
+        """Prompt lengths prefill pads to: multiples of the pad, and the longest prompt itself."""
+        pad = self.pad_sequence_to_multiple_of
+        lengths = list(range(pad, self.max_input_tokens + 1, pad))
+        if not lengths or lengths[-1] < self.max_input_tokens:
+            lengths.append(self.max_input_tokens)
+        return tuple(lengths)
+
+    @property
+    def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
+        """(batch size, padded prompt length) pairs that prefill graphs are captured for."""
+        step = self.prefill_batch_bucket_size
+        sizes = range(step, self.prefill_batch_size + 1, step)
+        return tuple((b, length) for b in sizes for length in self.length_buckets)
+
+    @property
+    def profiling(self) -> bool:
+        return self.prof_step > 0
+
+
+_INTS = {
+    "BATCH_BUCKET_SIZE": "batch_bucket_size",
+    "PREFILL_BATCH_BUCKET_SIZE": "prefill_batch_bucket_size",
+    "PAD_SEQUENCE_TO_MULTIPLE_OF": "pad_sequence_to_multiple_of",
+}
+_COUNTS = {
+    "PROF_WAITSTEP": "prof_waitstep",
+    "PROF_WARMUPSTEP": "prof_warmupstep",
+    "PROF_STEP": "prof_step",
+}
+_BOOLS = {
+    "ENABLE_HPU_GRAPH": "enable_hpu_graph",
+    "LIMIT_HPU_GRAPH": "limit_hpu_graph",
+    "SKIP_TOKENIZER_IN_TGI": "skip_tokenizer_in_tgi",
+    "USE_FLASH_ATTENTION": "use_flash_attention",
+    "FLASH_ATTENTION_RECOMPUTE": "flash_attention_recompute",
+    "PROF_RECORD_SHAPES": "prof_record_shapes",
+}
+
+
+def gaudi_settings(
+    env: Mapping[str, str], values: dict[str, Any], notes: list[str]
+) -> GaudiSettings:
+    """Read seed 003's variables, derive the bucket sizes from the limits, and check them."""
+    from tgis.config import parse_bool, parse_int
+
+    kw: dict[str, Any] = {}
+    for name, key in _INTS.items():
+        if env.get(name, "").strip():
+            kw[key] = parse_int(name, env[name], minimum=1)
+    for name, key in _COUNTS.items():
+        if env.get(name, "").strip():
+            kw[key] = parse_int(name, env[name], minimum=0)
+    for name, key in _BOOLS.items():
+        if env.get(name, "").strip():
+            kw[key] = parse_bool(name, env[name])
+    if env.get("PROF_PATH", "").strip():
+        kw["prof_path"] = env["PROF_PATH"].strip()
+    if env.get("PROF_RANKS", "").strip():
+        try:
+            kw["prof_ranks"] = tuple(int(x) for x in env["PROF_RANKS"].split(","))
+        except ValueError:
+            raise ConfigError(
+                f"PROF_RANKS={env['PROF_RANKS']!r} is not a comma-separated list of ranks",
+                "use e.g. PROF_RANKS=0,1",
+            ) from None
+    if env.get("QUANT_CONFIG", "").strip():
+        kw["quant_config"] = env["QUANT_CONFIG"].strip()
+    base = GaudiSettings(**kw)
+
+    max_input = values["max_input_tokens"]
+    pad = base.pad_sequence_to_multiple_of
+    if pad > max_input:
+        raise ConfigError(
+            f"PAD_SEQUENCE_TO_MULTIPLE_OF={pad} cannot be higher than --max-input-tokens {max_input}: "
+            "every prompt would be padded past the longest allowed prompt",
+            f"set PAD_SEQUENCE_TO_MULTIPLE_OF to {max_input} or less, or raise --max-input-tokens",
+        )
+    requested = values["max_batch_size"] or values["max_concurrent_requests"]
+    decode_batch = round_up(requested, base.batch_bucket_size)
+    if values["max_batch_size"] is not None and decode_batch != values["max_batch_size"]:
+        notes.append(
+            f"gaudi: --max-batch-size {values['max_batch_size']} is padded to {decode_batch} "
+            f"(a multiple of BATCH_BUCKET_SIZE={base.batch_bucket_size}); "
+            f"set --max-batch-size {decode_batch} to use the padding slots"
+        )
+    # A prefill batch holds as many longest prompts as the prefill budget allows, at most a
+    # decode batch, rounded up to its bucket.
+    fits = max(1, min(values["max_batch_prefill_tokens"] // max_input, decode_batch))
+    prefill_batch = round_up(fits, base.prefill_batch_bucket_size)
+    settings = GaudiSettings(
+        **{
+            **base.__dict__,
+            "decode_batch_size": decode_batch,
+            "prefill_batch_size": prefill_batch,
+            "max_input_tokens": max_input,
+        }
+    )
+    notes.append(
+        f"gaudi: prefill batches padded to multiples of {settings.prefill_batch_bucket_size} "
+        f"(up to {prefill_batch}), prompts to multiples of {pad} (up to {max_input}); warmup covers {len(settings.prefill_buckets)} prefill "
+        f"and {len(settings.decode_buckets)} decode buckets"
+        + ("" if settings.enable_hpu_graph else "; HPU graphs disabled (ENABLE_HPU_GRAPH=false)")
+        + (
+            "; prefill runs without HPU graphs (LIMIT_HPU_GRAPH)"
+            if settings.enable_hpu_graph and settings.limit_hpu_graph
+            else ""
+        )
+    )
+    return settings
