@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: install serve test lint format demo-model clean
+.PHONY: install serve test lint format bench demo-model clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,17 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format tgis tests scripts
 	$(VENV)/bin/ruff check --fix tgis tests scripts
+
+# tgis serve vs transformers serve --continuous-batching on a SmolLM2-135M-shaped model.
+# The peer lives in its own virtualenv: transformers 4.57's continuous batching cannot size its
+# KV cache on a CPU, 5.x's can (and 5.x would not fit tgis's own pins).
+.venv-peer/.installed:
+	$(PYTHON) -m venv .venv-peer
+	.venv-peer/bin/pip install -q "$(TORCH_SPEC)" "transformers[serving]>=5"
+	touch $@
+
+bench: install .venv-peer/.installed
+	$(PY) scripts/bench_serve.py --workdir $(or $(BENCH_DIR),/tmp/tgis-bench) --output bench-results.json
 
 # Re-train the bundled demo model (about 20 minutes on 2 cores).
 demo-model: install

@@ -13,7 +13,7 @@ in, so tests never touch os.environ).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,16 @@ class ServeConfig:
 def default_env() -> Mapping[str, str]:
     """The process environment; callers pass it explicitly so the core stays testable."""
     return os.environ
+
+
+def prepare_process_env(env: MutableMapping[str, str] | None = None) -> None:
+    """Process settings that must precede `import torch` (serve calls it first thing).
+
+    OpenMP threads that spin after each parallel region steal the cores the event loop needs to
+    stream tokens between steps; passive waiting measured ~10% more tokens/s under load on 2
+    cores. An explicit OMP_WAIT_POLICY in the environment wins.
+    """
+    (os.environ if env is None else env).setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def debug_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -83,16 +83,44 @@ def command(
       tgis serve --model-id bigscience/bloom-560m --max-total-tokens 2048 --port 8080
       tgis serve --check --backend tpu --max-batch-size 4 --max-total-tokens 1024
     """
+    import asyncio
+    import logging
+
+    from tgis.config import prepare_process_env
+
+    prepare_process_env()  # before torch is imported
+
     from rich.console import Console
 
     from tgis.commands.show_config import render_config
+    from tgis.launch import build_service
+    from tgis.server import Metrics, ModelInfo, create_app, serve
 
-    config, _ = resolve_launcher_config(locals())
+    config, model_dir = resolve_launcher_config(locals())
     console = Console()
     render_config(console, config)
     if check:
         return
-    console.print(
-        "[yellow]The HTTP server and the generation engine are not part of this release yet: "
-        "`tgis serve` validates and prints the resolved configuration, then exits.[/]"
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    metrics = Metrics(
+        config.max_total_tokens, config.max_batch_size or config.max_concurrent_requests
+    )
+    service = build_service(config, model_dir, observer=metrics)
+    try:
+        info = ModelInfo.from_config(
+            config,
+            model_dtype=str(getattr(service.backend, "dtype", config.dtype or "float32")).replace(
+                "torch.", ""
+            ),
+            max_batch_total_tokens=service.kv_tokens,
+        )
+        app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
+                         api_key=config.api_key, cors_origins=config.cors_allow_origins)  # fmt: skip
+        console.print(
+            f"[green]Serving[/] {config.model_id} on http://{config.hostname}:{config.port}"
+        )
+        asyncio.run(serve(app, config.hostname, config.port, shutdown_grace_s=shutdown_grace))
+    finally:
+        service.engine.stop()

@@ -1,0 +1,136 @@
+"""Decode ms/step of the torch backend's forward paths vs HF's own `model(...)`.
+
+Builds a random Llama with SmolLM2-135M's shape (vocab 49152, hidden 576, 30 layers, 9 heads,
+3 KV heads, intermediate 1536, tied embeddings), prefills `batch` prompts of `--context`
+tokens for each contender, then runs `--steps` decode steps of every contender in turn (one
+step each, round robin, so a burst of load from another process hits them all alike) and
+prints the median ms per step:
+
+- hf-dynamic: `model(input_ids[b, 1], past_key_values=DynamicCache)`, the bare HF forward
+  over equal-length rows without padding (HF's best case; no sampling, no generate());
+- native: `TorchDynamicBackend.decode` on the native llama path, equal-length rows;
+- native-ragged: the same with prompt lengths spread over context/2..context (padding masks);
+- hf-path: `TorchDynamicBackend.decode` on the generic HF path (with --hf-path).
+
+    .venv/bin/python scripts/measure_decode.py --batches 1 16 32 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.engine.backend import PrefillItem
+
+Step = Callable[[], object]
+
+
+def smollm2_shaped(dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@torch.inference_mode()
+def hf_dynamic(model: LlamaForCausalLM, batch: int, context: int) -> Step:
+    """Prefill `batch` rows into a DynamicCache; return one bare decode step of HF's model."""
+    ids = torch.randint(4, model.config.vocab_size, (batch, context))
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    token = torch.randint(4, model.config.vocab_size, (batch, 1))
+
+    @torch.inference_mode()
+    def step() -> object:
+        return model(input_ids=token, past_key_values=cache, use_cache=True)
+
+    return step
+
+
+def backend_decode(backend: TorchDynamicBackend, lengths: list[int]) -> Step:
+    """Prefill prompts of `lengths` into `backend`; return one decode step of all of them."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    ids = list(range(len(lengths)))
+    for seq_id, n in zip(ids, lengths, strict=True):  # one by one: bounded prefill memory
+        prompt = tuple(torch.randint(4, backend.vocab_size, (n,), generator=gen).tolist())
+        backend.prefill([PrefillItem(seq_id, prompt)])
+    return lambda: backend.decode(ids, [5] * len(ids))
+
+
+def interleaved_ms(steps: list[Step], count: int, warmup: int = 2) -> list[float]:
+    """Median ms of each step function, run round robin `count` times after `warmup`."""
+    times: list[list[float]] = [[] for _ in steps]
+    for index in range(warmup + count):
+        for step, seen in zip(steps, times, strict=True):
+            start = time.perf_counter()
+            step()
+            if index >= warmup:
+                seen.append(time.perf_counter() - start)
+    return [statistics.median(seen) * 1e3 for seen in times]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-path", action="store_true", help="also time the generic HF path")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = smollm2_shaped(getattr(torch, args.dtype))
+    max_batch = max(args.batches)
+    total = args.context + args.steps + 4
+    limits = {"max_sequences": max_batch, "max_sequence_tokens": total}
+    limits["kv_tokens"] = max_batch * total
+
+    def backend(native: bool) -> TorchDynamicBackend:
+        return TorchDynamicBackend(model, native=native, **limits)
+
+    # Each backend has its own slots; the native ones share (re-fused) weights with `model`.
+    native, native_ragged = backend(True), backend(True)
+    hf_path = backend(False) if args.hf_path else None
+    print(
+        f"threads={torch.get_num_threads()} dtype={args.dtype} context={args.context} "
+        f"steps={args.steps} (median ms per decode step)"
+    )
+    columns = ["hf-dynamic", "native", "native-ragged"] + (["hf-path"] if hf_path else [])
+    print(f"{'batch':>5} " + " ".join(f"{c:>13}" for c in columns) + f" {'speedup':>8}")
+    for batch in args.batches:
+        even = [args.context] * batch
+        ragged = [args.context - (args.context // 2) * i // max(1, batch - 1) for i in range(batch)]
+        steps = [
+            hf_dynamic(model, batch, args.context),
+            backend_decode(native, even),
+            backend_decode(native_ragged, ragged),
+        ]
+        if hf_path is not None:
+            steps.append(backend_decode(hf_path, even))
+        row = interleaved_ms(steps, args.steps)
+        for owner in (native, native_ragged, hf_path):
+            for seq_id in range(batch if owner is not None else 0):
+                owner.release(seq_id)  # type: ignore[union-attr]
+        cells = " ".join(f"{v:13.1f}" for v in row)
+        print(f"{batch:>5} {cells} {row[0] / row[1]:7.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

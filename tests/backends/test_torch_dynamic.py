@@ -1,0 +1,373 @@
+"""TorchDynamicBackend: exact greedy tokens, continuous batching, slot compaction, capacity."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.backends.conftest import (
+    ALL_VARIANTS,
+    NATIVE_VARIANTS,
+    PROMPTS,
+    VARIANTS,
+    greedy_reference,
+    make_backend,
+)
+from tests.factories import make_model_dir, tiny_model
+from tgis.backends import torch_dynamic
+from tgis.backends.hf_forward import HFForward, pad_groups
+from tgis.backends.torch_device import cpu_has_native_bf16, resolve_dtype
+from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.engine.backend import PrefillItem
+from tgis.errors import ConfigError
+
+NEW_TOKENS = 8
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def run_greedy(
+    backend: TorchDynamicBackend, prompts: tuple[tuple[int, ...], ...], new_tokens: int
+) -> list[list[int]]:
+    """The engine's simplest driver: prefill every prompt at once, then argmax decode."""
+    out = backend.prefill([PrefillItem(i, p) for i, p in enumerate(prompts)])
+    tokens = [[int(row.argmax())] for row in out.last]
+    ids = list(range(len(prompts)))
+    for _ in range(new_tokens - 1):
+        logits = backend.decode(ids, [t[-1] for t in tokens])
+        for row, seq in zip(logits, tokens, strict=True):
+            seq.append(int(row.argmax()))
+    for seq_id in ids:
+        backend.release(seq_id)
+    return tokens
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_greedy_tokens_equal_generate(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str
+) -> None:
+    model = tiny_lm(variant)
+    backend = make_backend(model)
+    assert backend.path.name == ("native" if variant in NATIVE_VARIANTS else "hf")
+    expected = [greedy_reference(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
+    assert backend.running == 0
+
+
+@pytest.mark.parametrize("variant", NATIVE_VARIANTS)
+def test_generic_path_runs_llama_family_too(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str
+) -> None:
+    model = tiny_lm(variant)
+    backend = make_backend(model, native=False)
+    assert backend.path.name == "hf"
+    expected = [greedy_reference(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("pad_slack", [0.0, 10.0], ids=["unpadded", "padded"])
+def test_prompt_logits_equal_full_forward(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str, pad_slack: float
+) -> None:
+    """Prompt logits of several prompts prefilled together (on the generic path: one by one,
+    or right-padded into one batch) equal HF's full-sequence forward of each prompt."""
+    model = tiny_lm(variant)
+    backend = make_backend(model)
+    if isinstance(backend.path, HFForward):
+        backend.path.pad_slack = pad_slack
+    elif pad_slack:
+        pytest.skip("the native path packs prompts without padding")
+    items = [PrefillItem(i, p, prompt_logprobs=i != 1) for i, p in enumerate(PROMPTS)]
+    out = backend.prefill(items)
+    assert out.last.shape == (len(PROMPTS), backend.vocab_size)
+    assert out.last.dtype == torch.float32
+    assert out.prompt[1] is None
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            full = model(torch.tensor([prompt])).logits[0].float()
+        torch.testing.assert_close(out.last[i], full[-1], atol=1e-4, rtol=0)
+        if i != 1:
+            assert out.prompt[i] is not None
+            assert out.prompt[i].shape == (len(prompt), backend.vocab_size)
+            torch.testing.assert_close(out.prompt[i], full, atol=1e-4, rtol=0)
+
+
+def test_prompt_logits_without_the_lm_head_hook(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+    """A model that computes logits without calling its output-embedding module gets its rows
+    selected after the forward instead, with the same result."""
+    model = tiny_lm("gpt_neox")
+    backend = make_backend(model)
+    backend.path.pad_slack = 10.0  # type: ignore[attr-defined]
+    model.get_output_embeddings()._forward_pre_hooks.clear()
+    out = backend.prefill([PrefillItem(i, p, prompt_logprobs=True) for i, p in enumerate(PROMPTS)])
+    for prompt, logits in zip(PROMPTS, out.prompt, strict=True):
+        with torch.no_grad():
+            full = model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, full, atol=1e-4, rtol=0)
+
+
+def test_padding_groups_bound_the_waste() -> None:
+    lengths = [232, 114, 210, 243, 123, 26, 82, 146]
+    assert pad_groups(lengths, 0.25) == [[3, 0, 2, 7], [4, 1, 6], [5]]
+    assert pad_groups([5, 5, 5], 0.0) == [[0, 1, 2]]
+    assert pad_groups([7, 2, 13], 0.0) == [[2], [0], [1]]
+    assert pad_groups([7, 2, 13], 10.0) == [[2, 0, 1]]
+
+
+def alone_run(
+    backend: TorchDynamicBackend, prompt: tuple[int, ...], new_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens and the logits that chose them, for `prompt` alone in `backend`."""
+    logits = [backend.prefill([PrefillItem(0, prompt)]).last[0]]
+    tokens = [int(logits[0].argmax())]
+    for _ in range(new_tokens - 1):
+        logits.append(backend.decode([0], [tokens[-1]])[0])
+        tokens.append(int(logits[-1].argmax()))
+    backend.release(0)
+    return tokens, logits
+
+
+@pytest.mark.parametrize(
+    ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("bloom", None)]
+)
+def test_continuous_batching_is_invisible_to_each_sequence(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str, native: bool | None
+) -> None:
+    """16 sequences of different lengths join at different steps, leave when done, and are
+    decoded in shuffled order (sometimes only a subset): each gets the tokens and logits it
+    gets alone."""
+    model = tiny_lm(variant)
+    rng = random.Random(7)
+    prompts = [tuple(rng.randrange(4, 256) for _ in range(rng.randint(1, 20))) for _ in range(16)]
+    budgets = [rng.randint(3, 12) for _ in range(16)]
+    solo = make_backend(model, max_sequences=1, native=native)
+    alone = [alone_run(solo, p, n) for p, n in zip(prompts, budgets, strict=True)]
+
+    backend = make_backend(model, max_sequences=16, native=native)
+    joins = {0: range(0, 5), 2: range(5, 9), 3: range(9, 10), 6: range(10, 16)}
+    tokens: dict[int, list[int]] = {}
+    logits: dict[int, list[torch.Tensor]] = {}
+    released: set[int] = set()
+    step = 0
+    while step <= max(joins) or len(released) < 16:
+        for seq_id, seq in tokens.items():
+            if len(seq) == budgets[seq_id] and seq_id not in released:
+                backend.release(seq_id)
+                released.add(seq_id)
+        running = sorted(tokens.keys() - released)
+        if step % 4 == 3 and len(running) > 2:
+            running = running[1::2]  # a subset that is not the slot prefix: the gather path
+        rng.shuffle(running)
+        if running:
+            out = backend.decode(running, [tokens[s][-1] for s in running])
+            for seq_id, row in zip(running, out, strict=True):
+                logits[seq_id].append(row)
+                tokens[seq_id].append(int(row.argmax()))
+        new = list(joins.get(step, ()))
+        if new:
+            out = backend.prefill([PrefillItem(s, prompts[s]) for s in new])
+            for seq_id, row in zip(new, out.last, strict=True):
+                logits[seq_id], tokens[seq_id] = [row], [int(row.argmax())]
+        step += 1
+    assert backend.running == 0
+    for seq_id in range(16):
+        assert tokens[seq_id] == alone[seq_id][0], f"sequence {seq_id}"
+        torch.testing.assert_close(
+            torch.stack(logits[seq_id]), torch.stack(alone[seq_id][1]), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_release_moves_last_slot_into_the_hole(
+    tiny_lm: Callable[..., PreTrainedModel], native: bool
+) -> None:
+    model = tiny_lm("llama")
+    prompts = (*PROMPTS, (77, 78, 79))
+    expected = [greedy_reference(model, p, 6) for p in prompts]
+    backend = make_backend(model, max_sequences=4, native=native)
+    out = backend.prefill([PrefillItem(10 + i, p) for i, p in enumerate(prompts)])
+    tokens = {10 + i: [int(row.argmax())] for i, row in enumerate(out.last)}
+    for _ in range(2):
+        logits = backend.decode(list(tokens), [t[-1] for t in tokens.values()])
+        for seq, row in zip(tokens.values(), logits, strict=True):
+            seq.append(int(row.argmax()))
+    assert [backend.slot_of(s) for s in tokens] == [0, 1, 2, 3]
+
+    backend.release(11)  # slot 1: sequence 13 moves from slot 3 into it
+    assert backend.running == 3
+    assert backend.slot_of(13) == 1
+    assert backend.sequence_length(13) == len(prompts[3]) + 2
+    backend.release(11)  # releasing twice, or an unknown id, changes nothing
+    backend.release(999)
+    assert backend.running == 3
+    del tokens[11]
+    after: dict[int, list[torch.Tensor]] = {s: [] for s in tokens}
+    for _ in range(3):
+        logits = backend.decode(list(tokens), [t[-1] for t in tokens.values()])
+        for seq_id, row in zip(tokens, logits, strict=True):
+            after[seq_id].append(row)
+            tokens[seq_id].append(int(row.argmax()))
+    assert tokens == {10: expected[0], 12: expected[2], 13: expected[3]}
+    # Logits too (greedy tokens of a tiny random model barely depend on the context): the
+    # moved sequence attends to its own KV, not to what the released one left in the slot.
+    for seq_id, rows in after.items():
+        prompt = prompts[seq_id - 10]
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + tuple(tokens[seq_id][:-1])])).logits[0]
+        torch.testing.assert_close(torch.stack(rows), full[-3:], atol=1e-4, rtol=0)
+    # The freed slot is reused by the next prefill.
+    backend.prefill([PrefillItem(20, prompts[1])])
+    assert backend.slot_of(20) == 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_chunked_prefill_equals_one_pass(
+    tiny_lm: Callable[..., PreTrainedModel], native: bool
+) -> None:
+    model = tiny_lm("qwen2")
+    items = [PrefillItem(i, p, prompt_logprobs=True) for i, p in enumerate(PROMPTS)]
+    whole = make_backend(model, native=native).prefill(items)
+    chunked_backend = make_backend(model, native=native, prefill_chunk_tokens=5)
+    chunked = chunked_backend.prefill(items)
+    torch.testing.assert_close(chunked.last, whole.last, atol=1e-5, rtol=0)
+    for a, b in zip(chunked.prompt, whole.prompt, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert [chunked_backend.sequence_length(i) for i in range(3)] == [len(p) for p in PROMPTS]
+
+
+def test_kv_budget_smaller_than_requested_clamps_sequences(
+    tiny_lm: Callable[..., PreTrainedModel],
+) -> None:
+    model = tiny_lm("llama")  # 2 layers x 2 KV heads x head_dim 16, float32
+    backend = TorchDynamicBackend(model, max_sequences=16, max_sequence_tokens=64, kv_tokens=200)
+    capacity = backend.capacity
+    assert capacity.max_sequences == 3  # 200 // 64
+    assert capacity.max_sequence_tokens == 64
+    assert capacity.kv_tokens == 3 * 64
+    assert capacity.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert backend.cache.keys[0].shape == (3, 2, 64, 16)
+
+
+def test_kv_budget_from_free_memory(
+    tiny_lm: Callable[..., PreTrainedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_lm("gpt2")  # generic path: 2 layers x 4 heads x 16, float32 -> 1024 B/token
+    monkeypatch.setattr(torch_dynamic, "available_memory", lambda device: 1024 * 1000)
+    backend = TorchDynamicBackend(
+        model, max_sequences=8, max_sequence_tokens=100, kv_memory_fraction=0.5
+    )
+    assert backend.capacity.kv_bytes_per_token == 1024
+    assert backend.capacity.max_sequences == 5  # 500 tokens fit
+    with pytest.raises(ConfigError, match="cannot hold one sequence of 600 tokens"):
+        TorchDynamicBackend(model, max_sequences=8, max_sequence_tokens=600, kv_memory_fraction=0.5)
+    monkeypatch.undo()
+    measured = TorchDynamicBackend(model, max_sequences=4, max_sequence_tokens=64)
+    assert measured.capacity.max_sequences == 4  # a tiny cache fits in any machine's memory
+
+
+def test_prefill_beyond_slots_raises_and_changes_nothing(
+    tiny_lm: Callable[..., PreTrainedModel],
+) -> None:
+    model = tiny_lm("llama")
+    backend = make_backend(model, max_sequences=2, max_sequence_tokens=16)
+    backend.prefill([PrefillItem(0, PROMPTS[0])])
+    with pytest.raises(
+        ValueError, match="prefill of 2 sequences but only 1 of 2 KV slots are free"
+    ):
+        backend.prefill([PrefillItem(1, PROMPTS[1]), PrefillItem(2, PROMPTS[1])])
+    with pytest.raises(ValueError, match="already running"):
+        backend.prefill([PrefillItem(0, PROMPTS[1])])
+    with pytest.raises(ValueError, match=r"must be 1\.\.16"):
+        backend.prefill([PrefillItem(3, tuple(range(4, 21)))])
+    with pytest.raises(ValueError, match="unknown sequence 5"):
+        backend.decode([5], [4])
+    assert backend.running == 1
+    # The sequence already there is intact.
+    first = [greedy_reference(model, PROMPTS[0], 3)]
+    backend.release(0)
+    assert run_greedy(backend, (PROMPTS[0],), 3) == first
+
+
+def test_full_sequence_cannot_decode(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+    backend = make_backend(tiny_lm("llama"), max_sequences=1, max_sequence_tokens=8)
+    backend.prefill([PrefillItem(0, (4, 5, 6, 7, 8, 9, 10))])
+    backend.decode([0], [11])
+    with pytest.raises(ValueError, match="sequence 0 is full"):
+        backend.decode([0], [12])
+
+
+def test_warmup_releases_its_own_sequences(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+    backend = make_backend(tiny_lm("gpt2"), max_sequences=4, max_sequence_tokens=32)
+    backend.prefill([PrefillItem(0, PROMPTS[0])])
+    backend.warmup(max_batch_size=8, max_input_tokens=40)
+    assert backend.running == 1
+    assert backend.slot_of(0) == 0
+
+
+def test_load_from_a_model_directory(tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "llama", arch="llama", with_tokenizer=False)
+    threads = torch.get_num_threads()
+    backend = TorchDynamicBackend.load(
+        model_dir, max_sequences=4, max_sequence_tokens=32, kv_tokens=1000, num_threads=threads
+    )
+    assert (backend.name, backend.device, backend.path.name) == ("cpu", "cpu", "native")
+    assert backend.vocab_size == 128
+    assert backend.dtype == torch.float32
+    generic = TorchDynamicBackend.load(
+        model_dir,
+        "cpu",
+        "bfloat16",
+        max_sequences=2,
+        max_sequence_tokens=32,
+        kv_tokens=64,
+        native=False,
+        num_threads=threads,
+    )
+    assert generic.path.name == "hf"
+    assert generic.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert generic.capacity.max_sequences == 2
+    with pytest.raises(ConfigError, match="native forward path cannot run"):
+        TorchDynamicBackend(
+            tiny_model("gpt2"),
+            max_sequences=1,
+            max_sequence_tokens=8,
+            kv_tokens=8,
+            native=True,
+        )
+
+
+def test_dtype_rules() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype(cpu, None, torch.bfloat16) == torch.float32
+    assert resolve_dtype(cpu, "float16", None) == torch.float32
+    assert resolve_dtype(cuda, "float32", torch.bfloat16) == torch.float32
+    assert resolve_dtype(cuda, None, "bfloat16") == torch.bfloat16
+    assert resolve_dtype(cuda, None, torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="not one of"):
+        resolve_dtype(cpu, "int8", None)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("falcon", None)]
+)
+def test_cuda_greedy_tokens_equal_generate(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str, native: bool | None
+) -> None:
+    arch, fields = VARIANTS[variant]
+    model = tiny_model(arch, seed=0, **fields).to("cuda")  # type: ignore[arg-type]
+    backend = make_backend(model, native=native)
+    assert backend.name == "cuda"
+    expected = [greedy_reference(tiny_lm(variant), p, NEW_TOKENS) for p in PROMPTS]
+    assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
+    out = backend.prefill([PrefillItem(i, p, prompt_logprobs=True) for i, p in enumerate(PROMPTS)])
+    for prompt, logits in zip(PROMPTS, out.prompt, strict=True):
+        assert logits is not None and logits.device.type == "cuda"
+        with torch.no_grad():
+            full = tiny_lm(variant)(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits.cpu(), full, atol=1e-3, rtol=0)

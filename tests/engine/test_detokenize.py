@@ -1,0 +1,222 @@
+"""Incremental detokenization over tokenizers built on the fly: byte-level BPE, sentencepiece
+(Metaspace, with and without byte fallback) and WordPiece."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tests.factories import tiny_tokenizer
+from tgis.engine.detokenize import IncrementalDetokenizer, TextStream, token_texts
+from tgis.engine.types import FinishReason
+from tgis.params import GenerateParameters as P
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "A text generation server streams tokens to many clients, don't you think?",
+    "Continuous batching keeps the accelerator busy between requests.",
+]
+TEXTS = [
+    "Hello world! The quick brown fox.",
+    "Hello 中文 🎉 world! 日本語 ok",
+    "streams   tokens,\n\tbatching 👍🏽 done.",
+]
+EOS = 2
+
+
+def wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def byte_level() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return wrap(tok)
+
+
+def sentencepiece_byte_fallback() -> PreTrainedTokenizerFast:
+    """Llama-style: "▁" for spaces, unknown characters as <0xXX> byte tokens (not special)."""
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS, show_progress=False)
+    trained.train_from_iterator(CORPUS, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(SPECIALS)
+    return wrap(tok)
+
+
+def wordpiece() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=SPECIALS, show_progress=False
+    )
+    tok.train_from_iterator(CORPUS + TEXTS, trainer=trainer)
+    return wrap(tok)
+
+
+TOKENIZERS: dict[str, Callable[[], PreTrainedTokenizerFast]] = {
+    "byte-level": byte_level,
+    "metaspace": tiny_tokenizer,
+    "sentencepiece-byte-fallback": sentencepiece_byte_fallback,
+    "wordpiece": wordpiece,
+}
+
+
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
+def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
+    return TOKENIZERS[request.param]()
+
+
+def stream_pieces(tok: PreTrainedTokenizerFast, ids: list[int], context: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok, context)
+    return [*(detok.push(i) for i in ids), detok.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("with_context", [False, True])
+def test_streamed_pieces_concatenate_to_the_full_decode(
+    tokenizer: PreTrainedTokenizerFast, text: str, with_context: bool
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    context = tokenizer.encode("Say it:", add_special_tokens=False) if with_context else []
+    pieces = stream_pieces(tokenizer, ids, context)
+    full = tokenizer.decode(context + ids, skip_special_tokens=True)
+    prefix = tokenizer.decode(context, skip_special_tokens=True)
+    expected = full[len(prefix) :] if context else full
+    assert "".join(pieces) == expected
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("make", [byte_level, sentencepiece_byte_fallback])
+def test_multibyte_characters_split_across_tokens_are_never_broken(
+    make: Callable[[], PreTrainedTokenizerFast],
+) -> None:
+    tok = make()
+    ids = tok.encode("a🎉中b", add_special_tokens=False)
+    # The emoji and the CJK character are spread over several byte tokens...
+    assert sum(tok.decode([i]) in ("\ufffd", "") for i in ids) >= 4
+    pieces = stream_pieces(tok, ids, [])
+    # ...and come out whole, once, in order.
+    assert [p for p in pieces if p] == ["a", "🎉", "中", "b"]
+
+
+def test_first_token_keeps_its_leading_space_after_a_prompt() -> None:
+    tok = tiny_tokenizer()  # Metaspace: "▁Hello" alone decodes to "Hello"
+    prompt = tok.encode("The quick", add_special_tokens=False)
+    ids = tok.encode("brown fox", add_special_tokens=False)
+    assert "".join(stream_pieces(tok, ids, prompt)) == " brown fox"
+    assert "".join(stream_pieces(tok, ids, [])) == "brown fox"
+
+
+def test_special_tokens_skipped_or_kept() -> None:
+    tok = byte_level()
+    ids = [*tok.encode("Hello", add_special_tokens=False), EOS, 1]
+    ids += tok.encode(" world", add_special_tokens=False)
+    assert "".join(stream_pieces(tok, ids, [])) == tok.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(detok.push(i) for i in ids) == "Hello</s><s> world"
+
+
+def tgi_token_texts(tok: PreTrainedTokenizerFast, prompt: list[int], ids: list[int]) -> list[str]:
+    """TGI's decode_token loop for token.text (prefix_offset = prompt_length - 5)."""
+    all_ids, prefix, read, out = list(prompt), max(len(prompt) - 5, 0), len(prompt), []
+    for i in ids:
+        all_ids.append(i)
+        prefix_text = tok.decode(all_ids[prefix:read], skip_special_tokens=False)
+        new_text = tok.decode(all_ids[prefix:], skip_special_tokens=False)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            out.append(new_text[len(prefix_text) :])
+            prefix, read = read, len(all_ids)
+        else:
+            out.append("")
+    return out
+
+
+def test_token_text_is_tgis_incremental_text() -> None:
+    tok = byte_level()
+    prompt = tok.encode("Say: hello there, my friend", add_special_tokens=False)
+    ids = [*tok.encode(" 中文 ok!", add_special_tokens=False), EOS]
+    stream = TextStream(tok, P(max_new_tokens=50), [EOS], prompt)
+    texts = []
+    for i in ids:
+        stream.push(i)
+        texts.append(stream.token_text)
+    assert texts == tgi_token_texts(tok, prompt, ids)
+    assert texts[-1] == "</s>" and stream.finish_reason is FinishReason.EOS_TOKEN
+
+
+def test_token_texts_decode_each_id_alone() -> None:
+    tok = tiny_tokenizer()
+    ids = [*tok.encode("Hello world", add_special_tokens=False), EOS]
+    texts = token_texts(tok, ids)
+    assert texts[-1] == "</s>"
+    assert texts == [tok.decode([i], clean_up_tokenization_spaces=False) for i in ids]
+
+
+def test_stop_sequence_inside_a_split_character() -> None:
+    tok = byte_level()
+    ids = tok.encode("ok 中文 more", add_special_tokens=False)
+    for include, expected in ((False, "ok 中"), (True, "ok 中文")):
+        stream = TextStream(tok, P(stop=("文",), include_stop_sequence=include), [EOS])
+        shown = ""
+        for i in ids:
+            text, finish = stream.push(i)
+            shown += text
+            assert "\ufffd" not in shown and expected.startswith(shown)
+            if finish:
+                break
+        assert finish is FinishReason.STOP_SEQUENCE
+        assert shown == stream.final_text() == expected
+
+
+def test_incomplete_character_is_flushed_at_the_length_limit() -> None:
+    tok = byte_level()
+    ids = tok.encode("ab🎉", add_special_tokens=False)[:-1]  # the emoji's last byte missing
+    stream = TextStream(tok, P(max_new_tokens=len(ids)), [EOS])
+    steps = [stream.push(i) for i in ids]
+    assert steps[-1].finish is FinishReason.LENGTH
+    assert "".join(s.text for s in steps) == stream.final_text() == tok.decode(ids)
+    assert stream.final_text().endswith("\ufffd")
+
+
+def test_final_text_before_the_end_includes_held_text() -> None:
+    tok = byte_level()
+    ids = tok.encode("a🎉", add_special_tokens=False)
+    stream = TextStream(tok, P(max_new_tokens=20), [EOS])
+    for i in ids[:-1]:
+        stream.push(i)
+    assert stream.final_text() == tok.decode(ids[:-1])
+    assert stream.push(ids[-1]) == ("🎉", None)
+    assert stream.final_text() == "a🎉"

@@ -1,0 +1,248 @@
+"""The engine end to end over the real cpu backend and the bundled demo model's tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.engine.engine import Engine
+from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.types import FinishReason, GenerationRequest, TokenEvent
+from tgis.errors import GenerationError, OverloadedError
+from tgis.launch import eos_token_ids
+from tgis.params import GenerateParameters
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Parser:\n    def __init__(self, text):",
+    "for i in range(10):",
+    "# Copyright",
+    "return self._",
+    "    if x is None:\n        raise ValueError(",
+    "from collections import",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_dir: Path):
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+def make_engine(
+    demo_model_dir: Path, tokenizer, max_concurrent: int = 64, **limit_kw: object
+) -> Engine:
+    backend = TorchDynamicBackend.load(demo_model_dir, max_sequences=16, max_sequence_tokens=256)
+    limits = SchedulerLimits(
+        **{
+            "max_batch_prefill_tokens": 2048,
+            "max_batch_total_tokens": 16 * 256,
+            "max_sequences": 16,
+            **limit_kw,
+        }  # type: ignore[arg-type]
+    )
+    engine = Engine(
+        backend, tokenizer, limits, max_concurrent, eos_token_ids(demo_model_dir, tokenizer)
+    )
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir: Path, tokenizer):
+    eng = make_engine(demo_model_dir, tokenizer)
+    yield eng
+    eng.stop()
+
+
+def request(tokenizer, prompt: str, rid: str = "r", **params: object) -> GenerationRequest:
+    ids = tuple(tokenizer(prompt)["input_ids"])
+    p = GenerateParameters(**{"max_new_tokens": 12, **params})  # type: ignore[arg-type]
+    return GenerationRequest(rid, ids, p)
+
+
+async def collect(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
+    return [event async for event in stream]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+def test_greedy_matches_transformers_generate(engine: Engine, tokenizer, hf_model) -> None:
+    req = request(tokenizer, PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+    events = run(collect(engine.generate(req)))
+    ours = [e.token.id for e in events]
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.tensor([req.input_ids]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert ours == ref[0, len(req.input_ids) :].tolist()
+    completion = events[-1].completion
+    assert completion is not None and completion.finish_reason is FinishReason.LENGTH
+    assert completion.generated_tokens == 16
+    assert "".join(e.text for e in events) == completion.generated_text
+    assert completion.generated_text == tokenizer.decode(ours, skip_special_tokens=True)
+
+
+def test_greedy_same_alone_and_in_a_batch_of_16(demo_model_dir: Path, tokenizer) -> None:
+    engine = make_engine(demo_model_dir, tokenizer, waiting_served_ratio=0.0)
+    try:
+        reqs = [
+            request(tokenizer, PROMPTS[i % 8] + " " * (i // 8), f"r{i}", max_new_tokens=20)
+            for i in range(16)
+        ]
+        alone = [[e.token.id for e in run(collect(engine.generate(r)))] for r in reqs]
+
+        async def together() -> list[list[int]]:
+            results = await asyncio.gather(*(collect(engine.generate(r)) for r in reqs))
+            return [[e.token.id for e in events] for events in results]
+
+        assert run(together()) == alone
+        assert max(engine.scheduler.limits.max_sequences, 16) == 16
+    finally:
+        engine.stop()
+
+
+def test_details_logprobs_and_prompt_logprobs(engine: Engine, tokenizer, hf_model) -> None:
+    req = request(
+        tokenizer,
+        PROMPTS[1],
+        max_new_tokens=4,
+        details=True,
+        decoder_input_details=True,
+        top_n_tokens=3,
+    )
+    events = run(collect(engine.generate(req)))
+    completion = events[-1].completion
+    assert completion is not None
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([req.input_ids])).logits[0].log_softmax(-1)
+    prefill = completion.prefill
+    assert [t.id for t in prefill] == list(req.input_ids) and prefill[0].logprob is None
+    for j, tok in enumerate(prefill[1:], start=1):
+        assert tok.logprob == pytest.approx(logits[j - 1, req.input_ids[j]].item(), abs=1e-4)
+    first = events[0]
+    assert first.token.logprob == pytest.approx(logits[-1].max().item(), abs=1e-4)
+    assert first.token.rank == 1
+    assert len(first.top_tokens) >= 3 and first.top_tokens[0].id == first.token.id
+    assert len(completion.tokens) == 4
+
+
+def test_seeded_sampling_is_reproducible(engine: Engine, tokenizer) -> None:
+    req = request(tokenizer, PROMPTS[2], do_sample=True, temperature=0.9, top_k=20, seed=42)
+    first = [e.token.id for e in run(collect(engine.generate(req)))]
+    second = [e.token.id for e in run(collect(engine.generate(req)))]
+    assert first == second
+    assert run(collect(engine.generate(req)))[-1].completion.seed == 42  # type: ignore[union-attr]
+
+
+def test_stop_sequence_cut_and_reason(engine: Engine, tokenizer) -> None:
+    probe = run(
+        collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=12, ignore_eos=True)))
+    )
+    text = probe[-1].completion.generated_text  # type: ignore[union-attr]
+    stop = text.strip()[:3]
+    assert stop, text
+    events = run(
+        collect(
+            engine.generate(
+                request(
+                    tokenizer,
+                    PROMPTS[0],
+                    max_new_tokens=12,
+                    stop=(stop,),
+                    include_stop_sequence=False,
+                )
+            )
+        )
+    )
+    completion = events[-1].completion
+    assert completion is not None and completion.finish_reason is FinishReason.STOP_SEQUENCE
+    assert completion.generated_text == text[: text.index(stop)]
+    assert "".join(e.text for e in events) == completion.generated_text
+
+
+def test_best_of_returns_every_candidate(engine: Engine, tokenizer) -> None:
+    req = request(tokenizer, PROMPTS[3], max_new_tokens=6, best_of=3, do_sample=True, details=True)
+    events = run(collect(engine.generate(req)))
+    finals = {e.index: e.completion for e in events if e.completion is not None}
+    assert sorted(finals) == [0, 1, 2]
+    seeds = {c.seed for c in finals.values()}  # type: ignore[union-attr]
+    assert len(seeds) == 3
+
+
+def test_cancel_frees_the_slot_at_the_next_step(engine: Engine, tokenizer) -> None:
+    async def start_and_abandon() -> None:
+        stream = engine.generate(
+            request(tokenizer, PROMPTS[4], max_new_tokens=200, ignore_eos=True)
+        )
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(100):
+            if not engine.scheduler.running and engine.backend.running == 0:  # type: ignore[attr-defined]
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the cancelled sequence still holds its slot")
+
+    run(start_and_abandon())
+    assert engine.in_flight == 0
+
+
+def test_overload_is_refused_at_once(demo_model_dir: Path, tokenizer) -> None:
+    engine = make_engine(demo_model_dir, tokenizer, max_concurrent=1)
+
+    async def scenario() -> None:
+        held = engine.generate(request(tokenizer, PROMPTS[5], max_new_tokens=100, ignore_eos=True))
+        await held.__anext__()
+        with pytest.raises(OverloadedError, match="Model is overloaded"):
+            await engine.generate(request(tokenizer, PROMPTS[5])).__anext__()
+        await held.aclose()
+
+    try:
+        run(scenario())
+    finally:
+        engine.stop()
+
+
+def test_backend_failure_fails_its_requests_and_engine_keeps_serving(
+    engine: Engine, tokenizer, monkeypatch
+) -> None:
+    real = engine.backend.decode
+    calls = {"n": 0}
+
+    def flaky(seq_ids, token_ids):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real(seq_ids, token_ids)
+
+    monkeypatch.setattr(engine.backend, "decode", flaky)
+    with pytest.raises(GenerationError, match="device lost"):
+        run(
+            collect(
+                engine.generate(request(tokenizer, PROMPTS[6], max_new_tokens=8, ignore_eos=True))
+            )
+        )
+    monkeypatch.setattr(engine.backend, "decode", real)
+    events = run(
+        collect(engine.generate(request(tokenizer, PROMPTS[7], max_new_tokens=3, ignore_eos=True)))
+    )
+    assert events[-1].completion is not None and engine.backend.running == 0  # type: ignore[attr-defined]
+    assert not math.isnan(events[-1].token.logprob or 0.0)

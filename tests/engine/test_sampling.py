@@ -1,0 +1,276 @@
+"""Batched sampling: each processor against HF's, token choice, logprobs, seeds, top-n."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from tgis.engine.sampling import (
+    SamplingBatch,
+    SamplingRow,
+    derive_seed,
+    prompt_logprobs,
+)
+from tgis.params import GenerateParameters as P
+
+VOCAB = 64
+EOS = 2
+
+
+def logits_for(step: int, rows: int = 1, vocab: int = VOCAB) -> torch.Tensor:
+    """Deterministic random logits [rows, vocab] for a step."""
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1000 + step)) * 3
+
+
+def test_greedy_picks_argmax_with_raw_logprobs_and_rank_one() -> None:
+    logits = logits_for(0, rows=4)
+    out = SamplingBatch.from_params([P()] * 4, [[1]] * 4).choose(logits)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).max(-1).values
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out.ranks == [1, 1, 1, 1]
+    assert out.top_ids == [[], [], [], []]
+
+
+def test_top_k_one_is_greedy_with_logprob_zero() -> None:
+    logits = logits_for(1, rows=5)
+    rows = [SamplingRow(P(top_k=1, seed=i), [1]) for i in range(5)]
+    for row in rows:
+        assert row.do_sample and row.seed is not None  # top_k makes TGI sample
+    out = SamplingBatch(rows).choose(logits)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    # The processed distribution has one token left: TGI reports its logprob as 0.
+    assert out.logprobs == [0.0] * 5
+
+
+def test_top_p_masks_exactly_the_tail() -> None:
+    probs = torch.tensor([[0.45, 0.3, 0.15, 0.1]])
+    scores = SamplingBatch([SamplingRow(P(top_p=0.7), [1])]).process(probs.log())
+    # ascending cumulative mass: 0.1, 0.25, 0.55, 1.0 -> the two with mass <= 0.3 go.
+    assert torch.isinf(scores[0, 2:]).all() and torch.isfinite(scores[0, :2]).all()
+    assert scores[0, :2].tolist() == pytest.approx(probs[0, :2].log().tolist())
+
+
+def test_temperature_scales_the_reported_logprobs() -> None:
+    logits = logits_for(2, rows=3)
+    out = SamplingBatch([SamplingRow(P(temperature=0.5, seed=s), [1]) for s in range(3)]).choose(
+        logits
+    )
+    scaled = torch.log_softmax(logits / 0.5, -1)
+    for i, token in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(scaled[i, token].item(), abs=1e-5)
+        assert out.ranks[i] == int((scaled[i] > scaled[i, token]).sum()) + 1
+
+
+def test_processors_match_huggingface_in_a_mixed_batch() -> None:
+    logits = logits_for(3, rows=6)
+    histories = [[5, 9, 9, 40], [1], [7, 3], [2, 60, 61], [8], [4, 4]]
+    params = [
+        P(repetition_penalty=1.7),
+        P(top_k=7),
+        P(top_p=0.6),
+        P(typical_p=0.4),
+        P(),
+        P(repetition_penalty=0.6),
+    ]
+    scores = SamplingBatch.from_params(params, histories).process(logits)
+    expected = [
+        RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([histories[0]]), logits[0:1].clone()),
+        TopKLogitsWarper(7)(None, logits[1:2].clone()),
+        TopPLogitsWarper(0.6)(None, logits[2:3].clone()),
+        TypicalLogitsWarper(0.4)(None, logits[3:4].clone()),
+        logits[4:5],
+        RepetitionPenaltyLogitsProcessor(0.6)(torch.tensor([histories[5]]), logits[5:6].clone()),
+    ]
+    for i, exp in enumerate(expected):
+        assert torch.equal(scores[i : i + 1], exp), f"row {i}"
+    # Each warper really removed something, so the comparison is not vacuous.
+    for i in (1, 2, 3):
+        assert torch.isinf(scores[i]).sum() > 0
+
+
+def test_repetition_penalty_uses_generated_tokens_too() -> None:
+    row = SamplingRow(P(repetition_penalty=2.0), [1])
+    batch = SamplingBatch([row])
+    logits = torch.zeros(1, 8)
+    logits[0, 5] = 4.0
+    assert batch.choose(logits).token_ids == [5]  # penalised next step
+    scores = SamplingBatch([row]).process(logits)
+    assert scores[0, 5].item() == 2.0 and row.history().tolist() == [1, 5]
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
+    row = SamplingRow(P(frequency_penalty=0.5, presence_penalty=0.25), [3, 6])
+    for token in (3, 3, 5):
+        row.append(token)
+    base = logits_for(4)
+    scores = SamplingBatch([row]).process(base)
+    delta = (base - scores)[0]
+    expected = torch.zeros(VOCAB)
+    expected[3] = 0.5 * 2 + 0.25
+    expected[5] = 0.5 * 1 + 0.25
+    assert delta.tolist() == pytest.approx(expected.tolist(), abs=1e-5)  # prompt's 6 untouched
+
+
+def test_min_new_tokens_suppresses_eos() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, EOS] = 10.0
+    row = SamplingRow(P(min_new_tokens=2), [1])
+    chosen = [SamplingBatch([row], [EOS]).choose(logits).token_ids[0] for _ in range(3)]
+    assert EOS not in chosen[:2]
+    assert chosen[2] == EOS
+
+
+def sample_run(
+    row: SamplingRow, steps: int, batch_with: list[SamplingRow] | None = None
+) -> list[int]:
+    """Tokens of `row` over `steps`, alone or as row 5 of a batch with `batch_with`."""
+    tokens = []
+    for step in range(steps):
+        own = logits_for(step)
+        if batch_with is None:
+            tokens.append(SamplingBatch([row], [EOS]).choose(own).token_ids[0])
+            continue
+        others = logits_for(step + 500, rows=len(batch_with))
+        rows = [*batch_with[:5], row, *batch_with[5:]]
+        logits = torch.cat([others[:5], own, others[5:]])
+        tokens.append(SamplingBatch(rows, [EOS]).choose(logits).token_ids[5])
+    return tokens
+
+
+def mixed_rows() -> list[SamplingRow]:
+    params = [
+        P(),
+        P(do_sample=True),
+        P(temperature=0.3, seed=9),
+        P(top_k=3),
+        P(top_p=0.5, seed=1),
+        P(typical_p=0.7),
+        P(repetition_penalty=1.5),
+        P(frequency_penalty=1.0, presence_penalty=-0.5, do_sample=True),
+        P(min_new_tokens=3, top_n_tokens=4),
+        P(do_sample=True, seed=42),
+        P(temperature=2.0, top_k=50, top_p=0.95),
+        P(top_n_tokens=2, do_sample=True),
+        P(),
+        P(typical_p=0.2, temperature=0.8),
+        P(repetition_penalty=0.8, top_k=10),
+    ]
+    return [SamplingRow(p, [1, 2, 3, i]) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        P(do_sample=True, seed=1234),
+        P(temperature=1.5, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=7, top_n_tokens=3),
+    ],
+)
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(params: P) -> None:
+    alone = sample_run(SamplingRow(params, [1, 2]), steps=12)
+    batched = sample_run(SamplingRow(params, [1, 2]), steps=12, batch_with=mixed_rows())
+    assert alone == batched
+    assert len(set(alone)) > 3  # really sampling, not stuck on one token
+
+
+def test_unseeded_rows_report_a_seed_that_replays() -> None:
+    first = SamplingRow(P(do_sample=True), [1])
+    second = SamplingRow(P(do_sample=True), [1])
+    assert first.seed is not None and second.seed is not None and first.seed != second.seed
+    tokens = sample_run(first, steps=10)
+    replay = sample_run(SamplingRow(P(do_sample=True, seed=first.seed), [1]), steps=10)
+    assert tokens == replay
+    assert SamplingRow(P(seed=5), [1]).seed is None  # greedy: no seed reported (TGI)
+
+
+def test_best_of_candidates_get_distinct_derived_seeds() -> None:
+    seeds = [derive_seed(77, i) for i in range(4)]
+    assert seeds[0] == 77 and len(set(seeds)) == 4
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert seeds == [derive_seed(77, i) for i in range(4)]
+    params = P(do_sample=True)
+    runs = [sample_run(SamplingRow(params, [1], seed=s), steps=8) for s in seeds]
+    assert len({tuple(r) for r in runs}) > 1
+    assert runs[2] == sample_run(SamplingRow(params, [1], seed=seeds[2]), steps=8)
+
+
+def test_top_n_tokens_are_the_best_of_the_processed_distribution() -> None:
+    logits = logits_for(5, rows=2)
+    rows = [
+        SamplingRow(P(top_n_tokens=3), [1]),
+        SamplingRow(P(top_n_tokens=4, temperature=0.5), [1]),
+    ]
+    out = SamplingBatch(rows).choose(logits)
+    for i, temp in enumerate((1.0, 0.5)):
+        lp = torch.log_softmax(logits[i] / temp, -1)
+        best = torch.topk(lp, k=3 + i)
+        assert out.top_ids[i] == best.indices.tolist()
+        assert out.top_logprobs[i] == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
+def test_top_n_includes_ties_and_skips_masked_tokens() -> None:
+    logits = torch.tensor([[2.0, 2.0, 2.0, 1.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    rows = [SamplingRow(P(top_n_tokens=2), [1]), SamplingRow(P(top_n_tokens=4, top_k=2), [1])]
+    out = SamplingBatch(rows).choose(logits)
+    assert sorted(out.top_ids[0]) == [0, 1, 2]  # the tie at the 2nd place is kept (TGI)
+    assert out.top_ids[1] == [0, 1]  # top_k left two tokens; -inf ones are not reported
+    assert all(math.isfinite(x) for x in out.top_logprobs[1])
+
+
+def test_sampled_ranks_count_better_tokens() -> None:
+    row = SamplingRow(P(do_sample=True, seed=3, temperature=3.0), [1])
+    ranks = []
+    for step in range(20):
+        logits = logits_for(step)
+        out = SamplingBatch([row]).choose(logits)
+        lp = torch.log_softmax(logits[0] / 3.0, -1)
+        token = out.token_ids[0]
+        assert out.ranks[0] == int((lp > lp[token]).sum()) + 1
+        ranks.append(out.ranks[0])
+    assert max(ranks) > 1
+
+
+def test_prompt_logprobs_are_raw_next_token_logprobs() -> None:
+    logits = logits_for(6, rows=5)
+    ids = [4, 10, 11, 12, 13]
+    got = prompt_logprobs(logits, ids)
+    lp = torch.log_softmax(logits, -1)
+    assert got == pytest.approx([lp[j, ids[j + 1]].item() for j in range(4)], abs=1e-5)
+    assert prompt_logprobs(logits[:1], [4]) == []
+
+
+def test_row_history_grows_past_its_first_capacity() -> None:
+    row = SamplingRow(P(repetition_penalty=1.1, max_new_tokens=2), [1, 2])
+    for token in range(10):
+        row.append(token)
+    assert row.history().tolist() == [1, 2, *range(10)]
+    assert row.generated_ids().tolist() == list(range(10))
+
+
+# Kept sets of ~1-20 tokens (64 candidates suffice), ~100-2500 (1024 or all), ~4000 (all).
+@pytest.mark.parametrize("scale", [4.0, 2.0, 0.3])
+def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(scale: float) -> None:
+    vocab = 5000
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(7)) * scale
+    params = [P(top_p=0.9), P(top_p=0.5), P(typical_p=0.9), P(typical_p=0.3)]
+    scores = SamplingBatch.from_params(params, [[1]] * 4).process(logits)
+    expected = torch.cat(
+        [
+            TopPLogitsWarper(0.9)(None, logits[0:1].clone()),
+            TopPLogitsWarper(0.5)(None, logits[1:2].clone()),
+            TypicalLogitsWarper(0.9)(None, logits[2:3].clone()),
+            TypicalLogitsWarper(0.3)(None, logits[3:4].clone()),
+        ]
+    )
+    assert torch.equal(torch.isinf(scores), torch.isinf(expected))
+    assert torch.equal(scores, expected)
+    kept = torch.isfinite(scores).sum(-1)
+    assert kept.max() > 1 and (kept < vocab).all()

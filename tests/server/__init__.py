@@ -1,0 +1,1 @@
+"""Tests of the HTTP layer (tgis.server) against a FakeEngine."""

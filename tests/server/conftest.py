@@ -1,0 +1,135 @@
+"""Fixtures of the HTTP-layer tests: a tiny real tokenizer, the FakeEngine, apps, live servers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from tests.factories import tiny_tokenizer
+from tests.server.fakes import FakeEngine
+from tgis.config import ServeConfig
+from tgis.server import GracefulServer, ModelInfo, create_app, serve
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_config(**overrides: Any) -> ServeConfig:
+    """A small, valid ServeConfig (what build_serve_config would produce for a tiny model)."""
+    values: dict[str, Any] = {
+        "model_id": "tiny-llama",
+        "revision": None,
+        "backend": "cpu",
+        "dtype": None,
+        "num_shard": 1,
+        "port": 3000,
+        "hostname": "127.0.0.1",
+        "max_concurrent_requests": 8,
+        "max_best_of": 2,
+        "max_stop_sequences": 4,
+        "max_top_n_tokens": 5,
+        "max_input_tokens": 100,
+        "max_total_tokens": 128,
+        "max_batch_prefill_tokens": 150,
+        "max_batch_total_tokens": None,
+        "max_batch_size": None,
+        "max_waiting_tokens": 20,
+        "waiting_served_ratio": 0.3,
+    }
+    values.update(overrides)
+    return ServeConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def plain_tokenizer() -> Any:
+    """The same tokenizer without a chat template."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def config() -> ServeConfig:
+    return make_config()
+
+
+@pytest.fixture
+def engine(tokenizer: Any) -> FakeEngine:
+    return FakeEngine(tokenizer)
+
+
+@pytest.fixture
+def make_app(engine: FakeEngine, tokenizer: Any, config: ServeConfig) -> Callable[..., Starlette]:
+    """create_app over the fixtures; keyword arguments override create_app's."""
+
+    def make(**kwargs: Any) -> Starlette:
+        args: dict[str, Any] = {
+            "engine": engine,
+            "tokenizer": tokenizer,
+            "config": config,
+            "model_info": ModelInfo.from_config(config),
+        }
+        args.update(kwargs)
+        return create_app(**args)
+
+    return make
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Starlette]) -> Starlette:
+    return make_app()
+
+
+@pytest.fixture
+def client(app: Starlette) -> Iterator[TestClient]:
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@contextmanager
+def live_server(
+    app: Starlette, shutdown_grace_s: float = 5.0
+) -> Iterator[tuple[str, GracefulServer]]:
+    """Serve `app` with tgis.server.serve on 127.0.0.1 (a free port) in a thread."""
+    servers: list[GracefulServer] = []
+    thread = threading.Thread(
+        target=lambda: asyncio.run(
+            serve(
+                app,
+                "127.0.0.1",
+                0,
+                shutdown_grace_s,
+                log_level="warning",
+                server_ready=servers.append,
+            )
+        ),
+        daemon=True,
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not (servers and servers[0].started):
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    server = servers[0]
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.request_shutdown()
+        thread.join(timeout=15)

@@ -1,0 +1,190 @@
+"""`tgis serve` for real: the bundled model on the cpu backend behind the HTTP server, driven by
+curl-like requests and the three Python clients people use (text-generation,
+huggingface_hub.InferenceClient, openai)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import run_tgis
+from tests.server.conftest import live_server
+from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+from tgis.hub import read_model_config
+from tgis.launch import Service, build_service
+from tgis.server import Metrics, ModelInfo, create_app
+
+SEED_REQUEST = {"inputs": "What is Deep Learning?", "parameters": {"max_new_tokens": 20}}
+
+
+@pytest.fixture(scope="module")
+def service(demo_model_dir: Path) -> Iterator[tuple[Service, Metrics]]:
+    facts = ModelFacts.from_config(*read_model_config(demo_model_dir))
+    args = LauncherArgs(
+        max_total_tokens=512, max_batch_size=8, max_concurrent_requests=16, backend="cpu"
+    )
+    config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
+    metrics = Metrics(config.max_total_tokens, 8)
+    svc = build_service(config, demo_model_dir, observer=metrics)
+    yield svc, metrics
+    svc.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(service: tuple[Service, Metrics]) -> Iterator[str]:
+    svc, metrics = service
+    info = ModelInfo.from_config(svc.config, max_batch_total_tokens=svc.kv_tokens)
+    app = create_app(svc.engine, svc.tokenizer, svc.config, info, metrics=metrics)
+    with live_server(app) as (url, _):
+        yield url
+
+
+def test_seed_curl_examples(base_url: str) -> None:
+    generated = httpx.post(f"{base_url}/generate", json=SEED_REQUEST, timeout=60).json()
+    assert isinstance(generated["generated_text"], str) and generated["generated_text"]
+    events = []
+    with httpx.stream("POST", f"{base_url}/generate_stream", json=SEED_REQUEST, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
+    assert (
+        events[-1]["generated_text"] == generated["generated_text"]
+    )  # same path, same greedy text
+    assert "".join(e["token"]["text"] for e in events) == generated["generated_text"]
+    assert all(e["generated_text"] is None for e in events[:-1])
+
+
+def test_text_generation_client(base_url: str) -> None:
+    from text_generation import Client
+
+    client = Client(base_url, timeout=60)
+    response = client.generate(
+        "def fibonacci(n):", max_new_tokens=8, decoder_input_details=True, top_n_tokens=2
+    )
+    assert response.details.generated_tokens == len(response.details.tokens) == 8 or (
+        response.details.finish_reason.value == "eos_token"
+    )
+    assert response.details.prefill[0].logprob is None
+    streamed = [r for r in client.generate_stream("def fibonacci(n):", max_new_tokens=8)]
+    assert streamed[-1].generated_text == response.generated_text
+
+
+def test_inference_client(base_url: str) -> None:
+    from huggingface_hub import InferenceClient
+
+    client = InferenceClient(base_url=base_url, timeout=60)
+    text = client.text_generation("import os\n", max_new_tokens=6)
+    pieces = list(client.text_generation("import os\n", max_new_tokens=6, stream=True))
+    # TGI's compat route returns the full text for text-generation models; streams do not.
+    assert text == "import os\n" + "".join(pieces)
+    chat = client.chat_completion([{"role": "user", "content": "hello"}], max_tokens=5)
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 5
+
+
+def test_openai_client(base_url: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60)
+    assert [m.id for m in client.models.list().data]
+    completion = client.completions.create(
+        model="tgis", prompt="class Foo:", max_tokens=6, temperature=0
+    )
+    streamed = client.completions.create(
+        model="tgis", prompt="class Foo:", max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+    chat = client.chat.completions.create(
+        model="tgis", messages=[{"role": "user", "content": "x = "}], max_tokens=4
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens <= 4
+
+
+def test_disconnect_frees_the_slot(base_url: str, service: tuple[Service, Metrics]) -> None:
+    svc, _ = service
+    body = {"inputs": "for i in range(", "parameters": {"max_new_tokens": 400}}
+    with httpx.stream("POST", f"{base_url}/generate_stream", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data:")
+    deadline = time.monotonic() + 20
+    while svc.engine.in_flight or svc.engine.scheduler.running:
+        assert time.monotonic() < deadline, "the abandoned request kept its slot"
+        time.sleep(0.05)
+    assert svc.backend.running == 0  # type: ignore[attr-defined]
+
+
+def test_validation_error_is_tgi_422(base_url: str) -> None:
+    resp = httpx.post(
+        f"{base_url}/generate",
+        json={"inputs": "x", "parameters": {"max_new_tokens": 600}},
+        timeout=30,
+    )
+    assert resp.status_code == 422
+    body = resp.json()
+    assert body["error_type"] == "validation" and "`max_new_tokens` must be <= 512" in body["error"]
+
+
+def test_metrics_after_traffic(base_url: str) -> None:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for name in (
+        "tgi_request_count",
+        "tgi_batch_inference_count",
+        "tgi_batch_current_size",
+        "tgi_request_duration",
+    ):
+        assert name in text
+    assert 'tgi_batch_inference_count_total{method="prefill"}' in text
+
+
+def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
+    """`tgis serve` as users run it: a subprocess on a port, the seed's curl request."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tgis",
+            "serve",
+            "--port",
+            str(port),
+            "--hostname",
+            "127.0.0.1",
+            "--max-batch-size",
+            "4",
+            "--max-total-tokens",
+            "256",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "tgis serve did not become healthy"
+            time.sleep(0.5)
+        resp = httpx.post(f"http://127.0.0.1:{port}/generate", json=SEED_REQUEST, timeout=60)
+        assert resp.status_code == 200 and resp.json()["generated_text"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0  # SIGTERM: graceful shutdown, clean exit
+
+
+def test_serve_check_still_validates_only() -> None:
+    result = run_tgis("serve", "--check", "--max-total-tokens", "256")
+    assert result.returncode == 0 and "max_total_tokens" in result.stdout

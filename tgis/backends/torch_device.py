@@ -1,0 +1,108 @@
+"""What the torch backend needs to know of the machine: dtype, CPU threads, free memory.
+
+No environment variables are read here (config.py owns them); everything comes from torch,
+/proc and /sys.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Fraction of the memory free after loading the model that the KV cache may take. CPU memory
+# is shared with the OS, the server and prefill activations; a GPU's is the backend's own.
+KV_MEMORY_FRACTION = {"cpu": 0.5, "cuda": 0.85}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bfloat16 in hardware (AVX512-BF16 or AMX), so bf16
+    matmuls are fast rather than emulated."""
+    try:
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return True
+    except AttributeError:  # private helpers moved: fall back to the kernel's view
+        pass
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def resolve_dtype(device: torch.device, requested: str | None, model_dtype: object) -> torch.dtype:
+    """The dtype to load the model in.
+
+    CPU: float32, unless bfloat16 was asked for and the CPU has native bf16 (emulated bf16 or
+    fp16 matmuls are several times slower than fp32 on CPU). CUDA: what was asked for, else
+    the checkpoint's half-precision dtype, else bfloat16 where supported, else float16.
+    """
+    if requested is not None and requested not in _DTYPES:
+        raise ValueError(f"dtype {requested!r} is not one of {sorted(_DTYPES)}")
+    if device.type == "cpu":
+        if requested == "bfloat16" and cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if requested is not None:
+        return _DTYPES[requested]
+    if model_dtype in (torch.float16, torch.bfloat16):
+        return model_dtype  # type: ignore[return-value]
+    if isinstance(model_dtype, str) and model_dtype in ("float16", "bfloat16"):
+        return _DTYPES[model_dtype]
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def cpu_threads() -> int:
+    """CPU cores this process may use: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    for path, parse in (
+        (Path("/sys/fs/cgroup/cpu.max"), _quota_v2),
+        (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _quota_v1),
+    ):
+        try:
+            quota = parse(path)
+        except (OSError, ValueError):
+            continue
+        if quota is not None:
+            cores = min(cores, max(1, math.ceil(quota)))
+            break
+    return max(1, cores)
+
+
+def _quota_v2(path: Path) -> float | None:
+    quota, period = path.read_text().split()[:2]
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _quota_v1(path: Path) -> float | None:
+    quota = int(path.read_text())
+    period = int((path.parent / "cpu.cfs_period_us").read_text())
+    return None if quota <= 0 else quota / period
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache: MemAvailable on CPU, free device memory on CUDA."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise RuntimeError("cannot measure free memory (no /proc/meminfo): pass kv_tokens")

@@ -1,0 +1,1 @@
+"""The backend-agnostic serving core: scheduling, sampling, stopping, detokenization."""

@@ -1,0 +1,74 @@
+"""The Backend protocol: what the engine needs from a device. Backends implement it.
+
+The engine decides *which* sequences run in a step; the backend owns *where* their KV cache
+lives. A sequence is known to the backend by its integer `seq_id` from its prefill until
+`release(seq_id)`. Logits come back as float32 CPU-or-device tensors, one row per item, in
+the order the items were given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class BackendCapacity:
+    """What the loaded backend can hold at once, measured or configured at load time."""
+
+    max_sequences: int  # sequences whose KV cache can be held at once (slots)
+    max_sequence_tokens: int  # prompt + generated tokens per sequence
+    kv_tokens: int  # total tokens of KV cache (max_batch_total_tokens)
+    kv_bytes_per_token: int
+    # Tokens one prefill step should hold (a soft cap, see SchedulerLimits): where prefill is
+    # compute-bound, larger steps add no throughput and only delay first tokens. None: no cap.
+    prefill_step_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """A new sequence: its whole prompt. `prompt_logprobs` asks for logits at every position."""
+
+    seq_id: int
+    input_ids: tuple[int, ...]
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Logits after each prompt: `last` is [n_items, vocab]; `prompt[i]` is [len_i, vocab] or
+    None (only for items that asked: row j predicts token j + 1)."""
+
+    last: torch.Tensor
+    prompt: tuple[torch.Tensor | None, ...]
+
+
+class Backend(Protocol):
+    """A model on a device, with its KV cache."""
+
+    name: str
+    device: str
+    vocab_size: int
+
+    @property
+    def capacity(self) -> BackendCapacity: ...
+
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillOutput:
+        """Run the prompts of new sequences, keep their KV cache, return their logits."""
+        ...
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Append one token to each sequence, return next-token logits [n, vocab]."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence and free its KV cache (finished, cancelled or failed)."""
+        ...
+
+    def warmup(self, max_batch_size: int, max_input_tokens: int) -> None:
+        """Run representative shapes once so the first requests pay no one-off costs."""
+        ...

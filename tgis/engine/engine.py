@@ -1,0 +1,238 @@
+"""The engine loop: schedule -> backend step -> sample -> stop/detokenize -> emit.
+
+One dedicated thread runs the model; the server's event loop only submits requests and reads
+token events. Requests and cancellations reach the thread through a queue; events go back to
+each request's asyncio queue with one `call_soon_threadsafe` per request per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from tgis.engine.backend import Backend, PrefillItem
+from tgis.engine.live import LiveSequence, RequestHandle
+from tgis.engine.sampling import SamplingBatch
+from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
+from tgis.engine.sequence import SeqStatus
+from tgis.engine.sequence import Sequence as SchedSeq
+from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
+from tgis.errors import GenerationError, OverloadedError, TgisError
+
+log = logging.getLogger("tgis.engine")
+
+
+class Engine:
+    """Continuous batching over one Backend. Thread-safe `generate`; one model thread."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Any,
+        limits: SchedulerLimits,
+        max_concurrent_requests: int,
+        eos_token_ids: Sequence[int],
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(limits)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.observer = observer
+        self._inbox: queue.SimpleQueue[tuple[str, RequestHandle | None]] = queue.SimpleQueue()
+        self._live: dict[int, LiveSequence] = {}
+        self._seq_ids = itertools.count()
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tgis-engine", daemon=True)
+        self._failed: BaseException | None = None
+
+    # --- the asyncio side --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the model thread; requests still running end with a GenerationError."""
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Token events of `request` (all best_of candidates, interleaved by `index`)."""
+        if not self.healthy():
+            raise GenerationError("the engine is not running", "check the server log")
+        with self._lock:
+            if self._in_flight >= self.max_concurrent_requests:
+                raise OverloadedError("Model is overloaded")
+            self._in_flight += 1
+        try:
+            params = request.params
+            self.scheduler.check_fits(len(request.input_ids), params.max_new_tokens or 1)
+            handle = RequestHandle(request, asyncio.get_running_loop(), params.best_of or 1)
+            self._inbox.put(("add", handle))
+            try:
+                while not handle.done:
+                    for item in await handle.next_batch():
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield item
+            finally:
+                if not handle.done:
+                    handle.cancelled = True
+                    self._inbox.put(("cancel", handle))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    # --- the model thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work)
+                step = self.scheduler.schedule()
+                if step is not None:
+                    self._run_step(step)
+        except BaseException as exc:  # the thread must never die silently
+            self._failed = exc
+            log.exception("engine thread failed")
+        finally:
+            self._fail_all(
+                GenerationError("the server is shutting down", "retry on another replica")
+            )
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            kind, handle = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add" and handle is not None and not handle.cancelled:
+                self._admit(handle)
+            elif kind == "cancel" and handle is not None:
+                for live in list(handle.sequences):
+                    self._drop(live)
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, handle: RequestHandle) -> None:
+        request = handle.request
+        max_new = request.params.max_new_tokens or 1
+        seqs = []
+        for index in range(handle.candidates):
+            seq = SchedSeq(
+                next(self._seq_ids),
+                request.request_id,
+                len(request.input_ids),
+                max_new,
+                request.arrival,
+                index,
+            )
+            live = LiveSequence(seq, handle, self.tokenizer, self.eos_token_ids)
+            self._live[seq.seq_id] = live
+            handle.sequences.append(live)
+            seqs.append(seq)
+        self.scheduler.add(seqs)
+
+    def _drop(self, live: LiveSequence) -> None:
+        """Forget a sequence (cancelled or failed), freeing its slot if it had one."""
+        seq = live.seq
+        if seq.status is SeqStatus.RUNNING:
+            self.backend.release(seq.seq_id)
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq)
+        self._live.pop(seq.seq_id, None)
+
+    def _run_step(self, step: Step) -> None:
+        lives = [self._live[s.seq_id] for s in step.sequences]
+        method = step.kind.value
+        joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
+        start = time.perf_counter()
+        try:
+            if step.kind is StepKind.PREFILL:
+                for live in lives:
+                    live.begin(start_time=time.monotonic())
+                items = [
+                    PrefillItem(
+                        lv.seq.seq_id, lv.handle.request.input_ids, lv.wants_prompt_logprobs
+                    )
+                    for lv in lives
+                ]
+                out = self.backend.prefill(items)
+                logits, prompt_logits = out.last, out.prompt
+                tokens = sum(len(i.input_ids) for i in items)
+            else:
+                seq_ids = [lv.seq.seq_id for lv in lives]
+                logits = self.backend.decode(seq_ids, [lv.last_token for lv in lives])
+                prompt_logits, tokens = (), len(lives)
+            forward = time.perf_counter() - start
+            choice = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).choose(logits)
+        except Exception as exc:
+            log.exception("%s step failed for %d sequences", method, len(lives))
+            if self.observer:
+                self.observer.on_step_failure(method, "oom" if _is_oom(exc) else "error")
+            error = GenerationError(f"{type(exc).__name__}: {exc}")
+            for live in lives:
+                live.handle.post([error])
+                self._drop(live)
+            return
+        touched: dict[int, RequestHandle] = {}
+        now = time.monotonic()
+        for i, live in enumerate(lives):
+            if prompt_logits and prompt_logits[i] is not None:
+                live.record_prefill(prompt_logits[i])
+            event = live.push(choice, i, now)
+            live.handle.pending.append(event)
+            touched[id(live.handle)] = live.handle
+            if event.completion is not None:
+                self._finish(live)
+        for handle in touched.values():
+            handle.flush()
+        if self.observer:
+            self.observer.on_step(method, len(lives), tokens, time.perf_counter() - start, forward)
+            if joined:
+                self.observer.on_concatenation()
+            running = self.scheduler.running
+            self.observer.on_batch_state(
+                len(self.scheduler.waiting),
+                len(running),
+                sum(s.total_tokens for s in running),
+                max((s.remaining_tokens for s in running), default=0),
+            )
+
+    def _finish(self, live: LiveSequence) -> None:
+        self.backend.release(live.seq.seq_id)
+        self.scheduler.finish(live.seq)
+        self._live.pop(live.seq.seq_id, None)
+
+    def _fail_all(self, error: TgisError) -> None:
+        for live in list(self._live.values()):
+            if live.finish_reason is None:
+                live.handle.post([error])
+        self._live.clear()
+
+
+def _is_oom(exc: Exception) -> bool:
+    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
+__all__ = ["Engine", "FinishReason"]

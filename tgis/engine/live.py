@@ -1,0 +1,164 @@
+"""Per-request and per-sequence runtime state of the engine (sampling, text, details)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tgis.engine.detokenize import TextStream, token_texts
+from tgis.engine.sampling import SampleOutput, SamplingRow, derive_seed, prompt_logprobs
+from tgis.engine.sequence import Sequence as SchedSeq
+from tgis.engine.types import Completion, GenerationRequest, Timings, TokenEvent, TokenInfo
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestHandle:
+    """Links one request's sequences (model thread) to its asyncio consumer (event loop)."""
+
+    def __init__(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, candidates: int
+    ) -> None:
+        self.request = request
+        self.loop = loop
+        self.candidates = candidates
+        self.sequences: list[LiveSequence] = []
+        self.cancelled = False
+        self.pending: list[TokenEvent] = []  # model thread: this step's events
+        self.completed = 0  # event loop: candidates whose last event was consumed
+        self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+        params = request.params
+        sampling = params.do_sample or params.sampling_warpers
+        # best_of candidates draw from seeds derived from one base seed.
+        self.base_seed = (
+            params.seed if params.seed is not None else (secrets.randbits(64) if sampling else None)
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.completed >= self.candidates
+
+    def seed_for(self, index: int) -> int | None:
+        return None if self.base_seed is None else derive_seed(self.base_seed, index)
+
+    def post(self, items: Iterable[Any]) -> None:
+        """From the model thread: hand events (or an exception) to the consumer."""
+        batch = list(items)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.post(self.pending)
+            self.pending = []
+
+    async def next_batch(self) -> list[Any]:
+        batch = await self._queue.get()
+        self.completed += sum(
+            1 for e in batch if isinstance(e, TokenEvent) and e.completion is not None
+        )
+        return batch
+
+
+class LiveSequence:
+    """One sequence being generated: its sampling row, text stream and collected details."""
+
+    def __init__(
+        self, seq: SchedSeq, handle: RequestHandle, tokenizer: Any, eos_token_ids: Sequence[int]
+    ) -> None:
+        request = handle.request
+        self.seq = seq
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.params = request.params
+        self.row = SamplingRow(self.params, request.input_ids, seed=handle.seed_for(seq.index))
+        self.text = TextStream(tokenizer, self.params, eos_token_ids, request.input_ids)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # Details are kept when asked, and for best_of, whose best candidate is chosen by them.
+        self.keep_details = self.params.details or handle.candidates > 1
+        self.last_token = -1
+        self.tokens: list[TokenInfo] = []
+        self.top_tokens: list[tuple[TokenInfo, ...]] = []
+        self.prefill: tuple[TokenInfo, ...] = ()
+        self.started = 0.0
+        self.first_token_at: float | None = None
+        self.finish_reason = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.decoder_input_details
+
+    def begin(self, start_time: float) -> None:
+        """First scheduled: the queue time ends and the time limit starts."""
+        self.started = start_time
+        self.seq.started = start_time
+        self.text.start(start_time)
+
+    def record_prefill(self, logits: torch.Tensor) -> None:
+        """Prompt tokens with the logprob the model gave each ([len, vocab] logits)."""
+        ids = self.handle.request.input_ids
+        logprobs = prompt_logprobs(logits, ids)
+        texts = token_texts(self.tokenizer, ids)
+        first = TokenInfo(ids[0], texts[0], None, ids[0] in self.special_ids)
+        rest = (
+            TokenInfo(i, t, lp, i in self.special_ids)
+            for i, t, lp in zip(ids[1:], texts[1:], logprobs, strict=True)
+        )
+        self.prefill = (first, *rest)
+
+    def push(self, choice: SampleOutput, row: int, now: float) -> TokenEvent:
+        """Turn this row's sampled token into a TokenEvent (with a Completion if it is the last)."""
+        token_id = choice.token_ids[row]
+        pushed = self.text.push(token_id, now)
+        self.seq.generated += 1
+        self.last_token = token_id
+        if self.first_token_at is None:
+            self.first_token_at = now
+        token = TokenInfo(
+            token_id,
+            self.text.token_text,
+            choice.logprobs[row],
+            token_id in self.special_ids,
+            choice.ranks[row],
+        )
+        top: tuple[TokenInfo, ...] = ()
+        if choice.top_ids[row]:
+            texts = token_texts(self.tokenizer, choice.top_ids[row])
+            top = tuple(
+                TokenInfo(i, t, lp, i in self.special_ids)
+                for i, t, lp in zip(
+                    choice.top_ids[row], texts, choice.top_logprobs[row], strict=True
+                )
+            )
+        if self.keep_details:
+            self.tokens.append(token)
+            self.top_tokens.append(top)
+        completion = None
+        if pushed.finish is not None:
+            self.finish_reason = pushed.finish
+            completion = self._completion(now)
+        return TokenEvent(token, pushed.text, top, completion, self.seq.index)
+
+    def _completion(self, now: float) -> Completion:
+        request = self.handle.request
+        arrival = request.arrival or self.started
+        return Completion(
+            finish_reason=self.text.finish_reason,  # type: ignore[arg-type]
+            generated_text=self.text.final_text(),
+            generated_tokens=self.text.generated_tokens,
+            input_length=len(request.input_ids),
+            seed=self.row.seed,
+            prefill=self.prefill,
+            tokens=tuple(self.tokens),
+            top_tokens=tuple(self.top_tokens),
+            timings=Timings(
+                queue=max(0.0, self.started - arrival),
+                inference=max(0.0, now - self.started),
+                first_token=max(0.0, (self.first_token_at or now) - arrival),
+            ),
+            stop_sequence=self.text.stop_sequence,
+        )

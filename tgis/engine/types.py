@@ -1,0 +1,148 @@
+"""The engine's vocabulary: what goes in (a request) and what comes out (token events).
+
+Shared by the engine, the server and the benchmark. Pure data: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from tgis.params import GenerateParameters
+
+
+class FinishReason(str, Enum):
+    """Why a sequence stopped. Values are TGI's (plus the time limit of TGIS)."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    TIME_LIMIT = "time_limit"
+    # The client went away or the server is shutting down; never sent to a client.
+    CANCELLED = "cancelled"
+
+    def openai(self) -> str:
+        """OpenAI's finish_reason for this reason."""
+        return "length" if self in (FinishReason.LENGTH, FinishReason.TIME_LIMIT) else "stop"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated, tokenized request as the engine receives it.
+
+    `input_ids` are already truncated (params.truncate) and within the server's limits.
+    `best_of` > 1 is expanded by the engine into several sequences with derived seeds.
+    """
+
+    request_id: str
+    input_ids: tuple[int, ...]
+    params: GenerateParameters
+    # time.monotonic() when the HTTP request arrived (for queue/validation timings).
+    arrival: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """One token as TGI reports it: id, decoded text, log-probability, special flag."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+    # 1-based rank of the token in the (processed) distribution; TGIS reports it.
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds spent in each phase of one request."""
+
+    validation: float = 0.0
+    queue: float = 0.0
+    inference: float = 0.0
+    first_token: float = 0.0  # from arrival to the first token
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The final state of one sequence, sent with its last token event."""
+
+    finish_reason: FinishReason
+    generated_text: str
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+    # Prompt tokens with their logprobs when decoder_input_details was asked (first: None).
+    prefill: tuple[TokenInfo, ...] = ()
+    # Every generated token (for `details`), and its top-n alternatives per step.
+    tokens: tuple[TokenInfo, ...] = ()
+    top_tokens: tuple[tuple[TokenInfo, ...], ...] = ()
+    timings: Timings = field(default_factory=Timings)
+    # The stop sequence that matched, if any.
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one sequence, as streamed to the client.
+
+    `text` is the new text this token makes visible: possibly "" while an incomplete UTF-8
+    character or a possible stop-sequence prefix is held back, possibly several tokens' worth
+    when held text is released. `completion` is set on the last event only.
+    """
+
+    token: TokenInfo
+    text: str
+    top_tokens: tuple[TokenInfo, ...] = ()
+    completion: Completion | None = None
+    # Which of the request's best_of sequences this is (0 for ordinary requests).
+    index: int = 0
+
+
+class EngineObserver(Protocol):
+    """Receives the engine's step-level figures (the server turns them into tgi_* metrics).
+
+    Called from the engine thread; implementations must be cheap and thread-safe.
+    """
+
+    def on_step(
+        self, method: str, batch_size: int, tokens: int, duration: float, forward: float
+    ) -> None:
+        """A forward pass finished. method: "prefill" or "next_token"; tokens: input tokens
+        of the step including padding; duration: the whole step; forward: the model call."""
+
+    def on_step_failure(self, method: str, reason: str) -> None:
+        """A forward pass failed (reason: "oom" or "error")."""
+
+    def on_concatenation(self) -> None:
+        """New sequences joined the running batch."""
+
+    def on_batch_state(
+        self, waiting: int, running: int, input_tokens: int, max_remaining: int
+    ) -> None:
+        """The queue and batch after a step: waiting requests, running sequences, tokens held
+        by the running batch, most tokens any running sequence may still generate."""
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs of the engine."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the request's token events; the last one carries its Completion.
+
+        Raises OverloadedError (HTTP 429) at once when max_concurrent_requests are in flight,
+        GenerationError (HTTP 424) if the backend fails. Closing the iterator early (client
+        gone) cancels the request and frees its KV cache at the next step.
+        """
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished."""
+        ...
+
+    def healthy(self) -> bool:
+        """False once the engine thread has died or is shutting down."""
+        ...

@@ -1,0 +1,118 @@
+"""Wire a validated ServeConfig into a running service: backend -> engine -> HTTP app.
+
+Shared by `tgis serve` and `tgis warmup`; the only place that picks a concrete backend class
+for the engine (the engine itself knows only the Backend protocol).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tgis.config import ServeConfig
+from tgis.engine.backend import Backend
+from tgis.engine.engine import Engine
+from tgis.engine.scheduler import SchedulerLimits
+from tgis.errors import BackendUnavailableError, ConfigError
+
+log = logging.getLogger("tgis.launch")
+
+
+@dataclass
+class Service:
+    """Everything `tgis serve` runs: the loaded backend, the engine, the tokenizer."""
+
+    config: ServeConfig
+    model_dir: Path
+    backend: Backend
+    engine: Engine
+    tokenizer: Any
+    kv_tokens: int
+
+
+def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
+    """The backend `config.backend` names, loaded with the config's limits."""
+    if config.backend in ("cpu", "cuda"):
+        from tgis.backends.torch_dynamic import TorchDynamicBackend
+
+        slots = config.max_batch_size or config.max_concurrent_requests
+        return TorchDynamicBackend.load(
+            model_dir,
+            device=config.backend,
+            dtype=config.dtype,
+            max_sequences=slots,
+            max_sequence_tokens=config.max_total_tokens,
+            kv_tokens=config.max_batch_total_tokens,
+        )
+    raise BackendUnavailableError(
+        f"the {config.backend} backend is not available in this release",
+        "serve with --backend cpu or --backend cuda",
+    )
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list), else config.json, else the tokenizer."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.extend([value] if isinstance(value, int) else (value or []))
+            if ids:
+                break
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids)
+
+
+def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) -> Service:
+    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), start the engine."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load the tokenizer of {model_dir}: {exc}", "the model needs tokenizer files"
+        ) from exc
+    backend = load_backend(config, model_dir)
+    capacity = backend.capacity
+    kv_tokens = min(config.max_batch_total_tokens or capacity.kv_tokens, capacity.kv_tokens)
+    if config.max_total_tokens > kv_tokens:
+        raise ConfigError(
+            f"the KV cache holds {kv_tokens} tokens, less than --max-total-tokens {config.max_total_tokens}",
+            "lower --max-total-tokens or free memory",
+        )
+    if config.warmup_enabled:
+        backend.warmup(
+            min(capacity.max_sequences, config.max_batch_size or capacity.max_sequences),
+            config.max_input_tokens,
+        )
+    limits = SchedulerLimits(
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_total_tokens=kv_tokens,
+        max_sequences=capacity.max_sequences,
+        max_batch_size=config.max_batch_size,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        prefill_step_tokens=capacity.prefill_step_tokens,
+    )
+    engine = Engine(
+        backend,
+        tokenizer,
+        limits,
+        config.max_concurrent_requests,
+        eos_token_ids(model_dir, tokenizer),
+        observer,
+    )
+    engine.start()
+    log.info(
+        "engine ready: %d sequences x %d tokens, KV budget %d tokens",
+        capacity.max_sequences,
+        capacity.max_sequence_tokens,
+        kv_tokens,
+    )
+    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens)

@@ -1,0 +1,226 @@
+"""One request's generation parameters (TGI's `parameters` object, plus TGIS's extras).
+
+Frozen and validated by `validate` against the server's limits; every violation raises
+InputValidationError with TGI's message (HTTP 422, error_type "validation").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from tgis.errors import InputValidationError
+
+if TYPE_CHECKING:
+    from tgis.config import ServeConfig
+
+# torch.Generator seeds are unsigned 64-bit integers, as TGI's `seed` (u64).
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class GenerateParameters:
+    """Everything a client may ask of one generation. Defaults are TGI's."""
+
+    # Sampling (batched as per-row tensors by tgis.engine.sampling).
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    # Stopping.
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    # True: the matched stop sequence stays in the text (TGI); False: it is cut (OpenAI, TGIS).
+    include_stop_sequence: bool = True
+    ignore_eos: bool = False
+    time_limit_ms: int | None = None
+    # Input handling.
+    truncate: int | None = None
+    # Output.
+    return_full_text: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+    best_of: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def sampling_warpers(self) -> bool:
+        """True when a warper that only makes sense when sampling is active.
+
+        TGI's server samples whenever one is (`sampling = do_sample or has_warpers`), whatever
+        `do_sample` says; `validate` folds that into `do_sample`.
+        """
+        return (
+            (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_k is not None and self.top_k != 0)
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.typical_p is not None and self.typical_p < 1.0)
+        )
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's per-request limits (TGI's router `Validation` fields)."""
+
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+
+    @classmethod
+    def from_config(cls, config: ServeConfig) -> RequestLimits:
+        """The limits `tgis serve` was started with."""
+        return cls(
+            max_best_of=config.max_best_of,
+            max_stop_sequences=config.max_stop_sequences,
+            max_top_n_tokens=config.max_top_n_tokens,
+            max_input_tokens=config.max_input_tokens,
+            max_total_tokens=config.max_total_tokens,
+        )
+
+
+def _fail(message: str) -> InputValidationError:
+    return InputValidationError(message)
+
+
+def _check_stream(params: GenerateParameters) -> None:
+    # TGI's generate_stream handler refuses these before validating anything else.
+    if params.best_of is not None and params.best_of != 1:
+        raise _fail("`best_of` != 1 is not supported when streaming tokens")
+    if params.decoder_input_details:
+        raise _fail("`decoder_input_details` == true is not supported when streaming tokens")
+
+
+def _check_best_of(params: GenerateParameters, limits: RequestLimits) -> int:
+    best_of = 1 if params.best_of is None else params.best_of
+    if best_of != 1 and limits.max_best_of == 1:
+        raise _fail("`best_of` != 1 is not allowed for this endpoint")
+    if not 0 < best_of <= limits.max_best_of:
+        raise _fail(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+    # The router's notion of "sampling" (any warper given, even a neutral one).
+    sampling = params.do_sample or any(
+        v is not None for v in (params.temperature, params.top_k, params.top_p, params.typical_p)
+    )
+    if best_of > 1 and not sampling:
+        raise _fail("you must use sampling when `best_of` is > 1")
+    return best_of
+
+
+def _check_sampling(params: GenerateParameters) -> None:
+    # `not (x > 0)` rather than `x <= 0` so that NaN is refused too.
+    if params.temperature is not None and not params.temperature > 0.0:
+        raise _fail("`temperature` must be strictly positive")
+    if params.repetition_penalty is not None and not params.repetition_penalty > 0.0:
+        raise _fail("`repetition_penalty` must be strictly positive")
+    if params.frequency_penalty is not None and not -2.0 <= params.frequency_penalty <= 2.0:
+        raise _fail("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    if params.presence_penalty is not None and not -2.0 <= params.presence_penalty <= 2.0:
+        raise _fail("`presence_penalty` must be >= -2.0 and <= 2.0")
+    if params.top_p is not None and not 0.0 < params.top_p < 1.0:
+        raise _fail("`top_p` must be > 0.0 and < 1.0")
+    if params.typical_p is not None and not 0.0 < params.typical_p < 1.0:
+        raise _fail("`typical_p` must be > 0.0 and < 1.0")
+    if params.top_k is not None and params.top_k <= 0:
+        raise _fail("`top_k` must be strictly positive")
+
+
+def _check_lengths(params: GenerateParameters, input_length: int, limits: RequestLimits) -> int:
+    """Validate the token budget; return the effective max_new_tokens."""
+    if params.truncate is not None and not 0 < params.truncate <= limits.max_input_tokens:
+        raise _fail(
+            f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
+            f"Given: {params.truncate}"
+        )
+    if params.truncate is not None:
+        input_length = min(input_length, params.truncate)
+    # TGI 3: an unset max_new_tokens means "as many as the context allows".
+    if params.max_new_tokens is None:
+        max_new_tokens = max(limits.max_total_tokens - input_length, 0)
+    else:
+        max_new_tokens = params.max_new_tokens
+    if input_length + max_new_tokens > limits.max_total_tokens:
+        raise _fail(
+            f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
+        )
+    # max_new_tokens can only default to 0 when the prompt fills the whole context.
+    if input_length > limits.max_input_tokens or max_new_tokens == 0:
+        raise _fail(
+            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}"
+        )
+    return max_new_tokens
+
+
+def validate(
+    params: GenerateParameters, input_length: int, limits: RequestLimits, stream: bool = False
+) -> GenerateParameters:
+    """Check one request against the server's limits, in TGI's order and with its messages.
+
+    `input_length` is the prompt's length in tokens before `truncate`. Returns a normalized
+    copy: `max_new_tokens` set (default: what fits in `max_total_tokens`), neutral values
+    (temperature 1.0, penalties 1.0 / 0.0, top_n_tokens 0) turned into None, and `do_sample`
+    set whenever TGI's server would sample (an active warper, or best_of > 1).
+    Raises InputValidationError (HTTP 422) on the first violation.
+    """
+    if stream:
+        _check_stream(params)
+    best_of = _check_best_of(params, limits)
+    _check_sampling(params)
+    if params.max_new_tokens is not None and params.max_new_tokens <= 0:
+        raise _fail("`max_new_tokens` must be strictly positive")
+    if len(params.stop) > limits.max_stop_sequences:
+        raise _fail(
+            f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
+            f"Given: {len(params.stop)}"
+        )
+    if params.seed is not None:
+        if best_of > 1:
+            raise _fail("`seed` must not be set when `best_of` > 1")
+        if not 0 <= params.seed <= MAX_SEED:
+            raise _fail(f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {params.seed}")
+    top_n = params.top_n_tokens
+    if top_n is not None and not 0 <= top_n <= limits.max_top_n_tokens:
+        raise _fail(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n}")
+    if input_length <= 0:
+        raise _fail("`inputs` cannot be empty")
+    max_new_tokens = _check_lengths(params, input_length, limits)
+    if not 0 <= params.min_new_tokens <= max_new_tokens:
+        raise _fail(
+            f"`min_new_tokens` must be >= 0 and <= `max_new_tokens` ({max_new_tokens}). "
+            f"Given: {params.min_new_tokens}"
+        )
+    if params.time_limit_ms is not None and params.time_limit_ms <= 0:
+        raise _fail("`time_limit_ms` must be strictly positive")
+    return _normalize(params, max_new_tokens, best_of)
+
+
+def _normalize(params: GenerateParameters, max_new_tokens: int, best_of: int) -> GenerateParameters:
+    def unless(value: float | None, neutral: float) -> float | None:
+        return None if value is None or value == neutral else value
+
+    return replace(
+        params,
+        do_sample=params.do_sample or params.sampling_warpers or best_of > 1,
+        temperature=unless(params.temperature, 1.0),
+        repetition_penalty=unless(params.repetition_penalty, 1.0),
+        frequency_penalty=unless(params.frequency_penalty, 0.0),
+        presence_penalty=unless(params.presence_penalty, 0.0),
+        top_n_tokens=params.top_n_tokens or None,
+        max_new_tokens=max_new_tokens,
+        stop=tuple(params.stop),
+    )
+
+
+def truncate_ids(ids: list[int], truncate: int | None) -> list[int]:
+    """Keep the last `truncate` ids (TGI truncates from the left); None keeps them all."""
+    if truncate is None or truncate >= len(ids):
+        return list(ids)
+    return list(ids[len(ids) - truncate :])

@@ -1,0 +1,146 @@
+"""The Starlette application: TGI's and OpenAI's routes over one EngineClient.
+
+Middleware, outermost first: CORS (when origins are given), API-key check, graceful-shutdown
+gate (tgis.server.lifecycle), then the routes. Errors become TGI's JSON
+(`{"error": ..., "error_type": ...}`) or OpenAI's on /v1/*, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tgis.config import ServeConfig
+from tgis.engine.types import EngineClient
+from tgis.params import RequestLimits
+from tgis.server import openai_routes, tgi_routes
+from tgis.server.generation import Pipeline
+from tgis.server.http_errors import UNAUTHORIZED, ApiError, classify, error_response, tgi_body
+from tgis.server.info import ModelInfo
+from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
+from tgis.server.metrics import Metrics
+from tgis.server.openapi import docs, openapi_json
+from tgis.server.state import ServerState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Routes that need the API key when one is set; health, info, metrics and docs stay open.
+PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` on generation routes and /v1/*."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _protected(scope):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant-time comparison: the key must not leak through response timing.
+            if not hmac.compare_digest(given, self.expected):
+                body = json.dumps(tgi_body(UNAUTHORIZED)).encode()
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                ]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _protected(scope: Scope) -> bool:
+    path: str = scope["path"]
+    if scope["method"] == "OPTIONS":  # CORS preflight requests carry no credentials
+        return False
+    if path == "/":
+        return scope["method"] == "POST"  # GET / is not an API route
+    return path in PROTECTED_PATHS or path.startswith("/v1/")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404 / 405 as JSON in the route family's shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "Internal server error"
+    error_type = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal")
+    openai = request.url.path.startswith("/v1/")
+    return error_response(ApiError(status, str(detail), error_type), openai=openai)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Anything a route did not handle: a logged 500 "internal", without details."""
+    return error_response(classify(exc), openai=request.url.path.startswith("/v1/"))
+
+
+def create_app(
+    engine: EngineClient,
+    tokenizer: PreTrainedTokenizerBase,
+    config: ServeConfig,
+    model_info: ModelInfo,
+    metrics: Metrics | None = None,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+) -> Starlette:
+    """The HTTP server of one model.
+
+    `engine` generates (it runs in its own thread); `tokenizer` (a transformers tokenizer)
+    tokenizes prompts and renders chat templates; `config` gives the request limits;
+    `model_info` is what /info and /v1/models report. Pass `metrics` to share it with the
+    engine as its EngineObserver (one is made otherwise: `app.state.tgis.metrics`).
+    `api_key` guards the generation routes; `cors_origins` enables CORS for those origins.
+    """
+    if metrics is None:
+        metrics = Metrics(
+            max_total_tokens=config.max_total_tokens,
+            max_batch_size=config.max_batch_size or config.max_concurrent_requests,
+        )
+    lifecycle = Lifecycle()
+    pipeline = Pipeline(engine, tokenizer, RequestLimits.from_config(config), metrics)
+    middleware = []
+    if cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+            )
+        )
+    if api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    middleware.append(Middleware(LifecycleMiddleware, lifecycle=lifecycle))
+    routes = [
+        *tgi_routes.ROUTES,
+        *openai_routes.ROUTES,
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.tgis = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        config=config,
+        info=model_info,
+        metrics=metrics,
+        pipeline=pipeline,
+        lifecycle=lifecycle,
+    )
+    return app

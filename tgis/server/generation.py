@@ -1,0 +1,234 @@
+"""The request path shared by the TGI and OpenAI routes: tokenize, truncate, validate, generate.
+
+Tokenizing runs in a worker thread and the engine in its own thread, so nothing here blocks the
+event loop. An EventStream owns one engine iterator and closes it exactly once, shielded from
+cancellation, so a client that goes away frees its sequence at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from tgis.engine.types import (
+    Completion,
+    EngineClient,
+    GenerationRequest,
+    TokenEvent,
+    TokenInfo,
+)
+from tgis.errors import InputValidationError
+from tgis.params import GenerateParameters, RequestLimits, truncate_ids, validate
+from tgis.server.http_errors import ApiError
+from tgis.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    request: GenerationRequest
+    prompt: str
+    validation_s: float
+
+    @property
+    def params(self) -> GenerateParameters:
+        return self.request.params
+
+    @property
+    def input_length(self) -> int:
+        return len(self.request.input_ids)
+
+
+@dataclass
+class SequenceResult:
+    """One finished sequence of a request (one per `best_of` / `n` index)."""
+
+    index: int
+    completion: Completion
+    tokens: list[TokenInfo] = field(default_factory=list)
+    top_tokens: list[tuple[TokenInfo, ...]] = field(default_factory=list)
+
+    @property
+    def details_tokens(self) -> Sequence[TokenInfo]:
+        """Generated tokens for `details`: the engine's list, else the streamed tokens."""
+        return self.completion.tokens or self.tokens
+
+    @property
+    def details_top_tokens(self) -> Sequence[tuple[TokenInfo, ...]]:
+        return self.completion.top_tokens or self.top_tokens
+
+    def mean_logprob(self) -> float:
+        """TGI's best_of score: the mean log-probability of the generated tokens."""
+        logprobs = [t.logprob for t in self.details_tokens if t.logprob is not None]
+        return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
+
+
+def pick_best(results: Sequence[SequenceResult]) -> tuple[SequenceResult, list[SequenceResult]]:
+    """TGI's best_of choice: the highest mean logprob wins (first on ties); the others follow."""
+    best = max(results, key=lambda r: (r.mean_logprob(), -r.index))
+    return best, [r for r in results if r is not best]
+
+
+class EventStream:
+    """The token events of one request, starting with an event already received."""
+
+    def __init__(self, iterator: AsyncIterator[TokenEvent], first: TokenEvent) -> None:
+        self._iterator = iterator
+        self._pending: TokenEvent | None = first
+        self._closed = False
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._pending is not None:
+            event, self._pending = self._pending, None
+            return event
+        if self._closed:
+            raise StopAsyncIteration
+        return await self._iterator.__anext__()
+
+    async def aclose(self) -> None:
+        """Close the engine's iterator (cancelling the request if it is still running)."""
+        if self._closed:
+            return
+        self._closed = True
+        await close_iterator(self._iterator)
+
+
+async def close_iterator(iterator: Any) -> None:
+    """`aclose()` an engine iterator even while the calling task is being cancelled."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+class Pipeline:
+    """Turns request inputs into engine requests and engine events into results."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        limits: RequestLimits,
+        metrics: Metrics,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, computed in a worker thread (long prompts take milliseconds)."""
+
+        def run() -> list[int]:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+        return await anyio.to_thread.run_sync(run)
+
+    async def prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: GenerateParameters,
+        *,
+        arrival: float,
+        stream: bool,
+        add_special_tokens: bool = True,
+    ) -> Prepared:
+        """Tokenize (unless given ids), truncate to `params.truncate`, validate.
+
+        Raises InputValidationError (HTTP 422) with tgis.params's message.
+        """
+        if isinstance(prompt, str):
+            ids = await self.encode(prompt, add_special_tokens)
+            text = prompt
+        else:
+            ids = list(prompt)
+            vocab = len(self.tokenizer)
+            outside = [i for i in ids if i >= vocab]
+            if outside:
+                raise InputValidationError(
+                    f"token id {outside[0]} is outside the vocabulary (size {vocab})"
+                )
+            text = await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
+        self.metrics.raw_input(len(ids))
+        # validate takes the length before truncation (it checks `truncate` itself) and
+        # returns the parameters normalized, with max_new_tokens filled in.
+        params = validate(params, len(ids), self.limits, stream=stream)
+        ids = truncate_ids(ids, params.truncate)
+        request = GenerationRequest(
+            request_id=uuid.uuid4().hex, input_ids=tuple(ids), params=params, arrival=arrival
+        )
+        validation_s = time.monotonic() - arrival
+        self.metrics.validated(len(ids), params.max_new_tokens, validation_s)
+        return Prepared(request=request, prompt=text, validation_s=validation_s)
+
+    async def start(self, prepared: Prepared) -> EventStream:
+        """Submit to the engine and wait for the first event.
+
+        Waiting for it before answering lets overload (429) and backend failures (424) keep
+        their status codes on streaming routes too.
+        """
+        iterator = self.engine.generate(prepared.request)
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "Incomplete generation", "incomplete_generation") from None
+        except BaseException:
+            await close_iterator(iterator)
+            raise
+        return EventStream(iterator, first)
+
+    async def collect(self, stream: EventStream, sequences: int) -> list[SequenceResult]:
+        """Gather `sequences` finished sequences from a stream, then close it."""
+        tokens: dict[int, list[TokenInfo]] = {}
+        tops: dict[int, list[tuple[TokenInfo, ...]]] = {}
+        done: dict[int, SequenceResult] = {}
+        try:
+            async for event in stream:
+                tokens.setdefault(event.index, []).append(event.token)
+                tops.setdefault(event.index, []).append(event.top_tokens)
+                if event.completion is not None:
+                    done[event.index] = SequenceResult(
+                        event.index, event.completion, tokens[event.index], tops[event.index]
+                    )
+                    if len(done) == sequences:
+                        break
+        finally:
+            await stream.aclose()
+        if len(done) < sequences:
+            raise ApiError(500, "Incomplete generation", "incomplete_generation")
+        return [done[i] for i in sorted(done)]
+
+    def succeeded(self, kind: str, prepared: Prepared, completion: Completion) -> None:
+        """Record a finished request in the tgi_request_* metrics."""
+        seconds = time.monotonic() - prepared.request.arrival
+        self.metrics.request_succeeded(kind, completion, seconds)
+
+
+def timing_headers(prepared: Prepared, result: SequenceResult, compute_type: str) -> dict[str, str]:
+    """TGI's x-* response headers of a finished (non-streaming) request."""
+    total = time.monotonic() - prepared.request.arrival
+    timings = result.completion.timings
+    generated = result.completion.generated_tokens
+    per_token = timings.inference / generated if generated else 0.0
+    return {
+        "x-compute-type": compute_type,
+        "x-compute-time": f"{total:.6f}",
+        "x-compute-characters": str(len(prepared.prompt)),
+        "x-total-time": str(int(total * 1000)),
+        "x-validation-time": str(int(prepared.validation_s * 1000)),
+        "x-queue-time": str(int(timings.queue * 1000)),
+        "x-inference-time": str(int(timings.inference * 1000)),
+        "x-time-per-token": str(int(per_token * 1000)),
+        "x-prompt-tokens": str(prepared.input_length),
+        "x-generated-tokens": str(generated),
+    }

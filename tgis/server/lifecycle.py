@@ -1,0 +1,210 @@
+"""Graceful shutdown: stop admitting, let in-flight requests finish, then cancel the rest.
+
+On SIGTERM (or SIGINT) `serve` keeps the listening socket open while it drains, so load
+balancers and clients get a clear 503 `{"error": "Server is shutting down", "error_type":
+"unavailable"}` for new generation requests (and from `/health`) instead of connection
+errors. After `shutdown_grace_s` the requests still running are cancelled: their engine
+iterators close (freeing their sequences), a stream gets a final error event, a request that
+has not answered yet gets the 503. A second SIGINT skips the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable, Generator
+from types import FrameType
+from typing import Any
+
+import anyio
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tgis.server.http_errors import SHUTTING_DOWN, openai_body, tgi_body
+
+logger = logging.getLogger("tgis.server")
+
+# The routes that start work; everything else (health, info, metrics, docs) stays open.
+GATED_PATHS = frozenset(
+    {"/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"}
+)
+
+
+class Lifecycle:
+    """Admission control of one app: whether it admits requests, and those in flight."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._active: set[anyio.CancelScope] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests admitted and not finished (streams included)."""
+        return len(self._active)
+
+    def begin_drain(self) -> None:
+        """Stop admitting generation requests (safe to call from a signal handler)."""
+        self.draining = True
+
+    async def drain(self, grace_s: float, abort: Callable[[], bool] = lambda: False) -> int:
+        """Stop admitting, wait up to `grace_s` for in-flight requests, cancel the rest.
+
+        `abort()` true ends the wait early. Returns how many requests were cancelled.
+        """
+        self.begin_drain()
+        if self._active:
+            logger.info(
+                "draining %d in-flight request(s), up to %.1f s", len(self._active), grace_s
+            )
+        with anyio.move_on_after(grace_s):
+            while self._active and not abort():
+                await anyio.sleep(0.05)
+        cancelled = len(self._active)
+        if cancelled:
+            logger.warning(
+                "cancelling %d request(s) still running after the grace period", cancelled
+            )
+        for scope in list(self._active):
+            scope.cancel()
+        # Let the cancelled requests send their last bytes before the server closes sockets.
+        with anyio.move_on_after(2.0):
+            while self._active:
+                await anyio.sleep(0.01)
+        return cancelled
+
+
+class LifecycleMiddleware:
+    """ASGI middleware: 503 while draining; each admitted request is cancellable by `drain`."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        openai = scope["path"].startswith("/v1/")
+        if self.lifecycle.draining:
+            await _send_json(send, 503, _shutdown_body(openai))
+            return
+        started = finished = event_stream = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, finished, event_stream
+            if message["type"] == "http.response.start":
+                started = True
+                headers = dict(message.get("headers", []))
+                event_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        with anyio.CancelScope() as cancel_scope:
+            self.lifecycle._active.add(cancel_scope)
+            try:
+                await self.app(scope, receive, tracking_send)
+            finally:
+                self.lifecycle._active.discard(cancel_scope)
+        if not cancel_scope.cancelled_caught or finished:
+            return
+        if not started:
+            await _send_json(send, 503, _shutdown_body(openai))
+        elif event_stream:
+            data = json.dumps(_shutdown_body(openai))
+            event = f"data: {data}\n\n" if openai else f"data:{data}\n\n"
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _shutdown_body(openai: bool) -> dict[str, Any]:
+    return openai_body(SHUTTING_DOWN) if openai else tgi_body(SHUTTING_DOWN)
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that drains the app's Lifecycle before it closes the listening socket."""
+
+    def __init__(
+        self, config: uvicorn.Config, lifecycle: Lifecycle, shutdown_grace_s: float
+    ) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.shutdown_grace_s = shutdown_grace_s
+
+    def request_shutdown(self) -> None:
+        """Start a graceful shutdown, as SIGTERM does (callable from any thread)."""
+        self.lifecycle.begin_drain()
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: set flags only; main_loop notices them within 0.1 s.
+        if self.should_exit:
+            self.force_exit = True
+        self.request_shutdown()
+
+    async def main_loop(self) -> None:
+        await super().main_loop()
+        if not self.force_exit:
+            await self.lifecycle.drain(self.shutdown_grace_s, abort=lambda: self.force_exit)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal after shutting down (exit status 143); a drained
+        # server has shut down cleanly, so it restores the handlers and returns instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def lifecycle_of(app: Any) -> Lifecycle:
+    """The Lifecycle `create_app` attached to `app` (a fresh one for other apps)."""
+    state = getattr(getattr(app, "state", None), "tgis", None)
+    return state.lifecycle if state is not None else Lifecycle()
+
+
+async def serve(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    shutdown_grace_s: float = 30.0,
+    *,
+    log_level: str = "info",
+    server_ready: Callable[[GracefulServer], None] | None = None,
+) -> None:
+    """Serve `app` with uvicorn until SIGTERM/SIGINT, then shut down gracefully.
+
+    `server_ready(server)` is called with the server before it starts (tests use it to call
+    `server.request_shutdown()` from another thread).
+    """
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # The drain already waited for requests; this only bounds closing idle connections.
+        timeout_graceful_shutdown=5,
+    )
+    server = GracefulServer(config, lifecycle_of(app), shutdown_grace_s)
+    if server_ready is not None:
+        server_ready(server)
+    await server.serve()

@@ -1,0 +1,106 @@
+"""Streaming answers of the OpenAI routes: chunks per token, an optional usage chunk, [DONE].
+
+Jobs (prompts) stream concurrently into one response; a lock keeps their chunks whole. An
+error after the start is sent as `data: {"error": {...}}` and ends the stream, like TGI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from tgis.engine.types import TokenEvent
+from tgis.server.generation import EventStream, Prepared
+from tgis.server.http_errors import ApiError, classify, openai_body
+from tgis.server.openai_json import (
+    Envelope,
+    chat_delta_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    sse,
+    usage,
+)
+from tgis.server.openai_schemas import OpenAIRequest
+from tgis.server.sse import Emit, EventStreamResponse
+from tgis.server.state import ServerState
+
+
+def stream_response(
+    state: ServerState,
+    req: OpenAIRequest,
+    prepared: Sequence[Prepared],
+    streams: Sequence[EventStream],
+    envelope: Envelope,
+    chat: bool,
+    kind: str,
+) -> EventStreamResponse:
+    """The event stream of an OpenAI request whose jobs have all started."""
+    extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
+    generated = [0]
+
+    def chunk(index: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
+        make = chat_delta_choice if chat else completion_choice
+        return envelope.body([make(index, text, finish, logprobs)], **extra)
+
+    def logprobs_of(event: TokenEvent, offset: int) -> Any:
+        if req.logprobs is None:
+            return None
+        tops = [event.top_tokens]
+        if chat:
+            return chat_logprobs([event.token], tops, req.logprobs)
+        return completion_logprobs([event.token], tops, req.logprobs, offset)
+
+    async def produce(emit: Emit) -> None:
+        lock = anyio.Lock()
+        failed = [False]
+
+        async def send(data: dict[str, Any] | str) -> None:
+            async with lock:
+                await emit(sse(data))
+
+        async def run(job: int, prep: Prepared, events: EventStream, group: Any) -> None:
+            offsets = dict.fromkeys(range(req.n), len(prep.prompt) if req.echo else 0)
+            try:
+                for i in range(req.n):
+                    if chat:
+                        await send(chunk(job * req.n + i, "", None, None))
+                    elif req.echo:
+                        await send(chunk(job * req.n + i, prep.prompt, None, None))
+                remaining = req.n
+                async for event in events:
+                    finish = event.completion.finish_reason.openai() if event.completion else None
+                    logprobs = logprobs_of(event, offsets[event.index])
+                    offsets[event.index] += len(event.token.text)
+                    if event.text or finish or logprobs:
+                        await send(chunk(job * req.n + event.index, event.text, finish, logprobs))
+                    if event.completion is not None:
+                        generated[0] += event.completion.generated_tokens
+                        remaining -= 1
+                        if remaining == 0:
+                            state.pipeline.succeeded(kind, prep, event.completion)
+                            return
+                raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
+            except anyio.get_cancelled_exc_class():
+                state.metrics.request_failed("cancelled")
+                raise
+            except Exception as exc:
+                error = classify(exc)
+                state.metrics.request_failed(error.error_type)
+                failed[0] = True
+                await send(openai_body(error))
+                group.cancel_scope.cancel()
+            finally:
+                await events.aclose()
+
+        async with anyio.create_task_group() as group:
+            for job, (prep, events) in enumerate(zip(prepared, streams, strict=True)):
+                group.start_soon(run, job, prep, events, group)
+        if req.include_usage and not failed[0]:
+            prompt_tokens = sum(p.input_length for p in prepared)
+            await send(envelope.body([], usage=usage(prompt_tokens, generated[0])))
+        await send("[DONE]")
+
+    return EventStreamResponse(produce)

@@ -1,0 +1,186 @@
+"""Request bodies -> typed values: JSON type checks that name the offending field.
+
+Value ranges (temperature > 0, max_new_tokens within the limits, ...) are tgis.params.validate's
+job; here only JSON types are checked, so a wrong type is a 422 that names the field
+(`parameters.temperature` must be a number, got a string) instead of a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from tgis.params import GenerateParameters
+from tgis.server.http_errors import ApiError, invalid
+
+
+async def read_json(request: Request) -> Any:
+    """The request's JSON body; malformed JSON is a 422 that says where it broke."""
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type, as a person would name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+class Fields:
+    """Typed reads from one JSON object. A null value reads as "not given"."""
+
+    def __init__(self, data: Any, path: str = "") -> None:
+        if not isinstance(data, dict):
+            where = f"`{path}`" if path else "the request body"
+            raise invalid(f"{where} must be a JSON object, got {_kind(data)}")
+        self.data: dict[str, Any] = data
+        self.path = path
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def _fail(self, key: str, expected: str) -> ApiError:
+        return invalid(f"`{self.name(key)}` must be {expected}, got {_kind(self.data[key])}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def string(self, key: str) -> str | None:
+        value = self.data.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._fail(key, "a string")
+        return value
+
+    def required_string(self, key: str) -> str:
+        value = self.string(key)
+        if value is None:
+            raise invalid(f"missing field `{self.name(key)}`")
+        return value
+
+    def boolean(self, key: str) -> bool | None:
+        value = self.data.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise self._fail(key, "a boolean")
+        return value
+
+    def integer(self, key: str, unsigned: bool = False) -> int | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        # JSON has one number type: 20.0 is accepted as 20, 20.5 is not an integer.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(key, "a non-negative integer" if unsigned else "an integer")
+        if unsigned and value < 0:
+            raise invalid(f"`{self.name(key)}` must be a non-negative integer, got {value}")
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._fail(key, "a number")
+        return float(value)
+
+    def strings(self, key: str, allow_single: bool = False) -> tuple[str, ...]:
+        """A list of strings (or one string when `allow_single`); absent means empty."""
+        value = self.data.get(key)
+        if value is None:
+            return ()
+        if allow_single and isinstance(value, str):
+            return (value,)
+        expected = "a string or an array of strings" if allow_single else "an array of strings"
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._fail(key, expected)
+        return tuple(value)
+
+    def obj(self, key: str) -> Fields | None:
+        value = self.data.get(key)
+        return None if value is None else Fields(value, self.name(key))
+
+
+@dataclass(frozen=True)
+class TgiRequest:
+    """A parsed TGI `GenerateRequest` / `CompatGenerateRequest`."""
+
+    inputs: str
+    params: GenerateParameters
+    stream: bool = False
+
+
+# TGI's optional parameters and TGIS's extras, by JSON type.
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+_UNSIGNED = ("seed", "max_new_tokens", "min_new_tokens", "truncate", "top_n_tokens")
+_UNSIGNED_EXTRA = ("best_of", "time_limit_ms")
+_BOOLS = (
+    "do_sample",
+    "details",
+    "decoder_input_details",
+    "include_stop_sequence",
+    "ignore_eos",
+    "skip_special_tokens",
+)
+
+
+def parse_parameters(
+    fields: Fields | None, default_return_full_text: bool = False
+) -> GenerateParameters:
+    """TGI's `parameters` object -> GenerateParameters (types checked, values not yet)."""
+    if fields is None:
+        return GenerateParameters(return_full_text=default_return_full_text)
+    values: dict[str, Any] = {}
+    for key in _FLOATS:
+        values[key] = fields.number(key)
+    for key in (*_UNSIGNED, *_UNSIGNED_EXTRA):
+        values[key] = fields.integer(key, unsigned=True)
+    values["top_k"] = fields.integer("top_k")
+    for key in _BOOLS:
+        values[key] = fields.boolean(key)
+    values["stop"] = fields.strings("stop")
+    full_text = fields.boolean("return_full_text")
+    values["return_full_text"] = default_return_full_text if full_text is None else full_text
+    if fields.boolean("watermark"):
+        raise invalid("`parameters.watermark` is not supported by this server")
+    for key in ("grammar", "adapter_id"):
+        # Clients send these as null; a value asks for a feature this server does not have.
+        if fields.has(key) and fields.data[key] != "":
+            raise invalid(f"`parameters.{key}` is not supported by this server")
+    return GenerateParameters(**{k: v for k, v in values.items() if v is not None})
+
+
+def parse_tgi_request(
+    body: Any, *, compat: bool = False, default_return_full_text: bool = False
+) -> TgiRequest:
+    """The body of `/generate`, `/generate_stream`, `/tokenize` or (compat) `/`.
+
+    On `/` TGI defaults `return_full_text` from the model's pipeline tag and reads `stream`.
+    """
+    fields = Fields(body)
+    inputs = fields.required_string("inputs")
+    params = parse_parameters(fields.obj("parameters"), default_return_full_text)
+    stream = bool(fields.boolean("stream")) if compat else False
+    return TgiRequest(inputs=inputs, params=params, stream=stream)

@@ -1,0 +1,34 @@
+"""What every route needs, stored once on the app (`app.state.tgis`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from tgis.config import ServeConfig
+from tgis.engine.types import EngineClient
+from tgis.server.generation import Pipeline
+from tgis.server.info import ModelInfo
+from tgis.server.lifecycle import Lifecycle
+from tgis.server.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """The served model and the shared machinery of the routes."""
+
+    engine: EngineClient
+    tokenizer: Any
+    config: ServeConfig
+    info: ModelInfo
+    metrics: Metrics
+    pipeline: Pipeline
+    lifecycle: Lifecycle
+
+
+def get_state(request: Request) -> ServerState:
+    """The ServerState of the app serving `request`."""
+    state: ServerState = request.app.state.tgis
+    return state

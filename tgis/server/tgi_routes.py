@@ -1,0 +1,160 @@
+"""TGI's REST routes: /generate, /generate_stream, / (compat), /tokenize, /info, /health, /metrics."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tgis.server.generation import EventStream, Prepared, pick_best, timing_headers
+from tgis.server.http_errors import SHUTTING_DOWN, ApiError, classify, error_response, tgi_body
+from tgis.server.metrics import CONTENT_TYPE
+from tgis.server.schemas import TgiRequest, parse_tgi_request, read_json
+from tgis.server.sse import ClientDisconnected, Emit, EventStreamResponse, unless_disconnected
+from tgis.server.state import ServerState, get_state
+from tgis.server.tgi_json import generate_response, sse, stream_event
+from tgis.server.tokenize import tokenize_with_offsets
+
+
+async def generate(request: Request) -> Response:
+    """POST /generate: the whole generation as one JSON object."""
+    return await _serve(request, compat=False, stream=False)
+
+
+async def generate_stream(request: Request) -> Response:
+    """POST /generate_stream: one server-sent event per token."""
+    return await _serve(request, compat=False, stream=True)
+
+
+async def compat_generate(request: Request) -> Response:
+    """POST /: `stream` chooses; the JSON answer is a one-element list (api-inference's shape)."""
+    return await _serve(request, compat=True, stream=False)
+
+
+async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
+    arrival = time.monotonic()
+    state = get_state(request)
+    try:
+        req = parse_tgi_request(
+            await read_json(request),
+            compat=compat,
+            default_return_full_text=compat
+            and state.info.model_pipeline_tag in (None, "text-generation"),
+        )
+    except ApiError as error:
+        state.metrics.request_received("stream" if stream else "single")
+        state.metrics.request_failed(error.error_type)
+        return error_response(error)
+    stream = stream or req.stream
+    state.metrics.request_received("stream" if stream else "single")
+    try:
+        prepared = await state.pipeline.prepare(
+            req.inputs, req.params, arrival=arrival, stream=stream
+        )
+        events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
+        if stream:
+            return _stream_response(state, req, prepared, events)
+        results = await unless_disconnected(
+            request.receive, lambda: state.pipeline.collect(events, prepared.params.best_of or 1)
+        )
+    except ClientDisconnected:
+        state.metrics.request_failed("cancelled")
+        return Response(status_code=499)
+    except Exception as exc:
+        error = classify(exc)
+        state.metrics.request_failed(error.error_type)
+        return error_response(error)
+    best, others = pick_best(results)
+    state.pipeline.succeeded("single", prepared, best.completion)
+    params = prepared.params
+    body = generate_response(
+        best,
+        others,
+        details=params.details or params.decoder_input_details,
+        prefix=req.inputs if params.return_full_text else "",
+        best_of=(params.best_of or 1) > 1,
+    )
+    headers = timing_headers(prepared, best, state.info.model_device_type)
+    return JSONResponse([body] if compat else body, headers=headers)
+
+
+def _stream_response(
+    state: ServerState, req: TgiRequest, prepared: Prepared, events: EventStream
+) -> EventStreamResponse:
+    prefix = req.inputs if prepared.params.return_full_text else ""
+
+    async def produce(emit: Emit) -> None:
+        index = 0
+        try:
+            async for event in events:
+                index += 1
+                body = stream_event(index, event, details=prepared.params.details, prefix=prefix)
+                await emit(sse(body))
+                if event.completion is not None:
+                    state.pipeline.succeeded("stream", prepared, event.completion)
+                    return
+            raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
+        except anyio.get_cancelled_exc_class():
+            state.metrics.request_failed("cancelled")
+            raise
+        except Exception as exc:
+            # The status line is gone: TGI sends errors after the start as an event.
+            error = classify(exc)
+            state.metrics.request_failed(error.error_type)
+            await emit(sse(tgi_body(error)))
+        finally:
+            await events.aclose()
+
+    headers = {"x-compute-type": state.info.model_device_type}
+    return EventStreamResponse(produce, headers=headers)
+
+
+async def tokenize(request: Request) -> Response:
+    """POST /tokenize: TGI's list of {id, text, start, stop} (byte offsets into `inputs`)."""
+    start = time.monotonic()
+    state = get_state(request)
+    try:
+        req = parse_tgi_request(await read_json(request))
+        tokens = await anyio.to_thread.run_sync(
+            tokenize_with_offsets, state.tokenizer, req.inputs, req.params.truncate
+        )
+    except Exception as exc:
+        return error_response(classify(exc))
+    state.metrics.tokenize_request(1, len(tokens), time.monotonic() - start)
+    return JSONResponse(tokens)
+
+
+async def info(request: Request) -> Response:
+    """GET /info: the model and the router's limits."""
+    return JSONResponse(get_state(request).info.to_json())
+
+
+async def health(request: Request) -> Response:
+    """GET /health: 200 while the engine is healthy and the server admits requests."""
+    state = get_state(request)
+    if state.lifecycle.draining:
+        return error_response(SHUTTING_DOWN)
+    if not state.engine.healthy():
+        return error_response(ApiError(503, "unhealthy", "healthcheck"))
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    """GET /metrics: Prometheus text exposition of the tgi_* metrics."""
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+ROUTES = [
+    Route("/", compat_generate, methods=["POST"]),
+    Route("/", health, methods=["GET"]),  # TGI answers GET / like /health
+    Route("/generate", generate, methods=["POST"]),
+    Route("/generate_stream", generate_stream, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/info", info, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
