@@ -291,9 +291,9 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="compute dtype of both servers (bfloat16 only where the CPU has it)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="compute dtype of both servers; auto: tgis's cpu default (bf16 where native)",
     )
     parser.add_argument(
         "--peer-python",
@@ -303,6 +303,10 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
+    if args.dtype == "auto":
+        from tgis.backends.torch_device import cpu_has_native_bf16
+
+        args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(args.workdir)
     texts = prompts(model_dir, args.requests * 2 + 8, args.prompt_tokens, seed=0)

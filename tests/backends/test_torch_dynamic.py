@@ -317,7 +317,8 @@ def test_load_from_a_model_directory(tmp_path: Path) -> None:
     )
     assert (backend.name, backend.device, backend.path.name) == ("cpu", "cpu", "native")
     assert backend.vocab_size == 128
-    assert backend.dtype == torch.float32
+    # The default: bf16 where the CPU computes it natively, float32 elsewhere.
+    assert backend.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     generic = TorchDynamicBackend.load(
         model_dir,
         "cpu",
@@ -343,7 +344,10 @@ def test_load_from_a_model_directory(tmp_path: Path) -> None:
 
 def test_dtype_rules() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_dtype(cpu, None, torch.bfloat16) == torch.float32
+    native_bf16 = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype(cpu, None, torch.float32) == native_bf16
+    assert resolve_dtype(cpu, "bfloat16", None) == native_bf16
+    assert resolve_dtype(cpu, "float32", torch.bfloat16) == torch.float32
     assert resolve_dtype(cpu, "float16", None) == torch.float32
     assert resolve_dtype(cuda, "float32", torch.bfloat16) == torch.float32
     assert resolve_dtype(cuda, None, "bfloat16") == torch.bfloat16

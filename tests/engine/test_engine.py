@@ -44,7 +44,10 @@ def tokenizer(demo_model_dir: Path):
 def make_engine(
     demo_model_dir: Path, tokenizer, max_concurrent: int = 64, **limit_kw: object
 ) -> Engine:
-    backend = TorchDynamicBackend.load(demo_model_dir, max_sequences=16, max_sequence_tokens=256)
+    # float32: greedy tokens are compared with transformers' float32 generate.
+    backend = TorchDynamicBackend.load(
+        demo_model_dir, "cpu", "float32", max_sequences=16, max_sequence_tokens=256
+    )
     limits = SchedulerLimits(
         **{
             "max_batch_prefill_tokens": 2048,

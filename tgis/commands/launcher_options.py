@@ -45,7 +45,7 @@ Dtype = Annotated[
         "dtype",
         DEVICE,
         "float32, float16 or bfloat16.",
-        "float32 on CPU without bf16, else the model's",
+        "cpu: bfloat16 where native, else float32; cuda: the model's half dtype",
     ),
 ]
 Backend = Annotated[str | None, _opt("backend", DEVICE, "auto, cpu, cuda, tpu, neuron or gaudi.")]
