@@ -7,13 +7,13 @@ an exported model is always one `tgis serve --backend neuron` accepts. The SDK c
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tgis.backends.registry import has_module
 from tgis.config import LauncherArgs, ModelFacts, NeuronExport, ServeConfig, build_serve_config
 from tgis.config_static import CAST_TO_DTYPE, CAST_TYPES
 from tgis.errors import BackendUnavailableError, ConfigError
@@ -106,19 +106,12 @@ def plan_export(
 def require_neuron_sdk() -> None:
     """One clear line when optimum-neuron or the Neuron compiler is missing."""
     needed = ("optimum.neuron", "neuronxcc", "neuronx_distributed")
-    missing = [name for name in needed if not _has_module(name)]
+    missing = [name for name in needed if not has_module(name)]
     if missing:
         raise BackendUnavailableError(
             f"export-neuron needs {', '.join(missing)} (the Neuron SDK), not installed here",
             INSTALL_HINT,
         )
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 TOKENIZER_FILES = (

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from tgis.config import ModelFacts
 
 
-def _has_module(name: str) -> bool:
+def has_module(name: str) -> bool:
+    """Whether `name` is importable, without importing it."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -26,11 +27,11 @@ def detect_backend(facts: ModelFacts, env: Mapping[str, str] | None = None) -> s
     env = os.environ if env is None else env
     if facts.neuron is not None:
         return "neuron"
-    if env.get("PJRT_DEVICE", "").upper() == "TPU" and _has_module("torch_xla"):
+    if env.get("PJRT_DEVICE", "").upper() == "TPU" and has_module("torch_xla"):
         return "tpu"
-    if _has_module("habana_frameworks"):
+    if has_module("habana_frameworks"):
         return "gaudi"
-    if _has_module("torch"):
+    if has_module("torch"):
         import torch
 
         if torch.cuda.is_available():
