@@ -1,0 +1,150 @@
+"""Both load kinds against a real server (uvicorn + FakeEngine) through all three APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from tests.benchmark.conftest import SMALL
+from tests.server.fakes import FakeEngine
+from tgis.benchmark.client import BenchmarkClient, RequestRecord
+from tgis.benchmark.load import StepResult, run_rate, run_sweep, run_throughput
+from tgis.benchmark.metrics import summarize
+from tgis.benchmark.profiles import LengthDistribution
+from tgis.benchmark.prompts import Turn, build_sessions
+
+APIS = ["tgi", "openai-chat", "openai-completions"]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def with_client(url: str, api: str, work: Any) -> Any:
+    client = BenchmarkClient(url, api=api, model="tiny-llama", request_timeout=10)  # type: ignore[arg-type]
+    try:
+        return await work(client)
+    finally:
+        await client.aclose()
+
+
+def check_successful(step: StepResult) -> None:
+    assert step.records, "no request was measured"
+    for r in step.records:
+        assert r.ok, (r.error, r.error_message)
+        assert r.start >= step.measure_from
+        # FakeEngine honours max_new_tokens; TGI sends one event per token, OpenAI one chunk
+        # per token with text (the tiny tokenizer has tokens that decode to nothing).
+        assert r.output_tokens == r.max_new_tokens
+        assert 1 <= len(r.token_times) <= r.output_tokens
+        assert r.ttft is not None and 0 < r.ttft <= r.latency
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_throughput_step(api: str, server_url: str, tokenizer: Any) -> None:
+    sessions = build_sessions(SMALL, tokenizer, 8, seed=0)
+    seen: list[RequestRecord] = []
+
+    async def work(client: BenchmarkClient) -> StepResult:
+        return await run_throughput(
+            client, sessions, users=3, duration=0.5, warmup=0.2, on_record=seen.append
+        )
+
+    began = time.perf_counter()
+    step = run(with_client(server_url, api, work))
+    assert time.perf_counter() - began < 5
+    check_successful(step)
+    assert step.kind == "throughput" and step.target == 3
+    assert step.warmup_requests >= 3  # every user sent at least one during the warmup
+    assert len(seen) == step.warmup_requests + len(step.records)
+    summary = summarize(step, {"ttft": 5.0})
+    assert summary["requests"]["ok"] == len(step.records)
+    assert summary["output_tokens"] == sum(r.max_new_tokens for r in step.records)
+    assert summary["itl_s"]["p50"] > 0.001  # the engine sleeps 2 ms per token
+    assert summary["goodput"]["fraction"] == 1.0
+    assert summary["output_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_rate_step(api: str, server_url: str, tokenizer: Any, engine: FakeEngine) -> None:
+    sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
+
+    async def work(client: BenchmarkClient) -> StepResult:
+        return await run_rate(client, sessions, rate=40.0, duration=0.5, warmup=0.1, seed=3)
+
+    step = run(with_client(server_url, api, work))
+    check_successful(step)
+    # A Poisson process of 40/s over 0.6 s: ~24 arrivals (the seed fixes the count).
+    assert 8 <= step.warmup_requests + len(step.records) <= 45
+    assert len(engine.requests) == step.warmup_requests + len(step.records)
+
+
+def test_rate_arrivals_are_fixed_by_the_seed(server_url: str, tokenizer: Any) -> None:
+    sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
+
+    def arrivals(seed: int) -> int:
+        async def work(client: BenchmarkClient) -> int:
+            step = await run_rate(client, sessions, rate=60.0, duration=0.3, seed=seed)
+            return len(step.records)
+
+        return run(with_client(server_url, "tgi", work))
+
+    assert arrivals(5) == arrivals(5)
+
+
+def test_chat_turns_carry_history(server_url: str, tokenizer: Any, engine: FakeEngine) -> None:
+    chat = SMALL.with_lengths(
+        turns=3, prompt=LengthDistribution.fixed(8), decode=LengthDistribution.fixed(5)
+    )
+    sessions = build_sessions(chat, tokenizer, 1, seed=0)
+
+    async def work(client: BenchmarkClient) -> StepResult:
+        return await run_throughput(client, sessions, users=1, duration=0.05)
+
+    step = run(with_client(server_url, "openai-chat", work))
+    first = step.records[:3]
+    assert [r.turn for r in first] == [0, 1, 2]
+    turns = sessions[0].turns
+    # Each turn's prompt holds the earlier prompts and answers.
+    assert first[1].prompt_tokens > first[0].prompt_tokens + turns[1].tokens
+    assert all(r.ok and r.text for r in first), first
+    lengths = [len(req.input_ids) for req in engine.requests[:3]]
+    assert lengths[0] < lengths[1] < lengths[2]
+
+
+def test_sweep_runs_rate_steps_up_to_the_throughput(server_url: str, tokenizer: Any) -> None:
+    sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
+
+    async def work(client: BenchmarkClient) -> list[StepResult]:
+        return await run_sweep(client, sessions, users=2, steps=2, duration=0.3)
+
+    steps = run(with_client(server_url, "tgi", work))
+    assert [s.kind for s in steps] == ["throughput", "rate", "rate"]
+    assert steps[2].target == pytest.approx(2 * steps[1].target)
+    assert steps[2].target == pytest.approx(
+        sum(1 for r in steps[0].records if r.ok) / steps[0].elapsed
+    )
+
+
+def test_client_request_bodies() -> None:
+    one, two = Turn("hello", 1, 4), Turn(" again", 1, 5)
+    answer = RequestRecord(0.0, 1, 4, text=" world", output_tokens=1)
+    tgi = BenchmarkClient("http://x", api="tgi", extra_parameters={"ignore_eos": True})
+    assert tgi.body(two, [(one, answer)]) == {
+        "inputs": "hello world again",
+        "parameters": {"max_new_tokens": 5, "ignore_eos": True},
+    }
+    chat = BenchmarkClient("http://x", api="openai-chat", model="m").body(two, [(one, answer)])
+    assert chat["messages"] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": " world"},
+        {"role": "user", "content": " again"},
+    ]
+    assert chat["stream"] is True and chat["max_tokens"] == 5 and chat["model"] == "m"
+    completions = BenchmarkClient("http://x", api="openai-completions").body(one, [])
+    assert completions["prompt"] == "hello"
+    with pytest.raises(ValueError, match="unknown api 'grpc'"):
+        BenchmarkClient("http://x", api="grpc")  # type: ignore[arg-type]

@@ -1,0 +1,109 @@
+"""Percentiles, per-request values, goodput and step summaries on synthetic records."""
+
+from __future__ import annotations
+
+import pytest
+
+from tgis.benchmark.client import RequestRecord
+from tgis.benchmark.load import StepResult
+from tgis.benchmark.metrics import (
+    distribution,
+    meets,
+    parse_slos,
+    percentile,
+    request_values,
+    summarize,
+)
+
+
+def record(
+    start: float, token_times: list[float], end: float, error: str | None = None, prompt: int = 10
+) -> RequestRecord:
+    return RequestRecord(
+        start=start,
+        prompt_tokens=prompt,
+        max_new_tokens=len(token_times),
+        end=end,
+        token_times=token_times,
+        output_tokens=len(token_times),
+        error=error,
+    )
+
+
+def test_percentile_interpolates_linearly() -> None:
+    values = [float(x) for x in range(10, 0, -1)]  # 10..1, unsorted
+    assert percentile(values, 50) == pytest.approx(5.5)
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    assert percentile([3.0], 95) == 3.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_distribution() -> None:
+    assert distribution([]) is None
+    summary = distribution([1.0, 2.0, 3.0, 4.0])
+    assert summary == pytest.approx({"p50": 2.5, "p90": 3.7, "p95": 3.85, "p99": 3.97, "mean": 2.5})
+
+
+def test_parse_slos() -> None:
+    assert parse_slos("ttft=500ms,itl=50ms") == pytest.approx({"ttft": 0.5, "itl": 0.05})
+    assert parse_slos(" e2e = 2s , tpot=1500us ") == pytest.approx({"e2e": 2.0, "tpot": 0.0015})
+    assert parse_slos("") == {}
+    with pytest.raises(ValueError, match=r"bad SLO 'ttft=500': write METRIC=VALUE with a unit"):
+        parse_slos("ttft=500")
+    with pytest.raises(ValueError, match="unknown SLO metric 'latency'"):
+        parse_slos("latency=1s")
+
+
+def test_request_values() -> None:
+    r = record(0.0, [0.2, 0.3, 0.5], 0.6)
+    values = request_values(r)
+    assert values["ttft"] == pytest.approx(0.2)
+    assert values["itl"] == pytest.approx(0.15)  # gaps 0.1 and 0.2
+    assert values["tpot"] == pytest.approx((0.6 - 0.2) / 2)
+    assert values["e2e"] == pytest.approx(0.6)
+
+
+def test_goodput_checks_every_slo() -> None:
+    slos = {"ttft": 0.5, "itl": 0.05}
+    assert meets(record(0, [0.4, 0.44, 0.48], 0.5), slos)
+    assert not meets(record(0, [0.6, 0.61], 0.62), slos)  # slow first token
+    assert not meets(record(0, [0.1, 0.2, 0.3], 0.3), slos)  # slow decoding
+    assert not meets(record(0, [0.1, 0.11], 0.12, error="timeout"), slos)
+    assert not meets(record(0, [], 0.1), slos)  # no first token
+    assert meets(record(0, [0.1], 0.1), slos)  # one token: no gap to exceed
+
+
+def test_summarize_a_step() -> None:
+    step = StepResult("rate", 2.0, measure_from=100.0, stop_at=102.0, warmup_requests=3)
+    step.records = [
+        record(100.0, [100.1, 100.12, 100.14], 100.15),
+        record(100.5, [100.9, 100.92], 100.93, prompt=20),
+        record(101.0, [101.1], 103.0, error="timeout"),
+        record(101.5, [], 101.6, error="http_500"),
+        record(101.6, [], 101.7, error="http_500"),
+    ]
+    s = summarize(step, {"ttft": 0.2})
+    assert s["elapsed_s"] == pytest.approx(3.0)  # the timed-out request ended at 103
+    assert s["requests"] == {"total": 5, "ok": 2, "failed": 3, "warmup": 3}
+    assert s["errors"] == {"http_500": 2, "timeout": 1}
+    assert s["ttft_s"]["p50"] == pytest.approx(0.25)
+    assert s["ttft_s"]["mean"] == pytest.approx(0.25)
+    assert s["itl_s"]["mean"] == pytest.approx(0.02)
+    assert s["e2e_s"]["p99"] == pytest.approx(0.15 + 0.99 * (0.43 - 0.15))
+    assert s["output_tokens"] == 5 and s["prompt_tokens"] == 30
+    assert s["output_tokens_per_s"] == pytest.approx(5 / 3)
+    assert s["total_tokens_per_s"] == pytest.approx(35 / 3)
+    assert s["requests_per_s"] == pytest.approx(2 / 3)
+    goodput = s["goodput"]
+    assert goodput.pop("slos_s") == {"ttft": 0.2}
+    assert goodput == pytest.approx({"requests": 1, "requests_per_s": 1 / 3, "fraction": 0.2})
+
+
+def test_summarize_an_empty_step() -> None:
+    s = summarize(StepResult("throughput", 4, 0.0, 1.0))
+    assert s["ttft_s"] is None and s["itl_s"] is None and s["tpot_s"] is None
+    assert s["requests"]["total"] == 0 and s["requests_per_s"] == 0.0
+    assert s["goodput"] is None

@@ -1,0 +1,55 @@
+"""Prompts cut from the standard library's sources to exact token counts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.benchmark.conftest import SMALL
+from tgis.benchmark.profiles import LengthDistribution, get_profile
+from tgis.benchmark.prompts import build_sessions, count_tokens, load_corpus, make_prompt
+
+
+def test_corpus_is_the_standard_library() -> None:
+    corpus = load_corpus()
+    assert len(corpus) > 1_000_000
+    assert "def " in corpus and "import " in corpus
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 500, 3000])
+def test_prompts_have_exact_token_counts(tokenizer: Any, tokens: int) -> None:
+    rng = random.Random(tokens)
+    for _ in range(3):
+        assert count_tokens(tokenizer, make_prompt(tokenizer, tokens, rng)) == tokens
+
+
+def test_prompts_with_a_tokenizers_tokenizer(tokenizer: Any) -> None:
+    raw = tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`: .encode returns an Encoding
+    prompt = make_prompt(raw, 50, random.Random(0))
+    assert len(raw.encode(prompt, add_special_tokens=False).ids) == 50
+
+
+def test_prompt_rejects_empty_length(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match="at least 1 token"):
+        make_prompt(tokenizer, 0, random.Random(0))
+
+
+def test_sessions_are_deterministic_per_seed(tokenizer: Any) -> None:
+    a = build_sessions(SMALL, tokenizer, 5, seed=1)
+    assert a == build_sessions(SMALL, tokenizer, 5, seed=1)
+    assert a != build_sessions(SMALL, tokenizer, 5, seed=2)
+    assert len({s.turns[0].text for s in a}) == 5
+
+
+def test_chat_sessions_have_turns_of_sampled_lengths(tokenizer: Any) -> None:
+    chat = get_profile("chat").with_lengths(prompt=LengthDistribution(30, 10, 60, 15.0))
+    sessions = build_sessions(chat, tokenizer, 4, seed=0)
+    assert all(len(s.turns) == chat.turns for s in sessions)
+    turns = [t for s in sessions for t in s.turns]
+    assert len({t.tokens for t in turns}) > 1  # lengths vary
+    for turn in turns:
+        assert count_tokens(tokenizer, turn.text) == turn.tokens
+        assert 10 <= turn.tokens <= 60
+        assert chat.decode.minimum <= turn.max_new_tokens <= chat.decode.maximum

@@ -1,0 +1,87 @@
+"""The results document validates against RESULTS_SCHEMA; broken ones are named precisely."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tgis.benchmark.client import RequestRecord
+from tgis.benchmark.load import StepResult
+from tgis.benchmark.metrics import summarize
+from tgis.benchmark.profiles import get_profile
+from tgis.benchmark.results import (
+    RESULTS_SCHEMA,
+    SCHEMA_VERSION,
+    build_results,
+    read_results,
+    system_info,
+    validate_results,
+    write_results,
+)
+
+CONFIG = {
+    "url": "http://127.0.0.1:3000",
+    "api": "tgi",
+    "kind": "rate",
+    "profile": get_profile("chat").to_dict(),
+    "seed": 0,
+    "duration_s": 60,
+}
+
+
+def results() -> dict[str, Any]:
+    step = StepResult("rate", 1.5, 0.0, 1.0)
+    step.records = [
+        RequestRecord(0.1, 10, 2, end=0.5, token_times=[0.2, 0.3], output_tokens=2),
+        RequestRecord(0.2, 10, 2, end=0.4, error="stream_closed"),
+    ]
+    empty = StepResult("throughput", 2, 0.0, 1.0)
+    return build_results(CONFIG, [summarize(step, {"ttft": 0.5}), summarize(empty)])
+
+
+def test_system_info() -> None:
+    info = system_info()
+    assert info["cpu_cores"] >= 1
+    assert info["gpus"] == []
+    if Path("/proc/meminfo").exists():
+        assert info["memory_bytes"] > 1 << 20
+        assert info["cpu_model"]
+
+
+def test_results_validate_and_round_trip(tmp_path: Path) -> None:
+    data = results()
+    assert (
+        data["schema_version"]
+        == SCHEMA_VERSION
+        == RESULTS_SCHEMA["properties"]["schema_version"]["const"]
+    )
+    validate_results(data)
+    path = write_results(tmp_path / "out" / "results.json", data)
+    assert read_results(path) == data
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        (lambda d: d.pop("steps"), r"at \(top level\): 'steps' is a required property"),
+        (lambda d: d["steps"][0].update(kind="burst"), r"at steps/0/kind: 'burst' is not one of"),
+        (lambda d: d["steps"][0]["errors"].update(timeout=-1), r"at steps/0/errors/timeout"),
+        (lambda d: d["steps"][0]["ttft_s"].pop("p99"), r"at steps/0/ttft_s: 'p99' is a required"),
+        (lambda d: d["config"].update(api="grpc"), r"at config/api"),
+        (lambda d: d.update(schema_version=2), r"at schema_version: 1 was expected"),
+    ],
+)
+def test_invalid_results_are_named(breakage: Any, message: str) -> None:
+    data = copy.deepcopy(results())
+    breakage(data)
+    with pytest.raises(ValueError, match=message):
+        validate_results(data)
+
+
+def test_read_results_checks_the_version(tmp_path: Path) -> None:
+    path = write_results(tmp_path / "old.json", {**results(), "schema_version": 0})
+    with pytest.raises(ValueError, match="not a tgis benchmark results file of schema version 1"):
+        read_results(path)

@@ -1,0 +1,151 @@
+"""Aggregate a step's request records into its summary (the `steps[]` entries of results).
+
+Latency distributions cover successful requests only, in seconds:
+
+    ttft_s  time to first token: request sent -> first token received
+    itl_s   inter-token latency: every gap between consecutive token events, all requests pooled
+    tpot_s  time per output token of each request: (e2e - ttft) / (output tokens - 1)
+    e2e_s   end-to-end latency: request sent -> stream finished
+
+Each is summarized as p50/p90/p95/p99 (linear interpolation between order statistics, as
+numpy's default) and mean, or null when no request measured it. Token and request rates divide
+by the step's `elapsed` seconds (see StepResult.elapsed) and count successful requests only.
+
+Goodput is the rate of successful requests that met every SLO given, e.g. `ttft=500ms,itl=50ms`:
+`ttft`, `tpot` and `e2e` bound the request's own value, `itl` bounds the mean of its gaps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from tgis.benchmark.client import RequestRecord
+from tgis.benchmark.load import StepResult
+
+PERCENTILES = (50, 90, 95, 99)
+SLO_METRICS = ("ttft", "itl", "tpot", "e2e")
+_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+_SLO = re.compile(r"^\s*(\w+)\s*=\s*([0-9]*\.?[0-9]+)\s*(ms|us|s)\s*$")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of non-empty `values`, interpolating linearly."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float] | None:
+    """{"p50", "p90", "p95", "p99", "mean"} of `values`, or None when there are none."""
+    if not values:
+        return None
+    summary = {f"p{q}": percentile(values, q) for q in PERCENTILES}
+    summary["mean"] = sum(values) / len(values)
+    return summary
+
+
+def parse_slos(text: str) -> dict[str, float]:
+    """`"ttft=500ms,itl=50ms"` -> {"ttft": 0.5, "itl": 0.05} (seconds). Units: ms, s, us."""
+    slos: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        match = _SLO.match(part)
+        if match is None:
+            raise ValueError(
+                f"bad SLO {part!r}: write METRIC=VALUE with a unit, e.g. ttft=500ms,itl=50ms"
+            )
+        name, value, unit = match.groups()
+        if name not in SLO_METRICS:
+            raise ValueError(f"unknown SLO metric {name!r}: use one of {', '.join(SLO_METRICS)}")
+        slos[name] = float(value) * _UNITS[unit]
+    return slos
+
+
+def gaps(record: RequestRecord) -> list[float]:
+    """Seconds between consecutive token events of one request."""
+    times = record.token_times
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def tpot(record: RequestRecord) -> float | None:
+    """Time per output token after the first, or None with fewer than 2 tokens."""
+    if record.output_tokens < 2 or record.ttft is None:
+        return None
+    return (record.latency - record.ttft) / (record.output_tokens - 1)
+
+
+def request_values(record: RequestRecord) -> dict[str, float | None]:
+    """The per-request values SLOs are checked against."""
+    between = gaps(record)
+    return {
+        "ttft": record.ttft,
+        "itl": sum(between) / len(between) if between else None,
+        "tpot": tpot(record),
+        "e2e": record.latency,
+    }
+
+
+def meets(record: RequestRecord, slos: dict[str, float]) -> bool:
+    """True when `record` succeeded and no SLO is exceeded (an unmeasured value, e.g. the ITL
+    of a one-token answer, cannot exceed one; a missing first token fails a ttft SLO)."""
+    if not record.ok:
+        return False
+    values = request_values(record)
+    for name, limit in slos.items():
+        value = values[name]
+        if value is None and name == "ttft":
+            return False
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+def summarize(step: StepResult, slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """The JSON summary of one step (see results.RESULTS_SCHEMA for the exact shape)."""
+    ok = [r for r in step.records if r.ok]
+    elapsed = step.elapsed
+    output = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    errors = Counter(r.error for r in step.records if r.error is not None)
+    per_second = (lambda n: n / elapsed) if elapsed > 0 else (lambda n: 0.0)
+    summary: dict[str, Any] = {
+        "kind": step.kind,
+        "target": step.target,
+        "elapsed_s": elapsed,
+        "requests": {
+            "total": len(step.records),
+            "ok": len(ok),
+            "failed": len(step.records) - len(ok),
+            "warmup": step.warmup_requests,
+        },
+        "errors": dict(sorted(errors.items())),
+        "ttft_s": distribution([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": distribution([g for r in ok for g in gaps(r)]),
+        "tpot_s": distribution([t for r in ok if (t := tpot(r)) is not None]),
+        "e2e_s": distribution([r.latency for r in ok]),
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "output_tokens_per_s": per_second(output),
+        "total_tokens_per_s": per_second(prompt + output),
+        "requests_per_s": per_second(len(ok)),
+        "goodput": None,
+    }
+    if slos:
+        good = sum(1 for r in step.records if meets(r, slos))
+        summary["goodput"] = {
+            "slos_s": dict(slos),
+            "requests": good,
+            "requests_per_s": per_second(good),
+            "fraction": good / len(step.records) if step.records else 0.0,
+        }
+    return summary

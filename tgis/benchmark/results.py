@@ -1,0 +1,209 @@
+"""The results file of `tgis benchmark`: config, system, per-step metrics (schema version 1).
+
+    data = build_results(config, [summarize(step, slos) for step in steps])
+    validate_results(data)          # ValueError naming the offending field (needs jsonschema)
+    write_results(path, data)
+
+The shape is `RESULTS_SCHEMA` (JSON Schema draft 2020-12). It is stable: fields may be added
+within a version; renaming, removing or retyping one bumps `schema_version`. All durations are
+seconds (`*_s`), all rates per second (`*_per_s`); a latency distribution is null when no
+successful request measured it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import tgis
+
+SCHEMA_VERSION = 1
+
+_NUMBER = {"type": "number"}
+_COUNT = {"type": "integer", "minimum": 0}
+_DISTRIBUTION = {
+    "type": ["object", "null"],
+    "required": ["p50", "p90", "p95", "p99", "mean"],
+    "properties": {k: _NUMBER for k in ("p50", "p90", "p95", "p99", "mean")},
+}
+_STEP = {
+    "type": "object",
+    "required": [
+        "kind",
+        "target",
+        "elapsed_s",
+        "requests",
+        "errors",
+        "ttft_s",
+        "itl_s",
+        "tpot_s",
+        "e2e_s",
+        "prompt_tokens",
+        "output_tokens",
+        "output_tokens_per_s",
+        "total_tokens_per_s",
+        "requests_per_s",
+        "goodput",
+    ],
+    "properties": {
+        "kind": {"enum": ["throughput", "rate"]},
+        "target": {"type": "number", "exclusiveMinimum": 0},
+        "elapsed_s": _NUMBER,
+        "requests": {
+            "type": "object",
+            "required": ["total", "ok", "failed", "warmup"],
+            "properties": {k: _COUNT for k in ("total", "ok", "failed", "warmup")},
+        },
+        "errors": {"type": "object", "additionalProperties": _COUNT},
+        "ttft_s": _DISTRIBUTION,
+        "itl_s": _DISTRIBUTION,
+        "tpot_s": _DISTRIBUTION,
+        "e2e_s": _DISTRIBUTION,
+        "prompt_tokens": _COUNT,
+        "output_tokens": _COUNT,
+        "output_tokens_per_s": _NUMBER,
+        "total_tokens_per_s": _NUMBER,
+        "requests_per_s": _NUMBER,
+        "goodput": {
+            "type": ["object", "null"],
+            "required": ["slos_s", "requests", "requests_per_s", "fraction"],
+            "properties": {
+                "slos_s": {"type": "object", "additionalProperties": _NUMBER},
+                "requests": _COUNT,
+                "requests_per_s": _NUMBER,
+                "fraction": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+        },
+    },
+}
+RESULTS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "tgis benchmark results",
+    "type": "object",
+    "required": ["schema_version", "tool", "created_at", "config", "system", "steps"],
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "tool": {
+            "type": "object",
+            "required": ["name", "version"],
+            "properties": {"name": {"type": "string"}, "version": {"type": "string"}},
+        },
+        "created_at": {"type": "string"},
+        "config": {
+            "type": "object",
+            "required": ["url", "api", "kind", "profile", "seed"],
+            "properties": {
+                "url": {"type": "string"},
+                "api": {"enum": ["tgi", "openai-chat", "openai-completions"]},
+                "kind": {"enum": ["throughput", "rate", "sweep"]},
+                "profile": {"type": "object", "required": ["name", "prompt", "decode", "turns"]},
+                "seed": {"type": "integer"},
+            },
+        },
+        "system": {
+            "type": "object",
+            "required": ["cpu_model", "cpu_cores", "memory_bytes", "gpus", "os", "python"],
+            "properties": {
+                "cpu_model": {"type": ["string", "null"]},
+                "cpu_cores": {"type": ["integer", "null"]},
+                "memory_bytes": {"type": ["integer", "null"]},
+                "gpus": {"type": "array", "items": {"type": "string"}},
+                "os": {"type": "string"},
+                "python": {"type": "string"},
+            },
+        },
+        "steps": {"type": "array", "items": _STEP},
+    },
+}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def system_info() -> dict[str, Any]:
+    """The machine the benchmark ran on (read from /proc where there is one).
+
+    `gpus` is empty: the load generator does not look at the server's accelerators.
+    """
+    cpu_model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or None,
+    )
+    memory = next(
+        (
+            int(line.split()[1]) * 1024
+            for line in _read("/proc/meminfo").splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        None,
+    )
+    return {
+        "cpu_model": cpu_model,
+        "cpu_cores": os.cpu_count(),
+        "memory_bytes": memory,
+        "gpus": [],
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+    }
+
+
+def build_results(
+    config: dict[str, Any], steps: list[dict[str, Any]], system: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The results document: `config` as run, `system` (default: this machine), step summaries."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "tgis benchmark", "version": tgis.__version__},
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "config": config,
+        "system": system_info() if system is None else system,
+        "steps": steps,
+    }
+
+
+def validate_results(data: Any) -> None:
+    """Raise ValueError naming the first field of `data` that breaks RESULTS_SCHEMA.
+
+    Needs the `jsonschema` package (a dev dependency: writing results does not).
+    """
+    try:
+        import jsonschema
+    except ImportError as exc:
+        raise RuntimeError("validating results needs jsonschema: pip install jsonschema") from exc
+
+    validator = jsonschema.Draft202012Validator(RESULTS_SCHEMA)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise ValueError(f"invalid benchmark results at {where}: {error.message}")
+
+
+def write_results(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write `data` as indented JSON (parent folders created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """Load a results file, checking only its schema version (validate_results for more)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: not a tgis benchmark results file of schema version {SCHEMA_VERSION}"
+        )
+    return data
