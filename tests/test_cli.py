@@ -12,7 +12,7 @@ from tgis import __version__
 from tgis.cli import app
 
 runner = CliRunner()
-COMMANDS = ("download-weights", "convert-to-safetensors", "export-neuron", "serve")
+COMMANDS = ("download-weights", "convert-to-safetensors", "export-neuron", "serve", "benchmark")
 
 
 def test_version() -> None:

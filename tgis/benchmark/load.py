@@ -180,14 +180,17 @@ async def run_sweep(
         raise ValueError(f"a sweep needs at least 1 rate step, got {steps}")
     first = await run_throughput(client, sessions, users, duration, warmup, on_record)
     results = [first]
-    # Rate steps count sessions: what the throughput step started per second (first turns).
-    started = sum(1 for r in first.records if r.turn == 0 and r.ok)
-    peak = started / first.elapsed if first.elapsed > 0 else 0.0
-    if peak <= 0:
-        return results  # nothing succeeded: there is no rate to sweep up to
-    for k in range(1, steps + 1):
-        rate = peak * k / steps
+    for k, rate in enumerate(sweep_rates(first, steps), start=1):
         results.append(
             await run_rate(client, sessions, rate, duration, warmup, seed + k, on_record)
         )
     return results
+
+
+def sweep_rates(first: StepResult, steps: int) -> list[float]:
+    """The rates of a sweep's rate steps after its throughput step `first`: max*k/steps for
+    k = 1..steps, where max is the sessions per second `first` started (first turns that
+    succeeded); none when nothing succeeded (there is no rate to sweep up to)."""
+    started = sum(1 for r in first.records if r.turn == 0 and r.ok)
+    peak = started / first.elapsed if first.elapsed > 0 else 0.0
+    return [peak * k / steps for k in range(1, steps + 1)] if peak > 0 else []

@@ -1,0 +1,154 @@
+"""`tgis benchmark` end to end: every kind through both APIs against a live FakeEngine server,
+results files that validate, PNG plots, --compare, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import run_tgis
+from tests.server.conftest import live_server, make_config
+from tests.server.fakes import FakeEngine
+from tgis.benchmark.results import validate_results
+from tgis.cli import app
+from tgis.errors import TgisError
+from tgis.server import ModelInfo, create_app
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SHORT = ["--duration", "0.6", "--warmup", "0.1", "--requests", "4", "--seed", "1"]
+SMALL = ["--profile", "fixed-length", "--prompt-tokens", "10", "--decode-tokens", "4"]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def serve(tokenizer: Any, model_id: str) -> Any:
+    config = make_config(model_id=model_id)
+    app_ = create_app(
+        engine=FakeEngine(tokenizer, delay=0.002),
+        tokenizer=tokenizer,
+        config=config,
+        model_info=ModelInfo.from_config(config),
+    )
+    return live_server(app_, shutdown_grace_s=1.0)
+
+
+@pytest.fixture
+def local_url(tokenizer: Any, tokenizer_dir: Path) -> Iterator[str]:
+    """A server whose model_id is the tokenizer's directory (the default --tokenizer works)."""
+    with serve(tokenizer, str(tokenizer_dir)) as (url, _):
+        yield url
+
+
+def bench(*args: str) -> Any:
+    result = runner.invoke(app, ["benchmark", *args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("kind", "api", "extra"),
+    [
+        ("throughput", None, ["--max-vus", "3"]),
+        ("rate", "openai-chat", ["--rates", "4,8"]),
+        ("sweep", "tgi", ["--max-vus", "2", "--num-rates", "1", "--slo", "ttft=500ms,itl=50ms"]),
+        ("throughput", "openai-completions", ["--max-vus", "2"]),
+    ],
+)
+def test_each_kind_writes_valid_results_and_a_png(
+    kind: str, api: str | None, extra: list[str], local_url: str, tmp_path: Path
+) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    api_args = ["--api", api] if api else []
+    result = bench(
+        "--url", local_url, "--kind", kind, *api_args, *SMALL, *SHORT, *extra,
+        "--output", str(out), "--plot", str(png),
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["api"] == (api or "tgi")  # /info answers: detected as TGI
+    assert data["config"]["kind"] == kind
+    expected = {"throughput": 1, "rate": 2, "sweep": 2}[kind]
+    assert len(data["steps"]) == expected
+    assert all(s["requests"]["ok"] > 0 and not s["errors"] for s in data["steps"]), data["steps"]
+    if "--slo" in extra:
+        assert all(s["goodput"] is not None for s in data["steps"])
+    assert png.read_bytes().startswith(PNG)
+    assert "TTFT p50" in result.output and "output tok/s" in result.output
+
+
+def test_openai_only_server_is_detected_as_openai_chat(
+    tokenizer: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A server answering /v1/models but not /info (here: /info made to fail) -> openai-chat."""
+    config = make_config(model_id="tiny-llama")
+    app_ = create_app(
+        engine=FakeEngine(tokenizer),
+        tokenizer=tokenizer,
+        config=config,
+        model_info=ModelInfo.from_config(config),
+    )
+    app_.router.routes = [r for r in app_.router.routes if getattr(r, "path", "") != "/info"]
+    with live_server(app_, shutdown_grace_s=1.0) as (url, _):
+        out = tmp_path / "r.json"
+        bench("--url", url, "--kind", "throughput", "--max-vus", "2", "--tokenizer",
+              str(tokenizer_dir), *SMALL, *SHORT, "--output", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["config"]["api"] == "openai-chat"
+    assert data["config"]["model"] == "tiny-llama"
+    assert data["steps"][0]["requests"]["ok"] > 0
+
+
+def test_compare_prints_ratios_and_plots_both(local_url: str, tmp_path: Path) -> None:
+    paths = []
+    for users in ("1", "3"):
+        paths.append(tmp_path / f"u{users}.json")
+        bench("--url", local_url, "--kind", "throughput", "--max-vus", users, *SMALL, *SHORT,
+              "--output", str(paths[-1]))  # fmt: skip
+    png = tmp_path / "cmp.png"
+    result = bench("--compare", str(paths[0]), str(paths[1]), "--plot", str(png))
+    assert "u3.json / u1.json" in result.output
+    assert "1 users → 3 users" in result.output
+    assert "x)" in result.output  # "(1.23x)" ratios
+    assert png.read_bytes().startswith(PNG)
+
+
+def test_a_bad_tokenizer_is_one_clear_line(local_url: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-tokenizer")
+    result = runner.invoke(app, ["benchmark", "--url", local_url, "--tokenizer", missing])
+    assert isinstance(result.exception, TgisError)
+    text = str(result.exception)
+    assert "\n" not in text and "--tokenizer" in text and missing in text
+
+
+def test_an_unknown_model_id_asks_for_tokenizer(tokenizer: Any) -> None:
+    with serve(tokenizer, "nobody/not-cached-model") as (url, _):
+        result = runner.invoke(app, ["benchmark", "--url", url])
+    assert isinstance(result.exception, TgisError)
+    assert "nobody/not-cached-model" in str(result.exception)
+    assert "--tokenizer" in str(result.exception)
+
+
+def test_an_unreachable_url_is_one_line_on_stderr() -> None:
+    result = run_tgis("benchmark", "--url", "http://127.0.0.1:9", "--kind", "throughput")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: cannot reach the server at http://127.0.0.1:9")
+    assert "--url" in lines[0]
+
+
+def test_rate_kind_needs_rates(local_url: str) -> None:
+    result = runner.invoke(app, ["benchmark", "--url", local_url, "--kind", "rate"])
+    assert isinstance(result.exception, TgisError)
+    assert "--rates" in str(result.exception)

@@ -1,0 +1,123 @@
+"""The parts of `tgis benchmark` between its flags and the load core: option checks, the
+workload, reading compared runs, and writing results and plots."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from tgis.benchmark.metrics import parse_slos
+from tgis.benchmark.profiles import LengthDistribution, Profile, get_profile
+from tgis.benchmark.prompts import Session, build_sessions
+from tgis.benchmark.results import read_results, validate_results, write_results
+from tgis.benchmark.runner import KINDS
+from tgis.errors import ConfigError, TgisError
+
+
+def check_options(
+    kind: str,
+    rates: str | None,
+    slo: str | None,
+    duration: float,
+    warmup: float,
+    max_vus: int,
+    num_rates: int,
+    requests: int,
+) -> tuple[list[float], dict[str, float]]:
+    """Validate the load flags; returns the --rates list and the --slo limits (seconds)."""
+    if kind not in KINDS:
+        raise ConfigError(f"unknown --kind {kind!r}", f"choose one of {', '.join(KINDS)}")
+    if duration <= 0 or warmup < 0:
+        raise ConfigError(
+            f"--duration {duration} and --warmup {warmup} must be > 0 and >= 0 seconds"
+        )
+    for flag, value in (
+        ("--max-vus", max_vus),
+        ("--num-rates", num_rates),
+        ("--requests", requests),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
+    rate_list: list[float] = []
+    if rates:
+        try:
+            rate_list = [float(r) for r in rates.split(",") if r.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--rates {rates!r} is not a comma list of numbers", "e.g. --rates 1,2,4"
+            ) from None
+        if not rate_list or any(not 0 < r < float("inf") for r in rate_list):
+            raise ConfigError(f"--rates {rates!r} must list positive rates", "e.g. --rates 1,2,4")
+    if kind == "rate" and not rate_list:
+        raise ConfigError("--kind rate needs --rates", "e.g. --rates 1,2,4 (sessions per second)")
+    try:
+        slos = parse_slos(slo) if slo else {}
+    except ValueError as exc:
+        raise ConfigError(f"--slo: {exc}") from None
+    return rate_list, slos
+
+
+def build_workload(
+    name: str,
+    prompt_tokens: int | None,
+    decode_tokens: int | None,
+    tokenizer: Any,
+    requests: int,
+    seed: int,
+) -> tuple[Profile, list[Session]]:
+    """The profile `name` with --prompt-tokens/--decode-tokens applied, and its sessions."""
+    try:
+        profile = get_profile(name)
+    except ValueError as exc:
+        raise ConfigError(f"--profile: {exc}") from None
+    for flag, value in (("--prompt-tokens", prompt_tokens), ("--decode-tokens", decode_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
+    profile = profile.with_lengths(
+        prompt=LengthDistribution.fixed(prompt_tokens) if prompt_tokens else None,
+        decode=LengthDistribution.fixed(decode_tokens) if decode_tokens else None,
+    )
+    try:
+        return profile, build_sessions(profile, tokenizer, requests, seed)
+    except ValueError as exc:
+        raise TgisError(f"cannot build the prompts: {exc}", "try other --prompt-tokens") from None
+
+
+def load_compared(paths: tuple[Path, Path]) -> list[tuple[str, dict[str, Any]]]:
+    """The two results files of --compare, named by file name (by path when the names clash)."""
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append(read_results(path))
+        except (OSError, ValueError) as exc:
+            raise TgisError(f"--compare: cannot read {path}: {exc}") from None
+    names = [p.name for p in paths]
+    if names[0] == names[1]:
+        names = [str(p) for p in paths]
+    return list(zip(names, loaded, strict=True))
+
+
+def save(
+    console: Console,
+    output: Path | None,
+    plot: Path | None,
+    runs: list[tuple[str, dict[str, Any]]],
+    data: dict[str, Any] | None = None,
+) -> None:
+    """Write `data` to `output` (validated when jsonschema is installed) and `runs` to `plot`."""
+    if output is not None and data is not None:
+        # RuntimeError: jsonschema is not installed (the document is built to the schema anyway).
+        with contextlib.suppress(RuntimeError):
+            validate_results(data)
+        write_results(output, data)
+        console.print(f"results: {output}")
+    if plot is not None:
+        try:
+            from tgis.benchmark.plot import plot_results
+        except ImportError as exc:
+            raise TgisError(f"--plot needs matplotlib ({exc})", "pip install matplotlib") from None
+        plot_results(plot, runs)
+        console.print(f"plot: {plot}")

@@ -1,0 +1,145 @@
+"""Rich tables of benchmark results: one run's steps, and two runs compared step by step.
+
+    console.print(results_table(data))
+    console.print(compare_table(read_results("a.json"), read_results("b.json")))
+
+Compared steps are matched by position among the steps of the same kind (a sweep's rate steps
+depend on the throughput each run found, so their targets differ between runs); a ratio is
+B / A, so > 1 means B is larger (better for throughput, worse for latency).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+# (header, getter of one step summary) for the compare table.
+COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("output tok/s", ("output_tokens_per_s",)),
+    ("req/s", ("requests_per_s",)),
+    ("TTFT p50", ("ttft_s", "p50")),
+    ("TTFT p99", ("ttft_s", "p99")),
+    ("ITL p50", ("itl_s", "p50")),
+    ("ITL p99", ("itl_s", "p99")),
+    ("e2e p50", ("e2e_s", "p50")),
+)
+
+
+def target_label(step: dict[str, Any]) -> str:
+    """`8 users` for a throughput step, `2.50 req/s` for a rate step."""
+    if step["kind"] == "throughput":
+        return f"{int(step['target'])} users"
+    return f"{step['target']:.2f} req/s"
+
+
+def _get(step: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = step
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def results_table(data: dict[str, Any], title: str | None = None) -> Table:
+    """Per step: target, requests, errors, output tok/s, TTFT/ITL p50 and p99, e2e p50 (ms),
+    and goodput when SLOs were given."""
+    steps = data["steps"]
+    with_goodput = any(step.get("goodput") for step in steps)
+    config = data.get("config", {})
+    table = Table(
+        title=title
+        or f"tgis benchmark: {config.get('kind', '?')} on {config.get('url', '?')} "
+        f"({config.get('api', '?')}, profile {config.get('profile', {}).get('name', '?')})"
+    )
+    for header in ("step", "target", "requests", "errors", "output tok/s"):
+        table.add_column(header, justify="left" if header in ("step", "target") else "right")
+    for header in ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "e2e p50 ms"):
+        table.add_column(header, justify="right")
+    if with_goodput:
+        table.add_column("goodput", justify="right")
+    for index, step in enumerate(steps, start=1):
+        requests = step["requests"]
+        row = [
+            f"{index} {step['kind']}",
+            target_label(step),
+            str(requests["ok"]),
+            str(requests["failed"]),
+            f"{step['output_tokens_per_s']:.1f}",
+            _ms(_get(step, ("ttft_s", "p50"))),
+            _ms(_get(step, ("ttft_s", "p99"))),
+            _ms(_get(step, ("itl_s", "p50"))),
+            _ms(_get(step, ("itl_s", "p99"))),
+            _ms(_get(step, ("e2e_s", "p50"))),
+        ]
+        if with_goodput:
+            goodput = step.get("goodput")
+            row.append(
+                "-"
+                if not goodput
+                else f"{goodput['requests_per_s']:.2f}/s ({goodput['fraction']:.0%})"
+            )
+        table.add_row(*row)
+    return table
+
+
+def matched_steps(
+    a: dict[str, Any], b: dict[str, Any]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Pairs of steps of `a` and `b` with the same kind and position among that kind's steps."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for step in b["steps"]:
+        by_kind.setdefault(step["kind"], []).append(step)
+    seen: dict[str, int] = {}
+    pairs = []
+    for step in a["steps"]:
+        index = seen.get(step["kind"], 0)
+        seen[step["kind"]] = index + 1
+        others = by_kind.get(step["kind"], [])
+        if index < len(others):
+            pairs.append((step, others[index]))
+    return pairs
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a, or None when either is missing or a is 0."""
+    if a is None or b is None or a == 0:
+        return None
+    return b / a
+
+
+def _cell(a: float | None, b: float | None, latency: bool) -> str:
+    value = ratio(a, b)
+    if value is None:
+        return "-"
+    shown = (lambda v: _ms(v)) if latency else (lambda v: f"{v:.1f}")
+    better = value < 1 if latency else value > 1
+    colour = "green" if better and abs(value - 1) > 0.05 else "red" if abs(value - 1) > 0.05 else ""
+    text = f"{shown(a)} → {shown(b)} ({value:.2f}x)"
+    return f"[{colour}]{text}[/]" if colour else text
+
+
+def compare_table(
+    a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")
+) -> Table:
+    """Each matching step of `a` and `b`: every COMPARED metric as `A → B (B/A x)`; latencies in
+    ms. Green marks B better by more than 5 %, red worse."""
+    table = Table(title=f"tgis benchmark: {names[1]} / {names[0]} (ratio B/A)")
+    table.add_column("step")
+    table.add_column("target A → B")
+    for header, path in COMPARED:
+        table.add_column(header + (" ms" if len(path) > 1 else ""), justify="right")
+    pairs = matched_steps(a, b)
+    for index, (sa, sb) in enumerate(pairs, start=1):
+        cells = [
+            _cell(_get(sa, path), _get(sb, path), latency=len(path) > 1) for _, path in COMPARED
+        ]
+        table.add_row(f"{index} {sa['kind']}", f"{target_label(sa)} → {target_label(sb)}", *cells)
+    if not pairs:
+        table.caption = "no steps of the same kind to compare"
+    return table

@@ -1,0 +1,223 @@
+"""`tgis benchmark`: load-test a server speaking TGI's or OpenAI's API (see docs/benchmarking.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+TARGET = "Target"
+WORKLOAD = "Workload"
+LOAD = "Load"
+OUTPUT = "Output"
+
+
+def command(
+    url: Annotated[
+        str, typer.Option("--url", help="Base URL of the server.", rich_help_panel=TARGET)
+    ] = "http://127.0.0.1:3000",
+    api: Annotated[
+        str | None,
+        typer.Option(
+            "--api",
+            help="tgi, openai-chat or openai-completions.",
+            rich_help_panel=TARGET,
+            show_default="detected: /info -> tgi, else /v1/models -> openai-chat",
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key", help="Sent as `Authorization: Bearer KEY`.", rich_help_panel=TARGET
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="Tokenizer directory or cached model id to cut prompts with (never downloaded).",
+            rich_help_panel=TARGET,
+            show_default="the model_id of /info",
+        ),
+    ] = None,
+    profile: Annotated[
+        str,
+        typer.Option(
+            "--profile",
+            help="chat, code-generation, classification or fixed-length.",
+            rich_help_panel=WORKLOAD,
+        ),
+    ] = "chat",
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt-tokens",
+            help="Fixed prompt length (tokens per turn) instead of the profile's.",
+            rich_help_panel=WORKLOAD,
+        ),
+    ] = None,
+    decode_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--decode-tokens",
+            help="Fixed answer length (max_new_tokens) instead of the profile's.",
+            rich_help_panel=WORKLOAD,
+        ),
+    ] = None,
+    requests: Annotated[
+        int,
+        typer.Option(
+            "--requests", help="Sessions to prebuild (reused in turn).", rich_help_panel=WORKLOAD
+        ),
+    ] = 64,
+    seed: Annotated[
+        int,
+        typer.Option(
+            "--seed", help="Fixes prompts, lengths and arrivals.", rich_help_panel=WORKLOAD
+        ),
+    ] = 0,
+    kind: Annotated[
+        str,
+        typer.Option(
+            "--kind",
+            help="throughput (--max-vus closed-loop users), rate (--rates open-loop steps) or "
+            "sweep (throughput, then --num-rates rate steps up to it).",
+            rich_help_panel=LOAD,
+        ),
+    ] = "sweep",
+    duration: Annotated[
+        float,
+        typer.Option("--duration", help="Measured seconds per step.", rich_help_panel=LOAD),
+    ] = 30.0,
+    warmup: Annotated[
+        float,
+        typer.Option("--warmup", help="Unmeasured seconds before each step.", rich_help_panel=LOAD),
+    ] = 5.0,
+    max_vus: Annotated[
+        int,
+        typer.Option("--max-vus", help="Virtual users of throughput steps.", rich_help_panel=LOAD),
+    ] = 32,
+    rates: Annotated[
+        str | None,
+        typer.Option(
+            "--rates", help="Sessions per second of rate steps, e.g. 1,2,4.", rich_help_panel=LOAD
+        ),
+    ] = None,
+    num_rates: Annotated[
+        int, typer.Option("--num-rates", help="Rate steps of a sweep.", rich_help_panel=LOAD)
+    ] = 5,
+    slo: Annotated[
+        str | None,
+        typer.Option(
+            "--slo",
+            help="Goodput SLOs, e.g. ttft=500ms,itl=50ms (ttft, itl, tpot, e2e).",
+            rich_help_panel=LOAD,
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write the results JSON here.", rich_help_panel=OUTPUT),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot", help="Write a PNG plot of the results here.", rich_help_panel=OUTPUT
+        ),
+    ] = None,
+    compare: Annotated[
+        tuple[Path, Path] | None,
+        typer.Option(
+            "--compare",
+            help="Compare two results files (A B) instead of running; with --plot, plot both.",
+            rich_help_panel=OUTPUT,
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Load-test a running server through TGI's or OpenAI's streaming API and report
+    throughput, TTFT, ITL, end-to-end latency and goodput per step.
+
+    Prompts are cut from a fixed corpus with the server's own tokenizer, so their token counts
+    are exact. A live display shows each step; Ctrl-C stops and still writes what was measured.
+
+    [bold]Example[/]
+
+      tgis benchmark --url http://127.0.0.1:3000 --profile chat --kind sweep --duration 60 \\
+          --slo ttft=500ms,itl=50ms --output results.json --plot results.png
+      tgis benchmark --compare before.json after.json --plot compare.png
+    """
+    import asyncio
+
+    from rich.console import Console
+
+    from tgis.benchmark.cli_helpers import (
+        build_workload,
+        check_options,
+        load_compared,
+        save,
+    )
+    from tgis.benchmark.client import BenchmarkClient
+    from tgis.benchmark.metrics import summarize
+    from tgis.benchmark.report import compare_table, results_table
+    from tgis.benchmark.results import build_results
+    from tgis.benchmark.runner import BenchmarkRun
+    from tgis.benchmark.target import auth_headers, detect_target, load_tokenizer
+
+    console = Console()
+    if compare is not None:
+        (name_a, a), (name_b, b) = load_compared(compare)
+        console.print(compare_table(a, b, (name_a, name_b)))
+        if plot is not None:
+            save(console, None, plot, [(name_a, a), (name_b, b)])
+        return
+    rate_list, slos = check_options(
+        kind, rates, slo, duration, warmup, max_vus, num_rates, requests
+    )
+    target = detect_target(url, api, api_key)
+    tok, tokenizer_name = load_tokenizer(tokenizer, target.model_id)
+    chosen, sessions = build_workload(profile, prompt_tokens, decode_tokens, tok, requests, seed)
+    client = BenchmarkClient(
+        target.url,
+        api=target.api,  # type: ignore[arg-type]
+        model=target.model_id or "tgi",
+        headers=auth_headers(api_key),
+    )
+    run = BenchmarkRun(
+        client, sessions, kind, duration, warmup, max_vus, rate_list, num_rates, seed
+    )
+
+    async def main() -> None:
+        try:
+            await run.execute(Console(stderr=True))
+        finally:
+            await client.aclose()
+
+    interrupted = False
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        interrupted = True
+    config = {
+        "url": target.url,
+        "api": target.api,
+        "kind": kind,
+        "profile": chosen.to_dict(),
+        "seed": seed,
+        "model": target.model_id,
+        "tokenizer": tokenizer_name,
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "max_vus": max_vus,
+        "rates": rate_list,
+        "num_rates": num_rates,
+        "requests": requests,
+        "slos_s": slos,
+        "interrupted": interrupted,
+    }
+    data = build_results(config, [summarize(step, slos) for step in run.steps()])
+    console.print(results_table(data))
+    save(console, output, plot, [("run", data)], data)
+    if interrupted:
+        console.print("[yellow]interrupted[/]: the results cover the steps measured so far")
+        raise typer.Exit(130)
