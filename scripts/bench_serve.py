@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -105,58 +106,36 @@ class Result:
     wall: float = 0.0
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, new_tokens: int, res: Result
-) -> None:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": new_tokens,
-        "temperature": 0.0,
-        "stream": True,
-    }
-    start = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.errors += 1
-                await resp.aread()
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                choices = chunk.get("choices") or []
-                if not choices or not (choices[0].get("delta") or {}).get("content"):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft.append(now - start)
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.output_tokens += 1
-    except httpx.HTTPError:
-        res.errors += 1
-
-
 async def closed_loop(
     url: str, model: str, texts: list[str], streams: int, new_tokens: int
 ) -> Result:
-    """`streams` clients, each sending the next prompt as soon as its previous one finished."""
+    """`streams` clients, each sending the next prompt as soon as its previous one finished,
+    through tgis.benchmark's OpenAI chat client (token times taken from the stream)."""
+    from tgis.benchmark.client import BenchmarkClient
+    from tgis.benchmark.prompts import Turn
+
     res = Result()
     queue = list(texts)
-    limits = httpx.Limits(max_connections=streams + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    client = BenchmarkClient(url, api="openai-chat", model=model, request_timeout=600.0,
+                             stall_timeout=300.0, extra_parameters={"temperature": 0.0})  # fmt: skip
 
-        async def user() -> None:
-            while queue:
-                await one_request(client, url, model, queue.pop(0), new_tokens, res)
+    async def user() -> None:
+        while queue:
+            record = await client.send(Turn(queue.pop(0), 0, new_tokens))
+            if not record.ok or record.ttft is None:
+                res.errors += 1
+                continue
+            res.ttft.append(record.ttft)
+            times = record.token_times
+            res.itl.extend(b - a for a, b in itertools.pairwise(times))
+            res.output_tokens += record.output_tokens
 
-        start = time.perf_counter()
+    start = time.perf_counter()
+    try:
         await asyncio.gather(*(user() for _ in range(streams)))
-        res.wall = time.perf_counter() - start
+    finally:
+        await client.aclose()
+    res.wall = time.perf_counter() - start
     return res
 
 
