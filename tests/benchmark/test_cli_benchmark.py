@@ -152,3 +152,30 @@ def test_rate_kind_needs_rates(local_url: str) -> None:
     result = runner.invoke(app, ["benchmark", "--url", local_url, "--kind", "rate"])
     assert isinstance(result.exception, TgisError)
     assert "--rates" in str(result.exception)
+
+
+def test_ctrl_c_mid_run_still_writes_valid_results_and_exits_130(
+    local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt raised from the runner's per-record hook after a few records."""
+    from tgis.benchmark import runner as runner_module
+
+    original = runner_module._Current.add
+
+    def add(self: Any, record: Any) -> None:
+        original(self, record)
+        if len(self.records) >= 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_module._Current, "add", add)
+    out = tmp_path / "r.json"
+    result = runner.invoke(
+        app,
+        ["benchmark", "--url", local_url, "--kind", "throughput", "--max-vus", "1", *SMALL,
+         "--duration", "5", "--warmup", "0", "--requests", "4", "--output", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 130, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["interrupted"] is True
+    assert len(data["steps"]) == 1 and data["steps"][0]["requests"]["ok"] >= 1

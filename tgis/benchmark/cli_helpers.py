@@ -116,8 +116,11 @@ def save(
         console.print(f"results: {output}")
     if plot is not None:
         try:
-            from tgis.benchmark.plot import plot_results
+            from tgis.benchmark.plot import plot_engine, plot_results
         except ImportError as exc:
             raise TgisError(f"--plot needs matplotlib ({exc})", "pip install matplotlib") from None
-        plot_results(plot, runs)
+        if len(runs) == 1 and "engine_steps" in runs[0][1]:
+            plot_engine(plot, runs[0][1])
+        else:
+            plot_results(plot, runs)
         console.print(f"plot: {plot}")

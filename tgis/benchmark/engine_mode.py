@@ -47,7 +47,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def default_device() -> str:
-    """"cuda" when torch sees a GPU, else "cpu"."""
+    """The device to run on: "cuda" when torch sees a GPU, else "cpu"."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,9 +174,9 @@ class EngineBenchmark:
         try:
             start = time.perf_counter()
             logits = self.backend.prefill(items).last
+            started = ids
             tokens = logits.argmax(dim=-1).tolist()  # .tolist() waits for the device
             prefill_s = time.perf_counter() - start
-            started = ids
             for _ in range(self.decode_tokens):
                 start = time.perf_counter()
                 tokens = self.backend.decode(ids, tokens).argmax(dim=-1).tolist()
@@ -187,3 +187,57 @@ class EngineBenchmark:
         if measure is not None:
             measure.prefill.append(prefill_s)
             measure.decode.extend(decode_s)
+
+
+def run_engine(
+    model_id: str,
+    batch_sizes: Sequence[int],
+    prompt_tokens: int,
+    decode_tokens: int,
+    runs: int,
+    dtype: str | None,
+    seed: int,
+    console: Console | None = None,
+) -> tuple[dict[str, Any], bool]:
+    """Load `model_id` (a directory or cached id) and measure it; returns the results document
+    and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
+    from tgis.benchmark.results import build_results
+    from tgis.hub import resolve_model_dir
+
+    for flag, value in (
+        ("--prompt-tokens", prompt_tokens),
+        ("--decode-tokens", decode_tokens),
+        ("--runs", runs),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be at least 1")
+    model_dir = resolve_model_dir(model_id)
+    device = default_device()
+    backend = load_backend(model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens)
+    bench = EngineBenchmark(
+        backend,
+        batch_sizes,
+        prompt_tokens,
+        decode_tokens,
+        runs,
+        seed,
+        avoid_ids=special_token_ids(model_dir),
+    )
+    interrupted = False
+    try:
+        bench.execute(console)
+    except KeyboardInterrupt:
+        interrupted = True
+    config = {
+        "mode": "engine",
+        "model": model_id,
+        "device": device,
+        "dtype": dtype,
+        "batch_sizes": list(batch_sizes),
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "seed": seed,
+        "interrupted": interrupted,
+    }
+    return build_results(config, [], engine_steps=bench.summaries()), interrupted

@@ -80,3 +80,38 @@ def plot_results(path: str | Path, runs: Sequence[tuple[str, dict[str, Any]]]) -
     figure.savefig(out, format="png", dpi=100)
     plt.close(figure)
     return out
+
+
+def plot_engine(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write the PNG of an in-process run: prefill and decode-step latency (p50, p90, p99) and
+    throughput, each against batch size; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = data.get("engine_steps", [])
+    batches = [s["batch_size"] for s in steps]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8), layout="constrained")
+    for column, (phase, name) in enumerate((("prefill", "Prefill"), ("decode", "Decode step"))):
+        ax_lat, ax_tp = axes[0][column], axes[1][column]
+        for q in LATENCY_PERCENTILES:
+            ax_lat.plot(
+                batches,
+                [_ms(s, f"{phase}_latency_s", q) for s in steps],
+                _STYLES[q],
+                marker="o",
+                label=q,
+            )
+        ax_tp.plot(batches, [s[f"{phase}_tokens_per_s"] for s in steps], "o-")
+        ax_lat.set(title=f"{name} latency", xlabel="batch size", ylabel="ms")
+        ax_tp.set(title=f"{name} throughput", xlabel="batch size", ylabel="tokens/s")
+        ax_lat.legend(fontsize=8)
+        for ax in (ax_lat, ax_tp):
+            ax.set_xticks(batches)
+            ax.grid(True, alpha=0.3)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png", dpi=100)
+    plt.close(figure)
+    return out

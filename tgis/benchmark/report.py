@@ -143,3 +143,33 @@ def compare_table(
     if not pairs:
         table.caption = "no steps of the same kind to compare"
     return table
+
+
+def engine_table(data: dict[str, Any]) -> Table:
+    """Per batch size of an in-process run, one row each for prefill and for a decode step:
+    latency mean, p50, p90, p99 (ms) and throughput (tokens/s), as TGI's
+    text-generation-benchmark shows them."""
+    config = data.get("config", {})
+    table = Table(
+        title=f"tgis benchmark --engine: {config.get('model', '?')} on "
+        f"{config.get('device', '?')} (prompt {config.get('prompt_tokens', '?')}, "
+        f"decode {config.get('decode_tokens', '?')} tokens)"
+    )
+    table.add_column("batch", justify="right")
+    table.add_column("phase")
+    for q in ("mean", "p50", "p90", "p99"):
+        table.add_column(f"{q} ms", justify="right")
+    table.add_column("tok/s", justify="right")
+    for step in data.get("engine_steps", []):
+        for phase, name in (("prefill", "prefill"), ("decode", "decode step")):
+            table.add_row(
+                str(step["batch_size"]) if phase == "prefill" else "",
+                name,
+                *[
+                    _ms(_get(step, (f"{phase}_latency_s", q)))
+                    for q in ("mean", "p50", "p90", "p99")
+                ],
+                f"{step[f'{phase}_tokens_per_s']:.1f}",
+                end_section=phase == "decode",
+            )
+    return table

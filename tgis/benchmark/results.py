@@ -1,5 +1,9 @@
 """The results file of `tgis benchmark`: config, system, per-step metrics (schema version 1).
 
+An in-process run (`--engine`) has a config with `mode: "engine"`, no `steps` and an
+`engine_steps` array (prefill and decode timings per batch size): both fields added within
+version 1, so older files still validate.
+
     data = build_results(config, [summarize(step, slos) for step in steps])
     validate_results(data)          # ValueError naming the offending field (needs jsonschema)
     write_results(path, data)
@@ -81,6 +85,64 @@ _STEP = {
         },
     },
 }
+_ENGINE_STEP = {
+    "type": "object",
+    "required": [
+        "batch_size",
+        "runs",
+        "prompt_tokens",
+        "decode_tokens",
+        "prefill_latency_s",
+        "prefill_tokens_per_s",
+        "decode_latency_s",
+        "decode_tokens_per_s",
+    ],
+    "properties": {
+        "batch_size": {"type": "integer", "minimum": 1},
+        "runs": _COUNT,
+        "prompt_tokens": _COUNT,
+        "decode_tokens": _COUNT,
+        "prefill_latency_s": _DISTRIBUTION,
+        "prefill_tokens_per_s": _NUMBER,
+        "decode_latency_s": _DISTRIBUTION,
+        "decode_tokens_per_s": _NUMBER,
+    },
+}
+_HTTP_CONFIG = {
+    "type": "object",
+    "required": ["url", "api", "kind", "profile", "seed"],
+    "properties": {
+        "url": {"type": "string"},
+        "api": {"enum": ["tgi", "openai-chat", "openai-completions"]},
+        "kind": {"enum": ["throughput", "rate", "sweep"]},
+        "profile": {"type": "object", "required": ["name", "prompt", "decode", "turns"]},
+        "seed": {"type": "integer"},
+    },
+}
+_ENGINE_CONFIG = {
+    "type": "object",
+    "required": [
+        "mode",
+        "model",
+        "device",
+        "batch_sizes",
+        "prompt_tokens",
+        "decode_tokens",
+        "runs",
+        "seed",
+    ],
+    "properties": {
+        "mode": {"const": "engine"},
+        "model": {"type": "string"},
+        "device": {"type": "string"},
+        "dtype": {"type": ["string", "null"]},
+        "batch_sizes": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+        "prompt_tokens": {"type": "integer", "minimum": 1},
+        "decode_tokens": {"type": "integer", "minimum": 1},
+        "runs": {"type": "integer", "minimum": 1},
+        "seed": {"type": "integer"},
+    },
+}
 RESULTS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "tgis benchmark results",
@@ -94,16 +156,15 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "properties": {"name": {"type": "string"}, "version": {"type": "string"}},
         },
         "created_at": {"type": "string"},
+        # A load test of a server, or (`mode: engine`) an in-process run of a backend.
         "config": {
-            "type": "object",
-            "required": ["url", "api", "kind", "profile", "seed"],
-            "properties": {
-                "url": {"type": "string"},
-                "api": {"enum": ["tgi", "openai-chat", "openai-completions"]},
-                "kind": {"enum": ["throughput", "rate", "sweep"]},
-                "profile": {"type": "object", "required": ["name", "prompt", "decode", "turns"]},
-                "seed": {"type": "integer"},
+            "if": {
+                "type": "object",
+                "required": ["mode"],
+                "properties": {"mode": {"const": "engine"}},
             },
+            "then": _ENGINE_CONFIG,
+            "else": _HTTP_CONFIG,
         },
         "system": {
             "type": "object",
@@ -118,6 +179,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
             },
         },
         "steps": {"type": "array", "items": _STEP},
+        # Optional: per batch size, the prefill and decode timings of `tgis benchmark --engine`.
+        "engine_steps": {"type": "array", "items": _ENGINE_STEP},
     },
 }
 
@@ -161,10 +224,14 @@ def system_info() -> dict[str, Any]:
 
 
 def build_results(
-    config: dict[str, Any], steps: list[dict[str, Any]], system: dict[str, Any] | None = None
+    config: dict[str, Any],
+    steps: list[dict[str, Any]],
+    system: dict[str, Any] | None = None,
+    engine_steps: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The results document: `config` as run, `system` (default: this machine), step summaries."""
-    return {
+    """The results document: `config` as run, `system` (default: this machine), step summaries
+    (and the `engine_steps` of an in-process run, when given)."""
+    data: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "tgis benchmark", "version": tgis.__version__},
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -172,6 +239,9 @@ def build_results(
         "system": system_info() if system is None else system,
         "steps": steps,
     }
+    if engine_steps is not None:
+        data["engine_steps"] = engine_steps
+    return data
 
 
 def validate_results(data: Any) -> None:

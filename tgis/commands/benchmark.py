@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,6 +11,9 @@ TARGET = "Target"
 WORKLOAD = "Workload"
 LOAD = "Load"
 OUTPUT = "Output"
+ENGINE = "In-process (--engine)"
+ENGINE_PROMPT_TOKENS = 128
+ENGINE_DECODE_TOKENS = 16
 
 
 def command(
@@ -125,6 +128,39 @@ def command(
             "--plot", help="Write a PNG plot of the results here.", rich_help_panel=OUTPUT
         ),
     ] = None,
+    engine: Annotated[
+        bool,
+        typer.Option(
+            "--engine",
+            help="Drive the backend in-process (no server): prefill and decode per batch size.",
+            rich_help_panel=ENGINE,
+        ),
+    ] = False,
+    model_id: Annotated[
+        str | None,
+        typer.Option(
+            "--model-id", help="Model directory or cached id of --engine.", rich_help_panel=ENGINE
+        ),
+    ] = None,
+    batch_sizes: Annotated[
+        str,
+        typer.Option("--batch-sizes", help="Batch sizes of --engine.", rich_help_panel=ENGINE),
+    ] = "1,2,4,8",
+    runs: Annotated[
+        int,
+        typer.Option(
+            "--runs", help="Measured runs per batch size of --engine.", rich_help_panel=ENGINE
+        ),
+    ] = 5,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="float32, float16 or bfloat16 for --engine.",
+            rich_help_panel=ENGINE,
+            show_default="the model's (float32 on CPUs without bf16)",
+        ),
+    ] = None,
     compare: Annotated[
         tuple[Path, Path] | None,
         typer.Option(
@@ -146,6 +182,8 @@ def command(
       tgis benchmark --url http://127.0.0.1:3000 --profile chat --kind sweep --duration 60 \\
           --slo ttft=500ms,itl=50ms --output results.json --plot results.png
       tgis benchmark --compare before.json after.json --plot compare.png
+      tgis benchmark --engine --model-id MODEL --batch-sizes 1,2,4,8 --prompt-tokens 128 \\
+          --decode-tokens 16 --runs 5 --output engine.json --plot engine.png
     """
     import asyncio
 
@@ -170,6 +208,12 @@ def command(
         console.print(compare_table(a, b, (name_a, name_b)))
         if plot is not None:
             save(console, None, plot, [(name_a, a), (name_b, b)])
+        return
+    if engine:
+        _engine(
+            console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
+            dtype, seed,
+        )  # fmt: skip
         return
     rate_list, slos = check_options(
         kind, rates, slo, duration, warmup, max_vus, num_rates, requests
@@ -220,4 +264,43 @@ def command(
     save(console, output, plot, [("run", data)], data)
     if interrupted:
         console.print("[yellow]interrupted[/]: the results cover the steps measured so far")
+        raise typer.Exit(130)
+
+
+def _engine(
+    console: Any,
+    output: Path | None,
+    plot: Path | None,
+    model_id: str | None,
+    batch_sizes: str,
+    prompt_tokens: int | None,
+    decode_tokens: int | None,
+    runs: int,
+    dtype: str | None,
+    seed: int,
+) -> None:
+    """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
+    from rich.console import Console
+
+    from tgis.benchmark.cli_helpers import save
+    from tgis.benchmark.engine_mode import parse_batch_sizes, run_engine
+    from tgis.benchmark.report import engine_table
+    from tgis.errors import ConfigError
+
+    if not model_id:
+        raise ConfigError("--engine needs --model-id", "e.g. --engine --model-id ./my-model")
+    data, interrupted = run_engine(
+        model_id,
+        parse_batch_sizes(batch_sizes),
+        prompt_tokens or ENGINE_PROMPT_TOKENS,
+        decode_tokens or ENGINE_DECODE_TOKENS,
+        runs,
+        dtype,
+        seed,
+        Console(stderr=True),
+    )
+    console.print(engine_table(data))
+    save(console, output, plot, [("engine", data)], data)
+    if interrupted:
+        console.print("[yellow]interrupted[/]: the results cover the batch sizes measured so far")
         raise typer.Exit(130)

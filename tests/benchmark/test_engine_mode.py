@@ -1,0 +1,110 @@
+"""`tgis benchmark --engine`: the demo model driven in-process, its table, results and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tgis.benchmark.engine_mode import EngineBenchmark, load_backend, parse_batch_sizes
+from tgis.benchmark.results import validate_results
+from tgis.cli import app
+from tgis.errors import ConfigError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+TINY = ["--batch-sizes", "1,2", "--prompt-tokens", "16", "--decode-tokens", "4", "--runs", "2"]
+runner = CliRunner()
+
+
+def test_engine_mode_prints_the_table_and_writes_valid_results_and_a_png(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    out, png = tmp_path / "e.json", tmp_path / "e.png"
+    result = runner.invoke(
+        app,
+        ["benchmark", "--engine", "--model-id", str(demo_model_dir), *TINY,
+         "--output", str(out), "--plot", str(png)],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "decode step" in result.output and "p99 ms" in result.output
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["mode"] == "engine" and data["config"]["interrupted"] is False
+    assert data["steps"] == []
+    steps = data["engine_steps"]
+    assert [s["batch_size"] for s in steps] == [1, 2]
+    for step in steps:
+        assert step["runs"] == 2
+        for phase in ("prefill", "decode"):
+            latency = step[f"{phase}_latency_s"]
+            assert 0 < latency["p50"] <= latency["p99"]
+            assert latency["mean"] > 0 and step[f"{phase}_tokens_per_s"] > 0
+        batch, decode_mean = step["batch_size"], step["decode_latency_s"]["mean"]
+        assert step["decode_tokens_per_s"] == pytest.approx(batch / decode_mean)
+        prefill_mean = step["prefill_latency_s"]["mean"]
+        assert step["prefill_tokens_per_s"] == pytest.approx(batch * 16 / prefill_mean)
+    assert png.read_bytes().startswith(PNG)
+
+
+def test_runs_release_their_sequences_and_count_one_sample_per_decode_step(
+    demo_model_dir: Path,
+) -> None:
+    backend = load_backend(demo_model_dir, "cpu", None, 3, 8, 3)
+    bench = EngineBenchmark(backend, [3], 8, 3, runs=2, warmups=1, avoid_ids={0, 1, 2})
+    bench.execute()
+    assert backend.running == 0  # type: ignore[attr-defined]
+    measure = bench.measures[0]
+    assert len(measure.prefill) == 2 and len(measure.decode) == 2 * 3
+    assert not {0, 1, 2} & set(bench.token_pool)
+
+
+def test_an_interrupted_engine_run_keeps_what_it_measured(
+    demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = EngineBenchmark.run_once
+
+    def run_once(self: EngineBenchmark, batch: int, measure: object) -> None:
+        if batch == 2:
+            raise KeyboardInterrupt
+        original(self, batch, measure)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EngineBenchmark, "run_once", run_once)
+    out = tmp_path / "e.json"
+    result = runner.invoke(
+        app, ["benchmark", "--engine", "--model-id", str(demo_model_dir), *TINY, "-o", str(out)]
+    )
+    assert result.exit_code == 130, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["interrupted"] is True
+    assert [s["batch_size"] for s in data["engine_steps"]] == [1]
+
+
+@pytest.mark.parametrize("text", ["", "0,1", "a,2", "-1"])
+def test_bad_batch_sizes_name_the_flag(text: str) -> None:
+    with pytest.raises(ConfigError, match="--batch-sizes"):
+        parse_batch_sizes(text)
+
+
+def test_engine_needs_a_model_id() -> None:
+    result = runner.invoke(app, ["benchmark", "--engine"])
+    assert isinstance(result.exception, ConfigError)
+    assert "--model-id" in str(result.exception)
+
+
+def test_engine_results_name_their_bad_fields(demo_model_dir: Path) -> None:
+    from tgis.benchmark.engine_mode import run_engine
+
+    data, interrupted = run_engine(str(demo_model_dir), [1], 4, 2, 1, None, 0)
+    assert not interrupted
+    validate_results(data)
+    del data["config"]["device"]
+    with pytest.raises(ValueError, match="at config: 'device'"):
+        validate_results(data)
+    data["config"]["device"] = "cpu"
+    data["engine_steps"][0]["batch_size"] = 0
+    with pytest.raises(ValueError, match="engine_steps/0/batch_size"):
+        validate_results(data)
