@@ -42,6 +42,9 @@ format: install
 
 bench: install .venv-peer/.installed
 	$(PY) scripts/bench_serve.py --workdir $(or $(BENCH_DIR),/tmp/tgis-bench) --output bench-results.json
+	$(VENV)/bin/tgis benchmark --engine --model-id $(or $(BENCH_DIR),/tmp/tgis-bench)/smollm2-135m-random \
+		--batch-sizes 1,4,16,32 --prompt-tokens 100 --decode-tokens 16 --runs 3 \
+		--output bench-engine.json --plot bench-engine.png
 
 # Re-train the bundled demo model (about 20 minutes on 2 cores).
 demo-model: install
