@@ -1,0 +1,77 @@
+"""`tgis benchmark` against the real server: the bundled demo model on the cpu engine, every
+profile and every kind for a short while, with no request failing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.server.conftest import live_server
+from tgis.benchmark.results import validate_results
+from tgis.cli import app
+from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+from tgis.hub import read_model_config
+from tgis.launch import build_service
+from tgis.server import ModelInfo, create_app
+
+runner = CliRunner()
+# Lengths small enough for the demo model's 1024-token context over a chat's three turns.
+SMALL = ["--prompt-tokens", "24", "--decode-tokens", "6", "--requests", "6", "--seed", "3"]
+SHORT = ["--duration", "0.8", "--warmup", "0.2"]
+
+
+@pytest.fixture(scope="module")
+def url(demo_model_dir: Path) -> Iterator[str]:
+    facts = ModelFacts.from_config(*read_model_config(demo_model_dir))
+    args = LauncherArgs(max_total_tokens=512, max_batch_size=8, backend="cpu")
+    config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
+    service = build_service(config, demo_model_dir)
+    info = ModelInfo.from_config(config, max_batch_total_tokens=service.kv_tokens)
+    try:
+        with live_server(create_app(service.engine, service.tokenizer, config, info)) as (base, _):
+            yield base
+    finally:
+        service.engine.stop()
+
+
+def run(url: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "results.json"
+    result = runner.invoke(app, ["benchmark", "--url", url, *args, "--output", str(out)],
+                           env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    validate_results(data)
+    return data
+
+
+@pytest.mark.parametrize("profile", ["chat", "code-generation", "classification", "fixed-length"])
+def test_each_profile_runs_clean(url: str, tmp_path: Path, profile: str) -> None:
+    data = run(
+        url,
+        tmp_path,
+        "--profile",
+        profile,
+        "--kind",
+        "throughput",
+        "--max-vus",
+        "2",
+        *SMALL,
+        *SHORT,
+    )
+    (step,) = data["steps"]
+    assert step["requests"]["ok"] > 0 and step["errors"] == {}
+    assert data["config"]["api"] == "tgi"  # detected from /info
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [("rate", ["--rates", "2"]), ("sweep", ["--max-vus", "2", "--num-rates", "2"])],
+)
+def test_open_loop_kinds(url: str, tmp_path: Path, kind: str, extra: list[str]) -> None:
+    data = run(url, tmp_path, "--profile", "fixed-length", "--kind", kind, *extra, *SMALL, *SHORT)
+    assert data["steps"] and all(step["errors"] == {} for step in data["steps"])
+    assert sum(step["requests"]["ok"] for step in data["steps"]) > 0
