@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -81,20 +80,11 @@ def prompts(model_dir: Path, count: int, tokens: int, seed: int) -> list[str]:
     """`count` prompts of exactly `tokens` tokens, cut from the standard library's source."""
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train_demo_model import corpus_files
+    from tgis.benchmark.prompts import load_corpus, make_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rng = random.Random(seed)
-    files = corpus_files()
-    out = []
-    while len(out) < count:
-        ids = tok(rng.choice(files).read_text(errors="replace"))["input_ids"]
-        if len(ids) <= tokens:
-            continue
-        start = rng.randrange(0, len(ids) - tokens)
-        out.append(tok.decode(ids[start : start + tokens]))
-    return out
+    rng, corpus = random.Random(seed), load_corpus()
+    return [make_prompt(tok, tokens, rng, corpus) for _ in range(count)]
 
 
 @dataclass
@@ -140,13 +130,9 @@ async def closed_loop(
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-        if len(values) > 1
-        else values[0]
-    )
+    from tgis.benchmark.metrics import percentile
+
+    return percentile(values, q) if values else float("nan")
 
 
 def peak_rss_mb(pid: int) -> float:

@@ -32,18 +32,9 @@ Step = Callable[[], object]
 
 
 def smollm2_shaped(dtype: torch.dtype) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
+    from bench_serve import SMOLLM2_135M  # the shape make bench serves (scripts/ is on sys.path)
+
+    config = LlamaConfig(**{**SMOLLM2_135M, "max_position_embeddings": 8192}, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(dtype).eval()
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tgis.engine.backend import Backend, PrefillItem
+from tgis.engine.detokenize import special_ids
 from tgis.engine.live import LiveSequence, RequestHandle
 from tgis.engine.sampling import SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
@@ -45,7 +46,8 @@ class Engine:
         self.scheduler = Scheduler(limits)
         self.max_concurrent_requests = max_concurrent_requests
         self.eos_token_ids = tuple(eos_token_ids)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # Computed once: every sequence checks its tokens against it.
+        self.special_ids = special_ids(tokenizer)
         self.observer = observer
         self._inbox: queue.SimpleQueue[tuple[str, RequestHandle | None]] = queue.SimpleQueue()
         self._live: dict[int, LiveSequence] = {}
@@ -147,7 +149,7 @@ class Engine:
                 request.arrival,
                 index,
             )
-            live = LiveSequence(seq, handle, self.tokenizer, self.eos_token_ids)
+            live = LiveSequence(seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids)
             self._live[seq.seq_id] = live
             handle.sequences.append(live)
             seqs.append(seq)

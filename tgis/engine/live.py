@@ -68,7 +68,12 @@ class LiveSequence:
     """One sequence being generated: its sampling row, text stream and collected details."""
 
     def __init__(
-        self, seq: SchedSeq, handle: RequestHandle, tokenizer: Any, eos_token_ids: Sequence[int]
+        self,
+        seq: SchedSeq,
+        handle: RequestHandle,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        special_ids: frozenset[int],
     ) -> None:
         request = handle.request
         self.seq = seq
@@ -77,7 +82,7 @@ class LiveSequence:
         self.params = request.params
         self.row = SamplingRow(self.params, request.input_ids, seed=handle.seed_for(seq.index))
         self.text = TextStream(tokenizer, self.params, eos_token_ids, request.input_ids)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.special_ids = special_ids
         # Details are kept when asked, and for best_of, whose best candidate is chosen by them.
         self.keep_details = self.params.details or handle.candidates > 1
         self.last_token = -1
