@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tests.backends.conftest import (
     greedy_reference,
     make_backend,
 )
+from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
 from tests.factories import make_model_dir, tiny_model
 from tgis.backends import torch_dynamic
 from tgis.backends.hf_forward import HFForward, pad_groups
@@ -119,19 +119,6 @@ def test_padding_groups_bound_the_waste() -> None:
     assert pad_groups([7, 2, 13], 10.0) == [[2, 0, 1]]
 
 
-def alone_run(
-    backend: TorchDynamicBackend, prompt: tuple[int, ...], new_tokens: int
-) -> tuple[list[int], list[torch.Tensor]]:
-    """Tokens and the logits that chose them, for `prompt` alone in `backend`."""
-    logits = [backend.prefill([PrefillItem(0, prompt)]).last[0]]
-    tokens = [int(logits[0].argmax())]
-    for _ in range(new_tokens - 1):
-        logits.append(backend.decode([0], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    backend.release(0)
-    return tokens, logits
-
-
 @pytest.mark.parametrize(
     ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("bloom", None)]
 )
@@ -142,38 +129,13 @@ def test_continuous_batching_is_invisible_to_each_sequence(
     decoded in shuffled order (sometimes only a subset): each gets the tokens and logits it
     gets alone."""
     model = tiny_lm(variant)
-    rng = random.Random(7)
-    prompts = [tuple(rng.randrange(4, 256) for _ in range(rng.randint(1, 20))) for _ in range(16)]
-    budgets = [rng.randint(3, 12) for _ in range(16)]
+    prompts, budgets = random_prompts(16, seed=7, vocab=256)
     solo = make_backend(model, max_sequences=1, native=native)
     alone = [alone_run(solo, p, n) for p, n in zip(prompts, budgets, strict=True)]
 
     backend = make_backend(model, max_sequences=16, native=native)
     joins = {0: range(0, 5), 2: range(5, 9), 3: range(9, 10), 6: range(10, 16)}
-    tokens: dict[int, list[int]] = {}
-    logits: dict[int, list[torch.Tensor]] = {}
-    released: set[int] = set()
-    step = 0
-    while step <= max(joins) or len(released) < 16:
-        for seq_id, seq in tokens.items():
-            if len(seq) == budgets[seq_id] and seq_id not in released:
-                backend.release(seq_id)
-                released.add(seq_id)
-        running = sorted(tokens.keys() - released)
-        if step % 4 == 3 and len(running) > 2:
-            running = running[1::2]  # a subset that is not the slot prefix: the gather path
-        rng.shuffle(running)
-        if running:
-            out = backend.decode(running, [tokens[s][-1] for s in running])
-            for seq_id, row in zip(running, out, strict=True):
-                logits[seq_id].append(row)
-                tokens[seq_id].append(int(row.argmax()))
-        new = list(joins.get(step, ()))
-        if new:
-            out = backend.prefill([PrefillItem(s, prompts[s]) for s in new])
-            for seq_id, row in zip(new, out.last, strict=True):
-                logits[seq_id], tokens[seq_id] = [row], [int(row.argmax())]
-        step += 1
+    tokens, logits = staggered_greedy(backend, prompts, budgets, joins)
     assert backend.running == 0
     for seq_id in range(16):
         assert tokens[seq_id] == alone[seq_id][0], f"sequence {seq_id}"

@@ -1,0 +1,314 @@
+"""The static batch shared by the tpu, neuron and gaudi backends (seeds 000, 002, 003).
+
+One internal batch of `batch_size` slots x `max_length` positions lives on the device. A new
+request takes the lowest free slot at prefill; decode steps run a fixed number of rows (every
+slot on tpu/neuron, a bucket on gaudi); a finished request frees its slot. From the client's
+view this is ordinary continuous batching with token streaming: the engine and its sampling
+(greedy, multinomial with the usual warpers) are the same as on every backend.
+
+Two prefill modes (ShapePolicy.prefill_mode):
+- "rebuild": each prefill recomputes the KV cache of every slot from its tokens (prompt plus
+  tokens fed so far), as seeds 000 and 002 describe. Simple for a device model that can only
+  prefill a whole batch; each prefill costs a forward over all running sequences.
+- "insert": each prefill runs only the new prompts into their slots; the running sequences'
+  KV stays. Needs a device model that writes given cache rows (ours and Neuron's continuous
+  batching do). Both modes give the same greedy tokens (tests/backends/test_static_batch.py).
+
+The device-specific parts are two small interfaces: a `StaticModel` (runs a padded prefill into
+given rows, a decode over rows [0, n)) and `DeviceOps` (where inputs go, how a step ends).
+Shapes come from the `ShapePolicy` (buckets.py); so does the warmup plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tgis.backends.buckets import Shape, ShapePolicy
+from tgis.engine.backend import BackendCapacity, PrefillItem, PrefillOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StaticModel(Protocol):
+    """A model with a static KV cache of `batch_size` (+ scratch) rows on a device."""
+
+    vocab_size: int
+    kv_bytes_per_token: int
+
+    def prefill_static(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        rows: torch.Tensor,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """input_ids [b, L] right-padded from position 0, lengths [b], rows [b] (the scratch
+        row for padding) -> logits [b, vocab] at each last token ([b, L, vocab] with
+        all_logits)."""
+        ...
+
+    def decode_static(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: int
+    ) -> torch.Tensor:
+        """One token per cache row [0, rows) at `positions` -> logits [rows, vocab]."""
+        ...
+
+
+class DeviceOps(Protocol):
+    """How step inputs reach the device and how a step ends there."""
+
+    name: str
+    device: torch.device
+
+    def sync(self) -> None:
+        """End the step: execute what was traced (XLA's mark_step, HPU's mark_step)."""
+        ...
+
+    def compilations(self) -> int:
+        """Graphs compiled so far in this process (0 where the device does not compile)."""
+        ...
+
+
+class EagerOps:
+    """Plain torch on a CPU (or any eager device): nothing to sync, nothing compiled."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.name = self.device.type
+
+    def sync(self) -> None:
+        """Eager ops have already run."""
+
+    def compilations(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class ShapeTiming:
+    """One warmup shape: wall seconds and the graphs it compiled."""
+
+    shape: Shape
+    seconds: float
+    compiled: int
+
+
+class StaticBatchBackend:
+    """Implements `Backend` over a `StaticModel`; see the module doc."""
+
+    def __init__(
+        self,
+        model: StaticModel,
+        policy: ShapePolicy,
+        ops: DeviceOps,
+        name: str,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.model, self.policy, self.ops = model, policy, ops
+        self.name = name
+        self.device = str(ops.device)
+        self.vocab_size = model.vocab_size
+        self.pad_token_id = pad_token_id
+        size = policy.batch_size
+        self._capacity = BackendCapacity(
+            max_sequences=size,
+            max_sequence_tokens=policy.max_length,
+            kv_tokens=size * policy.max_length,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+        )
+        self._row_of: dict[int, int] = {}
+        # Per slot: the tokens its KV cache holds (prompt + tokens fed by decode), or None.
+        self._tokens: list[list[int] | None] = [None] * size
+        # Materialize what loading left pending (cache zeros, rope tables): otherwise the first
+        # step's graph would include it and differ from the same bucket's later steps.
+        ops.sync()
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        """batch_size slots of max_length tokens: fixed by the static shape."""
+        return self._capacity
+
+    @property
+    def running(self) -> int:
+        """Sequences holding a slot."""
+        return len(self._row_of)
+
+    def slot_of(self, seq_id: int) -> int:
+        """The slot (cache row) `seq_id` occupies."""
+        return self._row_of[seq_id]
+
+    def _free_rows(self) -> list[int]:
+        return [row for row, tokens in enumerate(self._tokens) if tokens is None]
+
+    def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.ops.device)
+
+    def _check_prefill(self, items: Sequence[PrefillItem]) -> None:
+        free = len(self._free_rows())
+        if len(items) > free:
+            raise ValueError(
+                f"prefill of {len(items)} sequences but only {free} of "
+                f"{self.policy.batch_size} static slots are free"
+            )
+        ids = [item.seq_id for item in items]
+        if len(set(ids)) != len(ids) or any(i in self._row_of for i in ids):
+            raise ValueError(f"prefill seq_ids {ids} repeat or are already running")
+        longest = self.policy.prefill_lengths[-1]
+        for item in items:
+            if not 0 < len(item.input_ids) <= longest:
+                raise ValueError(
+                    f"sequence {item.seq_id}: prompt of {len(item.input_ids)} tokens, must be "
+                    f"1..{longest} (the longest prefill bucket of {self.policy.batch_size} x "
+                    f"{self.policy.max_length})"
+                )
+            if min(item.input_ids) < 0 or max(item.input_ids) >= self.vocab_size:
+                raise ValueError(
+                    f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
+                )
+
+    def _run_prefill(
+        self, sequences: Sequence[Sequence[int]], rows: Sequence[int], all_logits: bool
+    ) -> torch.Tensor:
+        """Pad `sequences` (for `rows`) to the step's bucket, run it, return host logits."""
+        length = self.policy.length_bucket(max(len(s) for s in sequences))
+        batch = self.policy.prefill_batch(len(sequences))
+        scratch = self.policy.batch_size
+        padded = [list(s) + [self.pad_token_id] * (length - len(s)) for s in sequences]
+        padded += [[self.pad_token_id] * length] * (batch - len(sequences))
+        lengths = [len(s) for s in sequences] + [1] * (batch - len(sequences))
+        all_rows = list(rows) + [scratch] * (batch - len(sequences))
+        logits = self.model.prefill_static(
+            self._tensor(padded), self._tensor(lengths), self._tensor(all_rows), all_logits
+        )
+        self.ops.sync()
+        # To the host first: slicing on the device would be one more (tiny) graph to compile.
+        return logits.cpu()[: len(sequences)]
+
+    @torch.no_grad()
+    def prefill(self, items: Sequence[PrefillItem]) -> PrefillOutput:
+        """Put new sequences into the lowest free slots and return their logits.
+
+        ValueError (state untouched) for more items than free slots, a running or repeated
+        seq_id, or a prompt outside 1..the longest prefill bucket.
+        """
+        if not items:
+            return PrefillOutput(torch.empty((0, self.vocab_size)), ())
+        self._check_prefill(items)
+        rows = self._free_rows()[: len(items)]
+        want_all = any(item.prompt_logprobs for item in items)
+        if self.policy.prefill_mode == "insert":
+            logits = self._run_prefill([item.input_ids for item in items], rows, want_all)
+        else:
+            # Rebuild: every slot from its tokens; free slots get one pad token.
+            tokens: list[Sequence[int]] = [t or [self.pad_token_id] for t in self._tokens]
+            for item, row in zip(items, rows, strict=True):
+                tokens[row] = item.input_ids
+            full = self._run_prefill(tokens, range(self.policy.batch_size), want_all)
+            logits = full[torch.tensor(rows)]
+        for item, row in zip(items, rows, strict=True):
+            self._row_of[item.seq_id] = row
+            self._tokens[row] = list(item.input_ids)
+        if not want_all:
+            return PrefillOutput(logits, (None,) * len(items))
+        last = torch.stack(
+            [logits[i, len(item.input_ids) - 1] for i, item in enumerate(items)]
+        )
+        prompt = tuple(
+            logits[i, : len(item.input_ids)] if item.prompt_logprobs else None
+            for i, item in enumerate(items)
+        )
+        return PrefillOutput(last, prompt)
+
+    @torch.no_grad()
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed `token_ids[i]` to `seq_ids[i]`; logits [n, vocab] in the order given.
+
+        The step runs `policy.decode_rows(highest used slot + 1)` rows; rows not in the call
+        compute at their own next position (overwritten when they are next fed) or, when
+        free, at position 0 of their free slot."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_ids)} token_ids")
+        if not seq_ids:
+            return torch.empty((0, self.vocab_size))
+        try:
+            rows = [self._row_of[s] for s in seq_ids]
+        except KeyError as missing:
+            raise ValueError(f"decode of unknown sequence {missing.args[0]}") from None
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"decode seq_ids repeat: {list(seq_ids)}")
+        limit = self.policy.max_length
+        for seq_id, row in zip(seq_ids, rows, strict=True):
+            if len(self._tokens[row] or ()) >= limit:
+                raise ValueError(f"sequence {seq_id} is full ({limit} tokens): release it")
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"token ids outside [0, {self.vocab_size})")
+        used = max(row for row, t in enumerate(self._tokens) if t is not None) + 1
+        size = self.policy.decode_rows(used)
+        ids = [self.pad_token_id] * size
+        positions = [len(t) if t is not None else 0 for t in self._tokens[:size]]
+        for row, token in zip(rows, token_ids, strict=True):
+            ids[row] = token
+        logits = self.model.decode_static(self._tensor(ids), self._tensor(positions), size)
+        self.ops.sync()
+        for row, token in zip(rows, token_ids, strict=True):
+            self._tokens[row].append(token)  # type: ignore[union-attr]
+        return logits.cpu()[torch.tensor(rows)]
+
+    def release(self, seq_id: int) -> None:
+        """Free `seq_id`'s slot (unknown or already released ids do nothing)."""
+        row = self._row_of.pop(seq_id, None)
+        if row is not None:
+            self._tokens[row] = None
+
+    def warmup_plan(self, max_input_tokens: int | None = None) -> list[Shape]:
+        """The shapes `warmup` runs (see ShapePolicy.warmup_plan)."""
+        return self.policy.warmup_plan(max_input_tokens)
+
+    @torch.no_grad()
+    def run_shape(self, shape: Shape) -> ShapeTiming:
+        """Run one step of `shape` on dummy tokens without touching any live slot (prefill
+        writes the scratch row, decode runs free rows); returns its time and compilations."""
+        if self._row_of:
+            raise RuntimeError("warmup needs an idle backend: sequences are running")
+        before, start = self.ops.compilations(), time.perf_counter()
+        if shape.phase == "prefill":
+            ids = self._tensor([[1 % self.vocab_size] * shape.length] * shape.rows)
+            lengths = self._tensor([shape.length] * shape.rows)
+            rows = self._tensor([self.policy.batch_size] * shape.rows)
+            logits = self.model.prefill_static(ids, lengths, rows, False)
+        else:
+            # Two tensors, as in serving: one tensor passed twice would trace another graph.
+            ids, positions = self._tensor([0] * shape.rows), self._tensor([0] * shape.rows)
+            logits = self.model.decode_static(ids, positions, shape.rows)
+        self.ops.sync()
+        logits.cpu()
+        return ShapeTiming(
+            shape, time.perf_counter() - start, self.ops.compilations() - before
+        )
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        """Run every shape of the plan once (compiling each graph), in plan order."""
+        del max_batch_size  # the static shape fixes the batch
+        timings = []
+        for shape in self.warmup_plan(max_input_tokens):
+            timing = self.run_shape(shape)
+            logger.info(
+                "warmup %s: %.2f s, %d graphs compiled",
+                shape.label(),
+                timing.seconds,
+                timing.compiled,
+            )
+            timings.append(timing)
+            if on_shape is not None:
+                on_shape(timing)
+        return timings
