@@ -170,4 +170,3 @@ def gaudi_policy(
         multiples(prefill_batch_bucket_size, min(prefill_batch_size, decode_batch_size)),
         multiples(batch_bucket_size, decode_batch_size),
     )
-

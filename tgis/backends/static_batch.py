@@ -215,9 +215,7 @@ class StaticBatchBackend:
             self._tokens[row] = list(item.input_ids)
         if not want_all:
             return PrefillOutput(logits, (None,) * len(items))
-        last = torch.stack(
-            [logits[i, len(item.input_ids) - 1] for i, item in enumerate(items)]
-        )
+        last = torch.stack([logits[i, len(item.input_ids) - 1] for i, item in enumerate(items)])
         prompt = tuple(
             logits[i, : len(item.input_ids)] if item.prompt_logprobs else None
             for i, item in enumerate(items)
@@ -287,9 +285,7 @@ class StaticBatchBackend:
             logits = self.model.decode_static(ids, positions, shape.rows)
         self.ops.sync()
         logits.cpu()
-        return ShapeTiming(
-            shape, time.perf_counter() - start, self.ops.compilations() - before
-        )
+        return ShapeTiming(shape, time.perf_counter() - start, self.ops.compilations() - before)
 
     def warmup(
         self,
