@@ -11,6 +11,7 @@ from tests.factories import tiny_tokenizer
 from tests.server.conftest import CHAT_TEMPLATE, live_server, make_config
 from tests.server.fakes import FakeEngine
 from tgis.benchmark.profiles import LengthDistribution, Profile
+from tgis.benchmark.results import build_results
 from tgis.server import ModelInfo, create_app
 
 # Small enough for make_config's limits (100 input tokens, 128 in all) over three turns.
@@ -20,6 +21,42 @@ SMALL = Profile(
     prompt=LengthDistribution(12, 8, 16, 3.0),
     decode=LengthDistribution(6, 4, 8, 1.0),
 )
+
+
+def engine_results(steps: dict[int, tuple[float, float]]) -> dict[str, Any]:
+    """An `--engine` results document: per batch size, (prefill p50 s, decode-step p50 s); the
+    other percentiles and the mean equal p50, throughputs follow from the mean (128-token
+    prompts, 16 decode steps)."""
+
+    def latency(value: float) -> dict[str, float]:
+        return {q: value for q in ("p50", "p90", "p95", "p99", "mean")}
+
+    config = {
+        "mode": "engine",
+        "model": "demo",
+        "device": "cpu",
+        "dtype": None,
+        "batch_sizes": sorted(steps),
+        "prompt_tokens": 128,
+        "decode_tokens": 16,
+        "runs": 5,
+        "seed": 0,
+        "interrupted": False,
+    }
+    engine_steps = [
+        {
+            "batch_size": batch,
+            "runs": 5,
+            "prompt_tokens": 128,
+            "decode_tokens": 16,
+            "prefill_latency_s": latency(prefill),
+            "prefill_tokens_per_s": batch * 128 / prefill,
+            "decode_latency_s": latency(decode),
+            "decode_tokens_per_s": batch / decode,
+        }
+        for batch, (prefill, decode) in sorted(steps.items())
+    ]
+    return build_results(config, [], engine_steps=engine_steps)
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.benchmark.conftest import engine_results
+from tests.benchmark.test_results import results
 from tests.conftest import run_tgis
 from tests.server.conftest import live_server, make_config
 from tests.server.fakes import FakeEngine
-from tgis.benchmark.results import validate_results
+from tgis.benchmark.results import validate_results, write_results
 from tgis.cli import app
 from tgis.errors import TgisError
 from tgis.server import ModelInfo, create_app
@@ -32,10 +34,10 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> P
     return path
 
 
-def serve(tokenizer: Any, model_id: str) -> Any:
+def serve(tokenizer: Any, model_id: str, eos_after: int | None = None) -> Any:
     config = make_config(model_id=model_id)
     app_ = create_app(
-        engine=FakeEngine(tokenizer, delay=0.002),
+        engine=FakeEngine(tokenizer, delay=0.002, eos_after=eos_after),
         tokenizer=tokenizer,
         config=config,
         model_info=ModelInfo.from_config(config),
@@ -85,6 +87,55 @@ def test_each_kind_writes_valid_results_and_a_png(
         assert all(s["goodput"] is not None for s in data["steps"])
     assert png.read_bytes().startswith(PNG)
     assert "TTFT p50" in result.output and "output tok/s" in result.output
+    for step in data["steps"]:
+        # FakeEngine streams one token per event, cut at --decode-tokens 4.
+        ok = step["requests"]["ok"]
+        assert step["token_check"] == {
+            "requests": ok,
+            "stream_tokens": 4 * ok,
+            "tokenizer_tokens": 4 * ok,
+            "agreeing_requests": ok,
+            "ratio": 1.0,
+        }
+    assert "warning" not in result.output
+
+
+@pytest.mark.parametrize("api", ["tgi", "openai-chat", "openai-completions"])
+def test_token_check_agrees_on_answers_ending_with_eos(
+    api: str, tokenizer: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Two tokens, then the EOS: TGI streams it as a special token, OpenAI's usage counts it."""
+    out = tmp_path / "r.json"
+    with serve(tokenizer, str(tokenizer_dir), eos_after=2) as (url, _):
+        result = bench("--url", url, "--api", api, "--kind", "throughput", "--max-vus", "2",
+                       *SMALL, *SHORT, "--output", str(out))  # fmt: skip
+    step = json.loads(out.read_text())["steps"][0]
+    ok = step["requests"]["ok"]
+    assert ok > 0 and step["output_tokens"] == 3 * ok  # the stream's count includes the EOS
+    assert step["token_check"] == {
+        "requests": ok,
+        "stream_tokens": 2 * ok,
+        "tokenizer_tokens": 2 * ok,
+        "agreeing_requests": ok,
+        "ratio": 1.0,
+    }
+    assert "warning" not in result.output
+
+
+def test_a_token_count_mismatch_prints_a_warning(
+    local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that counts every answer twice over: warned about, and still written."""
+    from tgis.benchmark import cli_helpers
+
+    count = cli_helpers.token_counter
+    monkeypatch.setattr(cli_helpers, "token_counter", lambda tok: lambda t: 2 * count(tok)(t))
+    out = tmp_path / "r.json"
+    result = bench("--url", local_url, "--kind", "throughput", "--max-vus", "2", *SMALL,
+                   *SHORT, "--output", str(out))  # fmt: skip
+    assert json.loads(out.read_text())["steps"][0]["token_check"]["ratio"] == 2.0
+    warning = result.output[result.output.index("warning:") :].split("results:")[0]
+    assert "(step 1 2.00x)" in warning and "--tokenizer" in warning
 
 
 def test_openai_only_server_is_detected_as_openai_chat(
@@ -121,6 +172,37 @@ def test_compare_prints_ratios_and_plots_both(local_url: str, tmp_path: Path) ->
     assert "1 users → 3 users" in result.output
     assert "x)" in result.output  # "(1.23x)" ratios
     assert png.read_bytes().startswith(PNG)
+
+
+def test_compare_engine_runs_per_batch_size_and_plots_both(tmp_path: Path) -> None:
+    a, b = tmp_path / "cpu.json", tmp_path / "gpu.json"
+    write_results(a, engine_results({1: (0.010, 0.002), 4: (0.030, 0.003)}))
+    write_results(b, engine_results({1: (0.002, 0.001), 4: (0.006, 0.0015)}))
+    png = tmp_path / "cmp.png"
+    result = bench("--compare", str(a), str(b), "--plot", str(png))
+    assert "gpu.json / cpu.json" in result.output and "decode tok/s" in result.output
+    rows = [line for line in result.output.splitlines() if "→" in line]
+    assert len(rows) == 2
+    assert "10.0 → 2.0 (0.20x)" in rows[0] and "500.0 → 1000.0 (2.00x)" in rows[0]
+    assert "30.0 → 6.0 (0.20x)" in rows[1] and "17066.7 → 85333.3 (5.00x)" in rows[1]
+    assert png.read_bytes().startswith(PNG)
+
+
+def test_compare_an_engine_run_with_a_load_test_is_one_line(tmp_path: Path) -> None:
+    engine, http = tmp_path / "engine.json", tmp_path / "http.json"
+    write_results(engine, engine_results({1: (0.01, 0.001)}))
+    write_results(http, results())
+    result = run_tgis("benchmark", "--compare", str(engine), str(http), "--plot",
+                      str(tmp_path / "never.png"))  # fmt: skip
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: --compare: {engine} is an --engine (in-process) run")
+    assert f"but {http} is an HTTP load test" in lines[0]
+    assert not (tmp_path / "never.png").exists()
+    reverse = runner.invoke(app, ["benchmark", "--compare", str(http), str(engine)])
+    assert isinstance(reverse.exception, TgisError)
+    assert f"{http} is an HTTP load test but {engine} is an --engine" in str(reverse.exception)
 
 
 def test_a_bad_tokenizer_is_one_clear_line(local_url: str, tmp_path: Path) -> None:

@@ -58,6 +58,19 @@ def test_tgi_special_tokens_count_but_add_no_text() -> None:
     ]
     record = send("tgi", events)
     assert record.ok and record.output_tokens == 2 and record.text == "x"
+    assert record.special_tokens == 1
+
+
+def test_openai_finish_reason_is_recorded_from_the_chunks() -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    events = [chat("ab"), chat("cd"), last, {"choices": [], "usage": usage}, "[DONE]"]
+    record = send("openai-chat", events)
+    assert record.ok and record.finish_reason == "stop" and record.output_tokens == 3
+    assert record.special_tokens == 0
+    cut = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    completion = send("openai-completions", [{"choices": [{"text": "a"}]}, cut, "[DONE]"])
+    assert completion.finish_reason == "length" and completion.output_tokens == 1
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,35 @@ from tgis.benchmark.metrics import (
     percentile,
     request_values,
     summarize,
+    token_check,
 )
+
+
+def words(text: str) -> int:
+    """A stand-in tokenizer: one token per word."""
+    return len(text.split())
+
+
+def answer(
+    text: str,
+    stream: int,
+    special: int = 0,
+    finish: str | None = None,
+    error: str | None = None,
+) -> RequestRecord:
+    """A finished record whose stream counted `stream` tokens for `text`."""
+    return RequestRecord(
+        0.0,
+        10,
+        16,
+        end=1.0,
+        token_times=[0.5] * stream,
+        output_tokens=stream,
+        text=text,
+        special_tokens=special,
+        finish_reason=finish,
+        error=error,
+    )
 
 
 def record(
@@ -107,3 +135,55 @@ def test_summarize_an_empty_step() -> None:
     assert s["ttft_s"] is None and s["itl_s"] is None and s["tpot_s"] is None
     assert s["requests"]["total"] == 0 and s["requests_per_s"] == 0.0
     assert s["goodput"] is None
+
+
+def test_token_check_leaves_out_tgi_special_tokens() -> None:
+    records = [
+        answer("a b c", 4, special=1),  # 3 words and the EOS
+        answer("d e", 2),  # cut at max_new_tokens: no special token
+        answer("x y z", 9, error="timeout"),  # failed: not checked
+    ]
+    assert token_check(records, words) == {
+        "requests": 2,
+        "stream_tokens": 5,
+        "tokenizer_tokens": 5,
+        "agreeing_requests": 2,
+        "ratio": 1.0,
+    }
+
+
+def test_token_check_allows_the_eos_of_a_stopped_openai_answer() -> None:
+    records = [
+        answer("a b c", 4, finish="stop"),  # usage counted the EOS
+        answer("d e f", 3, finish="length"),
+        answer("g h", 3, finish="length"),  # one more but not a stop: disagrees
+        answer("i j", 4, finish="stop"),  # two more: disagrees
+    ]
+    check = token_check(records, words)
+    assert check["requests"] == 4 and check["agreeing_requests"] == 2
+    assert check["stream_tokens"] == 3 + 3 + 3 + 4  # the EOS left out of the first only
+    assert check["tokenizer_tokens"] == 10
+    assert check["ratio"] == pytest.approx(10 / 13)
+
+
+def test_token_check_reports_a_mismatch() -> None:
+    """Chunks carrying two tokens each, counted one per chunk, without usage."""
+    records = [answer("a b c d", 2, finish="stop"), answer("e f g h i j", 3, finish="length")]
+    check = token_check(records, words)
+    assert check == {
+        "requests": 2,
+        "stream_tokens": 5,
+        "tokenizer_tokens": 10,
+        "agreeing_requests": 0,
+        "ratio": 2.0,
+    }
+    assert token_check([answer("", 0)], words)["ratio"] is None  # no stream tokens
+
+
+def test_summarize_checks_tokens_only_with_a_tokenizer() -> None:
+    step = StepResult("throughput", 1, 0.0, 1.0)
+    step.records = [answer("a b", 3, special=1), answer("c", 1, error="http_500")]
+    assert summarize(step)["token_check"] is None
+    check = summarize(step, count_tokens=words)["token_check"]
+    assert check["requests"] == 1 and check["agreeing_requests"] == 1
+    assert check["stream_tokens"] == check["tokenizer_tokens"] == 2

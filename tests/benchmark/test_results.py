@@ -35,11 +35,14 @@ CONFIG = {
 def results() -> dict[str, Any]:
     step = StepResult("rate", 1.5, 0.0, 1.0)
     step.records = [
-        RequestRecord(0.1, 10, 2, end=0.5, token_times=[0.2, 0.3], output_tokens=2),
+        RequestRecord(0.1, 10, 2, end=0.5, token_times=[0.2, 0.3], output_tokens=2, text="a b"),
         RequestRecord(0.2, 10, 2, end=0.4, error="stream_closed"),
     ]
     empty = StepResult("throughput", 2, 0.0, 1.0)
-    return build_results(CONFIG, [summarize(step, {"ttft": 0.5}), summarize(empty)])
+    words = lambda text: len(text.split())  # noqa: E731
+    return build_results(
+        CONFIG, [summarize(step, {"ttft": 0.5}, words), summarize(empty, count_tokens=words)]
+    )
 
 
 def test_system_info() -> None:
@@ -72,6 +75,14 @@ def test_results_validate_and_round_trip(tmp_path: Path) -> None:
         (lambda d: d["steps"][0]["ttft_s"].pop("p99"), r"at steps/0/ttft_s: 'p99' is a required"),
         (lambda d: d["config"].update(api="grpc"), r"at config/api"),
         (lambda d: d.update(schema_version=2), r"at schema_version: 1 was expected"),
+        (
+            lambda d: d["steps"][0]["token_check"].pop("agreeing_requests"),
+            r"at steps/0/token_check: 'agreeing_requests' is a required property",
+        ),
+        (
+            lambda d: d["steps"][0]["token_check"].update(ratio="1.0"),
+            r"at steps/0/token_check/ratio: '1.0' is not of type",
+        ),
     ],
 )
 def test_invalid_results_are_named(breakage: Any, message: str) -> None:
@@ -79,6 +90,26 @@ def test_invalid_results_are_named(breakage: Any, message: str) -> None:
     breakage(data)
     with pytest.raises(ValueError, match=message):
         validate_results(data)
+
+
+def test_token_check_is_optional_and_may_be_null() -> None:
+    data = results()
+    first, empty = data["steps"]
+    assert first["token_check"] == {
+        "requests": 1,
+        "stream_tokens": 2,
+        "tokenizer_tokens": 2,
+        "agreeing_requests": 1,
+        "ratio": 1.0,
+    }
+    assert empty["token_check"]["ratio"] is None  # no request: nothing counted
+    validate_results(data)
+    first["token_check"] = None  # run without a tokenizer
+    validate_results(data)
+    for step in data["steps"]:
+        del step["token_check"]  # a file written before the field existed
+    validate_results(data)
+    assert "token_check" not in RESULTS_SCHEMA["properties"]["steps"]["items"]["required"]
 
 
 def test_read_results_checks_the_version(tmp_path: Path) -> None:

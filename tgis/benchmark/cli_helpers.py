@@ -4,6 +4,7 @@ workload, reading compared runs, and writing results and plots."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from tgis.benchmark.metrics import parse_slos
 from tgis.benchmark.profiles import LengthDistribution, Profile, get_profile
 from tgis.benchmark.prompts import Session, build_sessions
+from tgis.benchmark.report import is_engine
 from tgis.benchmark.results import read_results, validate_results, write_results
 from tgis.benchmark.runner import KINDS
 from tgis.errors import ConfigError, TgisError
@@ -86,14 +88,34 @@ def build_workload(
         raise TgisError(f"cannot build the prompts: {exc}", "try other --prompt-tokens") from None
 
 
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """How many tokens `tokenizer` (a Hugging Face tokenizer) cuts a text into, specials aside."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def _describe(data: dict[str, Any]) -> str:
+    return "an --engine (in-process) run" if is_engine(data) else "an HTTP load test"
+
+
 def load_compared(paths: tuple[Path, Path]) -> list[tuple[str, dict[str, Any]]]:
-    """The two results files of --compare, named by file name (by path when the names clash)."""
+    """The two results files of --compare, named by file name (by path when the names clash).
+    Both must be HTTP load tests or both `--engine` runs."""
     loaded = []
     for path in paths:
         try:
             loaded.append(read_results(path))
         except (OSError, ValueError) as exc:
             raise TgisError(f"--compare: cannot read {path}: {exc}") from None
+    if is_engine(loaded[0]) != is_engine(loaded[1]):
+        raise TgisError(
+            f"--compare: {paths[0]} is {_describe(loaded[0])} but {paths[1]} is "
+            f"{_describe(loaded[1])}",
+            "compare two load tests or two --engine runs",
+        )
     names = [p.name for p in paths]
     if names[0] == names[1]:
         names = [str(p) for p in paths]
@@ -119,8 +141,8 @@ def save(
             from tgis.benchmark.plot import plot_engine, plot_results
         except ImportError as exc:
             raise TgisError(f"--plot needs matplotlib ({exc})", "pip install matplotlib") from None
-        if len(runs) == 1 and "engine_steps" in runs[0][1]:
-            plot_engine(plot, runs[0][1])
+        if runs and all(is_engine(data) for _, data in runs):
+            plot_engine(plot, runs)
         else:
             plot_results(plot, runs)
         console.print(f"plot: {plot}")

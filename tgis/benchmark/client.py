@@ -58,6 +58,8 @@ class RequestRecord:
     error_message: str = ""
     turn: int = 0  # index of the turn in its session (set by the load driver)
     usage_tokens: int | None = None  # completion tokens the server reported, if it did
+    special_tokens: int = 0  # TGI: tokens marked special (counted, but without text)
+    finish_reason: str | None = None  # OpenAI: the last `finish_reason` of the chunks
 
     @property
     def ok(self) -> bool:
@@ -205,7 +207,9 @@ class BenchmarkClient:
             raise MalformedEvent(f"a TGI event without `token`: {event!r}"[:200])
         record.token_times.append(time.perf_counter())
         record.output_tokens += 1
-        if not token.get("special"):
+        if token.get("special"):
+            record.special_tokens += 1
+        else:
             record.text += str(token.get("text", ""))
         return event.get("generated_text") is not None
 
@@ -233,6 +237,9 @@ class BenchmarkClient:
                 text = (choice.get("delta") or {}).get("content")
             if text is not None and not isinstance(text, str):
                 raise MalformedEvent(f"a choice whose text is not a string: {choice!r}"[:200])
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str):
+                record.finish_reason = reason
             if text:
                 record.token_times.append(time.perf_counter())
                 record.output_tokens += 1

@@ -13,6 +13,13 @@ by the step's `elapsed` seconds (see StepResult.elapsed) and count successful re
 
 Goodput is the rate of successful requests that met every SLO given, e.g. `ttft=500ms,itl=50ms`:
 `ttft`, `tpot` and `e2e` bound the request's own value, `itl` bounds the mean of its gaps.
+
+Output tokens are counted from the stream (TGI: one event per token; OpenAI: one per content
+chunk, or the server's `usage.completion_tokens`). Given `count_tokens` (the benchmark's
+tokenizer), `token_check` re-tokenizes each successful answer and compares: a TGI record's
+special tokens (the EOS) have no text, so its stream count less those is compared; an OpenAI
+answer that stopped (`finish_reason` "stop") and whose stream count is the tokenizer's plus one
+agrees (the server counted its EOS), and that EOS is left out of `stream_tokens`.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tgis.benchmark.client import RequestRecord
@@ -110,8 +117,47 @@ def meets(record: RequestRecord, slos: dict[str, float]) -> bool:
     return True
 
 
-def summarize(step: StepResult, slos: dict[str, float] | None = None) -> dict[str, Any]:
-    """The JSON summary of one step (see results.RESULTS_SCHEMA for the exact shape)."""
+def stream_count(record: RequestRecord, tokenizer_count: int) -> tuple[int, bool]:
+    """The stream's count of `record` as compared with `tokenizer_count` (the re-tokenized
+    text), and whether the two agree (see the module doc)."""
+    stream = record.output_tokens - record.special_tokens
+    if stream == tokenizer_count + 1 and record.finish_reason == "stop":
+        return tokenizer_count, True  # the server's count includes the EOS
+    return stream, stream == tokenizer_count
+
+
+def token_check(
+    records: Sequence[RequestRecord], count_tokens: Callable[[str], int]
+) -> dict[str, Any]:
+    """Stream token counts of the successful `records` against their re-tokenized text:
+    {"requests", "stream_tokens", "tokenizer_tokens", "agreeing_requests", "ratio"}, where
+    ratio is tokenizer_tokens / stream_tokens (None when the stream counted no tokens)."""
+    checked = stream_total = tokenizer_total = agreeing = 0
+    for record in records:
+        if not record.ok:
+            continue
+        counted = count_tokens(record.text)
+        stream, agrees = stream_count(record, counted)
+        checked += 1
+        stream_total += stream
+        tokenizer_total += counted
+        agreeing += int(agrees)
+    return {
+        "requests": checked,
+        "stream_tokens": stream_total,
+        "tokenizer_tokens": tokenizer_total,
+        "agreeing_requests": agreeing,
+        "ratio": tokenizer_total / stream_total if stream_total else None,
+    }
+
+
+def summarize(
+    step: StepResult,
+    slos: dict[str, float] | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> dict[str, Any]:
+    """The JSON summary of one step (see results.RESULTS_SCHEMA for the exact shape);
+    `token_check` is null without `count_tokens` (a tokenizer's count of a text's tokens)."""
     ok = [r for r in step.records if r.ok]
     elapsed = step.elapsed
     output = sum(r.output_tokens for r in ok)
@@ -139,6 +185,7 @@ def summarize(step: StepResult, slos: dict[str, float] | None = None) -> dict[st
         "total_tokens_per_s": per_second(prompt + output),
         "requests_per_s": per_second(len(ok)),
         "goodput": None,
+        "token_check": None if count_tokens is None else token_check(ok, count_tokens),
     }
     if slos:
         good = sum(1 for r in step.records if meets(r, slos))

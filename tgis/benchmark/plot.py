@@ -2,9 +2,11 @@
 
     plot_results(path, [("run", data)])                    # one run
     plot_results(path, [("a.json", a), ("b.json", b)])     # runs overlaid, for --compare
+    plot_engine(path, [("a.json", a), ("b.json", b)])      # --engine runs (one or several)
 
 Three panels: output throughput against median end-to-end latency (one point per step), then
-the TTFT and ITL percentiles (p50, p90, p99) of each step, in milliseconds.
+the TTFT and ITL percentiles (p50, p90, p99) of each step, in milliseconds. An `--engine` run
+has four: prefill and decode-step latency and throughput against batch size.
 """
 
 from __future__ import annotations
@@ -82,33 +84,47 @@ def plot_results(path: str | Path, runs: Sequence[tuple[str, dict[str, Any]]]) -
     return out
 
 
-def plot_engine(path: str | Path, data: dict[str, Any]) -> Path:
-    """Write the PNG of an in-process run: prefill and decode-step latency (p50, p90, p99) and
-    throughput, each against batch size; returns the path."""
+def plot_engine(path: str | Path, runs: Sequence[tuple[str, dict[str, Any]]]) -> Path:
+    """Write the PNG of in-process runs (label, results document with `engine_steps`), overlaid
+    one colour per run: prefill and decode-step latency (p50, p90, p99) and throughput, each
+    against batch size; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = data.get("engine_steps", [])
-    batches = [s["batch_size"] for s in steps]
     figure, axes = plt.subplots(2, 2, figsize=(12, 8), layout="constrained")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    every_batch = sorted({s["batch_size"] for _, d in runs for s in d.get("engine_steps", [])})
     for column, (phase, name) in enumerate((("prefill", "Prefill"), ("decode", "Decode step"))):
         ax_lat, ax_tp = axes[0][column], axes[1][column]
-        for q in LATENCY_PERCENTILES:
-            ax_lat.plot(
+        for index, (label, data) in enumerate(runs):
+            colour = colours[index % len(colours)]
+            steps = sorted(data.get("engine_steps", []), key=lambda s: s["batch_size"])
+            batches = [s["batch_size"] for s in steps]
+            for q in LATENCY_PERCENTILES:
+                ax_lat.plot(
+                    batches,
+                    [_ms(s, f"{phase}_latency_s", q) for s in steps],
+                    _STYLES[q],
+                    marker="o",
+                    color=colour,
+                    label=f"{label} {q}" if len(runs) > 1 else q,
+                )
+            ax_tp.plot(
                 batches,
-                [_ms(s, f"{phase}_latency_s", q) for s in steps],
-                _STYLES[q],
-                marker="o",
-                label=q,
+                [s[f"{phase}_tokens_per_s"] for s in steps],
+                "o-",
+                color=colour,
+                label=label,
             )
-        ax_tp.plot(batches, [s[f"{phase}_tokens_per_s"] for s in steps], "o-")
         ax_lat.set(title=f"{name} latency", xlabel="batch size", ylabel="ms")
         ax_tp.set(title=f"{name} throughput", xlabel="batch size", ylabel="tokens/s")
         ax_lat.legend(fontsize=8)
+        if len(runs) > 1:
+            ax_tp.legend(fontsize=8)
         for ax in (ax_lat, ax_tp):
-            ax.set_xticks(batches)
+            ax.set_xticks(every_batch)
             ax.grid(True, alpha=0.3)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

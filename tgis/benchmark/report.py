@@ -1,11 +1,15 @@
 """Rich tables of benchmark results: one run's steps, and two runs compared step by step.
 
     console.print(results_table(data))
+    if (warning := token_check_warning(data)) is not None:
+        console.print(warning)
     console.print(compare_table(read_results("a.json"), read_results("b.json")))
+    console.print(engine_compare_table(read_results("a.json"), read_results("b.json")))
 
 Compared steps are matched by position among the steps of the same kind (a sweep's rate steps
-depend on the throughput each run found, so their targets differ between runs); a ratio is
-B / A, so > 1 means B is larger (better for throughput, worse for latency).
+depend on the throughput each run found, so their targets differ between runs); compared
+`--engine` runs by batch size. A ratio is B / A, so > 1 means B is larger (better for
+throughput, worse for latency).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from rich.table import Table
+
+# A step's token_check ratio further than this from 1 is worth a warning.
+TOKEN_CHECK_TOLERANCE = 0.10
 
 # (header, getter of one step summary) for the compare table.
 COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -88,6 +95,24 @@ def results_table(data: dict[str, Any], title: str | None = None) -> Table:
     return table
 
 
+def token_check_warning(data: dict[str, Any]) -> str | None:
+    """A yellow one-line warning (rich markup) when the tokenizer's count of some step's answers
+    differs from the stream's by more than TOKEN_CHECK_TOLERANCE; None otherwise."""
+    off = []
+    for index, step in enumerate(data["steps"], start=1):
+        check = step.get("token_check")
+        value = check.get("ratio") if isinstance(check, dict) else None
+        if isinstance(value, (int, float)) and abs(value - 1) > TOKEN_CHECK_TOLERANCE:
+            off.append(f"step {index} {value:.2f}x")
+    if not off:
+        return None
+    return (
+        f"[yellow]warning: the tokenizer counts the answers' tokens differently from the stream "
+        f"({', '.join(off)}): the server's chunks may carry several tokens while it sends no "
+        f"usage, or --tokenizer may not be the served model's[/]"
+    )
+
+
 def matched_steps(
     a: dict[str, Any], b: dict[str, Any]
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -142,6 +167,54 @@ def compare_table(
         table.add_row(f"{index} {sa['kind']}", f"{target_label(sa)} → {target_label(sb)}", *cells)
     if not pairs:
         table.caption = "no steps of the same kind to compare"
+    return table
+
+
+# (header, getter of one engine_steps entry, latency?) for the engine compare table.
+ENGINE_COMPARED: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("prefill p50 ms", ("prefill_latency_s", "p50"), True),
+    ("prefill tok/s", ("prefill_tokens_per_s",), False),
+    ("decode step p50 ms", ("decode_latency_s", "p50"), True),
+    ("decode tok/s", ("decode_tokens_per_s",), False),
+)
+
+
+def is_engine(data: dict[str, Any]) -> bool:
+    """True for the results of an in-process run (`--engine`)."""
+    config = data.get("config")
+    return isinstance(config, dict) and config.get("mode") == "engine"
+
+
+def matched_batches(
+    a: dict[str, Any], b: dict[str, Any]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Pairs of `engine_steps` of `a` and `b` with the same batch size, in `a`'s order."""
+    by_batch = {step["batch_size"]: step for step in b.get("engine_steps", [])}
+    return [
+        (step, by_batch[step["batch_size"]])
+        for step in a.get("engine_steps", [])
+        if step["batch_size"] in by_batch
+    ]
+
+
+def engine_compare_table(
+    a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")
+) -> Table:
+    """Each batch size of both in-process runs: prefill and decode-step p50 latency (ms) and
+    throughput (tokens/s) as `A → B (B/A x)`, coloured as in compare_table."""
+    table = Table(title=f"tgis benchmark --engine: {names[1]} / {names[0]} (ratio B/A)")
+    table.add_column("batch", justify="right")
+    for header, _, _ in ENGINE_COMPARED:
+        table.add_column(header, justify="right")
+    pairs = matched_batches(a, b)
+    for sa, sb in pairs:
+        cells = [
+            _cell(_get(sa, path), _get(sb, path), latency=latency)
+            for _, path, latency in ENGINE_COMPARED
+        ]
+        table.add_row(str(sa["batch_size"]), *cells)
+    if not pairs:
+        table.caption = "no batch sizes in common to compare"
     return table
 
 

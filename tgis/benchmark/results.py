@@ -2,7 +2,8 @@
 
 An in-process run (`--engine`) has a config with `mode: "engine"`, no `steps` and an
 `engine_steps` array (prefill and decode timings per batch size): both fields added within
-version 1, so older files still validate.
+version 1, so older files still validate. So is a step's optional `token_check` (the stream's
+token counts against the re-tokenized answers, null when no tokenizer was given).
 
     data = build_results(config, [summarize(step, slos) for step in steps])
     validate_results(data)          # ValueError naming the offending field (needs jsonschema)
@@ -34,6 +35,17 @@ _DISTRIBUTION = {
     "type": ["object", "null"],
     "required": ["p50", "p90", "p95", "p99", "mean"],
     "properties": {k: _NUMBER for k in ("p50", "p90", "p95", "p99", "mean")},
+}
+_TOKEN_CHECK = {
+    "type": ["object", "null"],
+    "required": ["requests", "stream_tokens", "tokenizer_tokens", "agreeing_requests", "ratio"],
+    "properties": {
+        "requests": _COUNT,
+        "stream_tokens": _COUNT,
+        "tokenizer_tokens": _COUNT,
+        "agreeing_requests": _COUNT,
+        "ratio": {"type": ["number", "null"], "minimum": 0},
+    },
 }
 _STEP = {
     "type": "object",
@@ -83,6 +95,8 @@ _STEP = {
                 "fraction": {"type": "number", "minimum": 0, "maximum": 1},
             },
         },
+        # Optional (added within version 1): see metrics.token_check.
+        "token_check": _TOKEN_CHECK,
     },
 }
 _ENGINE_STEP = {

@@ -175,7 +175,9 @@ def command(
     throughput, TTFT, ITL, end-to-end latency and goodput per step.
 
     Prompts are cut from a fixed corpus with the server's own tokenizer, so their token counts
-    are exact. A live display shows each step; Ctrl-C stops and still writes what was measured.
+    are exact; output tokens are counted from the stream and checked against that tokenizer.
+    A live display shows each step; Ctrl-C stops and still writes what was measured. --compare
+    matches load-test steps by kind and position, --engine runs by batch size.
 
     [bold]Example[/]
 
@@ -194,10 +196,17 @@ def command(
         check_options,
         load_compared,
         save,
+        token_counter,
     )
     from tgis.benchmark.client import BenchmarkClient
     from tgis.benchmark.metrics import summarize
-    from tgis.benchmark.report import compare_table, results_table
+    from tgis.benchmark.report import (
+        compare_table,
+        engine_compare_table,
+        is_engine,
+        results_table,
+        token_check_warning,
+    )
     from tgis.benchmark.results import build_results
     from tgis.benchmark.runner import BenchmarkRun
     from tgis.benchmark.target import auth_headers, detect_target, load_tokenizer
@@ -205,7 +214,8 @@ def command(
     console = Console()
     if compare is not None:
         (name_a, a), (name_b, b) = load_compared(compare)
-        console.print(compare_table(a, b, (name_a, name_b)))
+        table = engine_compare_table if is_engine(a) else compare_table
+        console.print(table(a, b, (name_a, name_b)))
         if plot is not None:
             save(console, None, plot, [(name_a, a), (name_b, b)])
         return
@@ -259,8 +269,11 @@ def command(
         "slos_s": slos,
         "interrupted": interrupted,
     }
-    data = build_results(config, [summarize(step, slos) for step in run.steps()])
+    count_tokens = token_counter(tok)
+    data = build_results(config, [summarize(step, slos, count_tokens) for step in run.steps()])
     console.print(results_table(data))
+    if (warning := token_check_warning(data)) is not None:
+        console.print(warning)
     save(console, output, plot, [("run", data)], data)
     if interrupted:
         console.print("[yellow]interrupted[/]: the results cover the steps measured so far")

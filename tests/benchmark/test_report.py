@@ -1,0 +1,89 @@
+"""The tables of report.py: --engine runs compared per batch size, the token-check warning."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tests.benchmark.conftest import engine_results
+from tests.benchmark.test_results import results
+from tgis.benchmark.report import engine_compare_table, is_engine, token_check_warning
+
+# Per batch size: (prefill p50 s, decode-step p50 s).
+A = {1: (0.010, 0.002), 2: (0.016, 0.0025), 4: (0.030, 0.003)}
+B = {1: (0.005, 0.00204), 2: (0.016, 0.004), 8: (0.050, 0.004)}
+
+
+def cells(table: Table) -> list[list[str]]:
+    """The table's rows as the markup of their cells."""
+    columns = [list(column.cells) for column in table.columns]
+    return [[str(column[row]) for column in columns] for row in range(table.row_count)]
+
+
+def text(table: Table) -> str:
+    console = Console(width=200, file=io.StringIO())
+    console.print(table)
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def test_engine_runs_compare_per_batch_size() -> None:
+    a, b = engine_results(A), engine_results(B)
+    assert is_engine(a) and is_engine(b) and not is_engine(results())
+    table = engine_compare_table(a, b, ("a.json", "b.json"))
+    assert [c.header for c in table.columns] == [
+        "batch",
+        "prefill p50 ms",
+        "prefill tok/s",
+        "decode step p50 ms",
+        "decode tok/s",
+    ]
+    assert cells(table) == [
+        [
+            "1",
+            "[green]10.0 → 5.0 (0.50x)[/]",  # latency halved: better
+            "[green]12800.0 → 25600.0 (2.00x)[/]",
+            "2.0 → 2.0 (1.02x)",  # within 5 %: no colour
+            "500.0 → 490.2 (0.98x)",
+        ],
+        [
+            "2",
+            "16.0 → 16.0 (1.00x)",
+            "16000.0 → 16000.0 (1.00x)",
+            "[red]2.5 → 4.0 (1.60x)[/]",  # slower decode steps: worse
+            "[red]800.0 → 500.0 (0.62x)[/]",
+        ],
+    ]  # batch sizes 4 (A only) and 8 (B only) have no row
+    assert "b.json / a.json" in text(table)
+
+
+def test_engine_runs_without_common_batch_sizes() -> None:
+    table = engine_compare_table(engine_results({16: (0.01, 0.001)}), engine_results(B))
+    assert table.row_count == 0
+    assert table.caption == "no batch sizes in common to compare"
+
+
+def with_ratios(*ratios: float | None) -> dict[str, Any]:
+    data = copy.deepcopy(results())
+    step = data["steps"][0]
+    data["steps"] = []
+    for value in ratios:
+        check = {**step["token_check"], "ratio": value}
+        data["steps"].append({**step, "token_check": check})
+    return data
+
+
+def test_token_check_warning_names_the_steps_off_by_more_than_10_percent() -> None:
+    assert token_check_warning(with_ratios(1.0, 0.91, 1.09, None)) is None
+    data = with_ratios(1.0, 2.0, 0.85)
+    data["steps"].append({k: v for k, v in data["steps"][0].items() if k != "token_check"})
+    warning = token_check_warning(data)
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("[yellow]warning:") and warning.endswith("[/]")
+    assert "(step 2 2.00x, step 3 0.85x)" in warning
+    assert "several tokens" in warning and "no usage" in warning
+    assert "--tokenizer may not be the served model's" in warning
+    assert token_check_warning(engine_results(A)) is None  # no steps
