@@ -23,6 +23,8 @@ from tgis.errors import ConfigError
 
 BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 STATIC_BACKENDS = ("tpu", "neuron")
+# How a static batch prefills (see tgis.backends.buckets): recompute every slot, or only new ones.
+PREFILL_MODES = ("rebuild", "insert")
 DTYPES = ("float32", "float16", "bfloat16")
 # TGI caps the default context at 4096 tokens to leave room for more concurrent users.
 DEFAULT_MAX_TOTAL_CAP = 4096
@@ -69,11 +71,15 @@ class LauncherArgs:
     hostname: str | None = None
     api_key: str | None = None
     cors_allow_origin: str | None = None
+    prefill_mode: str | None = None
+    compile_cache: str | None = None
 
 
 # Environment fallback of each flag (TGI launcher names), and its default when neither is set.
 ENV_NAMES: dict[str, str] = {f.name: f.name.upper() for f in fields(LauncherArgs)}
 ENV_NAMES["backend"] = "TGIS_BACKEND"
+ENV_NAMES["prefill_mode"] = "TGIS_PREFILL_MODE"
+ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
 DEFAULTS: dict[str, Any] = {
     "max_concurrent_requests": 128,
     "max_best_of": 2,
@@ -185,6 +191,10 @@ class ServeConfig:
     # Bearer token required on generation routes; never printed.
     api_key: str | None = field(default=None, repr=False)
     cors_allow_origins: tuple[str, ...] = ()
+    # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
+    prefill_mode: str | None = None
+    # Directory where compiled device programs persist (tpu: XLA's cache); None: not kept.
+    compile_cache: str | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> dict[str, Any]:
@@ -376,6 +386,20 @@ def build_serve_config(
             f"the cpu backend runs one shard, not {r.label('num_shard', num_shard) if num_shard > 1 else '--sharded true'}",
             "drop --num-shard / --sharded, or pick a multi-device backend such as --backend cuda",
         )
+    prefill_mode = values["prefill_mode"]
+    if prefill_mode is not None:
+        prefill_mode = prefill_mode.strip().lower()
+        if prefill_mode not in PREFILL_MODES:
+            raise ConfigError(
+                f"{r.label('prefill_mode', prefill_mode)} is not a prefill mode",
+                f"use one of {', '.join(PREFILL_MODES)}",
+            )
+        if backend not in STATIC_BACKENDS:
+            raise ConfigError(
+                f"{r.label('prefill_mode', prefill_mode)} applies to the static batch of the "
+                f"tpu and neuron backends, not {backend}",
+                "drop --prefill-mode (TGIS_PREFILL_MODE)",
+            )
     warmup = parse_bool("WARMUP_ENABLED", env.get("WARMUP_ENABLED", "true"))
     queue_ms = parse_int("QUEUE_THRESHOLD_MS", env.get("QUEUE_THRESHOLD_MS", "120"), minimum=0)
 
@@ -407,6 +431,8 @@ def build_serve_config(
         cors_allow_origins=tuple(
             o.strip() for o in (values["cors_allow_origin"] or "").split(",") if o.strip()
         ),
+        prefill_mode=prefill_mode,
+        compile_cache=values["compile_cache"] or None,
         notes=tuple(notes),
     )
 

@@ -30,7 +30,12 @@ from typing import Protocol
 import torch
 
 from tgis.backends.buckets import Shape, ShapePolicy
-from tgis.engine.backend import BackendCapacity, PrefillItem, PrefillOutput
+from tgis.engine.backend import (
+    BackendCapacity,
+    PrefillItem,
+    PrefillOutput,
+    check_prefill_items,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,27 +154,16 @@ class StaticBatchBackend:
         return torch.tensor(values, dtype=torch.long).to(self.ops.device)
 
     def _check_prefill(self, items: Sequence[PrefillItem]) -> None:
-        free = len(self._free_rows())
-        if len(items) > free:
-            raise ValueError(
-                f"prefill of {len(items)} sequences but only {free} of "
-                f"{self.policy.batch_size} static slots are free"
-            )
-        ids = [item.seq_id for item in items]
-        if len(set(ids)) != len(ids) or any(i in self._row_of for i in ids):
-            raise ValueError(f"prefill seq_ids {ids} repeat or are already running")
-        longest = self.policy.prefill_lengths[-1]
-        for item in items:
-            if not 0 < len(item.input_ids) <= longest:
-                raise ValueError(
-                    f"sequence {item.seq_id}: prompt of {len(item.input_ids)} tokens, must be "
-                    f"1..{longest} (the longest prefill bucket of {self.policy.batch_size} x "
-                    f"{self.policy.max_length})"
-                )
-            if min(item.input_ids) < 0 or max(item.input_ids) >= self.vocab_size:
-                raise ValueError(
-                    f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
-                )
+        longest, size = self.policy.prefill_lengths[-1], self.policy.batch_size
+        check_prefill_items(
+            items,
+            free=len(self._free_rows()),
+            slots=f"{size} static slots",
+            running=self._row_of,
+            max_prompt=longest,
+            max_prompt_label=f"the longest prefill bucket of {size} x {self.policy.max_length}",
+            vocab_size=self.vocab_size,
+        )
 
     def _run_prefill(
         self, sequences: Sequence[Sequence[int]], rows: Sequence[int], all_logits: bool

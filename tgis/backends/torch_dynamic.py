@@ -31,7 +31,12 @@ from tgis.backends.torch_device import (
     cpu_threads,
     resolve_dtype,
 )
-from tgis.engine.backend import BackendCapacity, PrefillItem, PrefillOutput
+from tgis.engine.backend import (
+    BackendCapacity,
+    PrefillItem,
+    PrefillOutput,
+    check_prefill_items,
+)
 from tgis.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -270,26 +275,15 @@ class TorchDynamicBackend:
         )
 
     def _check_prefill(self, items: Sequence[PrefillItem]) -> None:
-        free = self._capacity.max_sequences - len(self._seq_at)
-        if len(items) > free:
-            raise ValueError(
-                f"prefill of {len(items)} sequences but only {free} of "
-                f"{self._capacity.max_sequences} KV slots are free"
-            )
-        ids = [item.seq_id for item in items]
-        if len(set(ids)) != len(ids) or any(i in self._slot_of for i in ids):
-            raise ValueError(f"prefill seq_ids {ids} repeat or are already running")
-        limit = self._capacity.max_sequence_tokens
-        for item in items:
-            if not 0 < len(item.input_ids) <= limit:
-                raise ValueError(
-                    f"sequence {item.seq_id}: prompt of {len(item.input_ids)} tokens, "
-                    f"must be 1..{limit} (max_sequence_tokens)"
-                )
-            if min(item.input_ids) < 0 or max(item.input_ids) >= self.vocab_size:
-                raise ValueError(
-                    f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
-                )
+        check_prefill_items(
+            items,
+            free=self._capacity.max_sequences - len(self._seq_at),
+            slots=f"{self._capacity.max_sequences} KV slots",
+            running=self._slot_of,
+            max_prompt=self._capacity.max_sequence_tokens,
+            max_prompt_label="max_sequence_tokens",
+            vocab_size=self.vocab_size,
+        )
 
     @torch.inference_mode()
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tgis.config import DEFAULTS, LauncherArgs, ServeConfig
+from tgis.config import DEFAULTS, ENV_NAMES, LauncherArgs, ServeConfig
 
 MODEL = "Model"
 LIMITS = "Request limits"
@@ -21,7 +21,7 @@ SERVER = "Server"
 
 
 def _opt(name: str, panel: str, help_text: str, default: str | None = None, **kw: Any) -> Any:
-    env = "TGIS_BACKEND" if name == "backend" else name.upper()
+    env = ENV_NAMES[name]
     shown = default if default is not None else str(DEFAULTS.get(name, "derived"))
     return typer.Option(
         "--" + name.replace("_", "-"),
@@ -127,6 +127,24 @@ MaxWaitingTokens = Annotated[
 WaitingServedRatio = Annotated[
     float | None,
     _opt("waiting_served_ratio", BATCHING, "Waiting/running ratio that triggers a prefill."),
+]
+PrefillMode = Annotated[
+    str | None,
+    _opt(
+        "prefill_mode",
+        DEVICE,
+        "Static batch prefill (tpu, neuron): insert (new slots only) or rebuild (every slot).",
+        "insert where the device model can",
+    ),
+]
+CompileCache = Annotated[
+    str | None,
+    _opt(
+        "compile_cache",
+        DEVICE,
+        "Directory that keeps compiled device programs across runs (tpu: XLA's cache).",
+        "none",
+    ),
 ]
 Port = Annotated[int | None, _opt("port", SERVER, "HTTP port.")]
 ApiKey = Annotated[

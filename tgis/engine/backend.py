@@ -8,7 +8,7 @@ the order the items were given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -72,3 +72,32 @@ class Backend(Protocol):
     def warmup(self, max_batch_size: int, max_input_tokens: int) -> None:
         """Run representative shapes once so the first requests pay no one-off costs."""
         ...
+
+
+def check_prefill_items(
+    items: Sequence[PrefillItem],
+    *,
+    free: int,
+    slots: str,
+    running: Container[int],
+    max_prompt: int,
+    max_prompt_label: str,
+    vocab_size: int,
+) -> None:
+    """The checks every backend makes before a prefill touches its cache: no more items than
+    `free` slots (`slots` names them, e.g. "4 KV slots"), seq_ids new and distinct, prompts of
+    1..max_prompt tokens (`max_prompt_label` says where the limit comes from), ids in the
+    vocabulary. Raises ValueError naming the offending sequence."""
+    if len(items) > free:
+        raise ValueError(f"prefill of {len(items)} sequences but only {free} of {slots} are free")
+    ids = [item.seq_id for item in items]
+    if len(set(ids)) != len(ids) or any(i in running for i in ids):
+        raise ValueError(f"prefill seq_ids {ids} repeat or are already running")
+    for item in items:
+        if not 0 < len(item.input_ids) <= max_prompt:
+            raise ValueError(
+                f"sequence {item.seq_id}: prompt of {len(item.input_ids)} tokens, "
+                f"must be 1..{max_prompt} ({max_prompt_label})"
+            )
+        if min(item.input_ids) < 0 or max(item.input_ids) >= vocab_size:
+            raise ValueError(f"sequence {item.seq_id}: token ids outside [0, {vocab_size})")
