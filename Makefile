@@ -27,6 +27,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check tgis tests scripts
 	$(VENV)/bin/ruff format --check tgis tests scripts
+	$(VENV)/bin/hadolint Dockerfile.cuda Dockerfile.neuron Dockerfile.tpu Dockerfile.gaudi
 
 format: install
 	$(VENV)/bin/ruff format tgis tests scripts
