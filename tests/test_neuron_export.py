@@ -101,12 +101,21 @@ def test_missing_sdk_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "needs optimum.neuron" in text and "pip install 'tgis[neuron]'" in text
 
 
+class FakeNeuronConfig:
+    """optimum-neuron's NxDNeuronConfig: plain attributes; llama's export default samples on
+    the device."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.on_device_sampling = True
+        self.__dict__.update(fields)
+
+
 class FakeNeuronModel:
     """Stands in for optimum-neuron 0.4's NeuronModelForCausalLM at its API boundary."""
 
     calls: ClassVar[list[tuple[str, dict[str, Any]]]] = []
 
-    def __init__(self, config: Any, neuron_config: dict[str, Any]) -> None:
+    def __init__(self, config: Any, neuron_config: FakeNeuronConfig) -> None:
         self.config, self.neuron_config = config, neuron_config
 
     @classmethod
@@ -117,7 +126,7 @@ class FakeNeuronModel:
         batch_size: int | None = None,
         sequence_length: int | None = None,
         tensor_parallel_size: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> FakeNeuronConfig:
         cls.calls.append(
             (
                 "get_neuron_config",
@@ -130,28 +139,37 @@ class FakeNeuronModel:
                 },
             )
         )
-        return {
-            "_serialized_key": "NxDNeuronConfig",
-            "batch_size": batch_size,
-            "sequence_length": sequence_length,
-            "tp_degree": tensor_parallel_size,
-            "torch_dtype": str(config.dtype).replace("torch.", ""),
-        }
+        return FakeNeuronConfig(
+            _serialized_key="NxDNeuronConfig",
+            batch_size=batch_size,
+            sequence_length=sequence_length,
+            tp_degree=tensor_parallel_size,
+            torch_dtype=str(config.dtype).replace("torch.", ""),
+        )
 
     @classmethod
     def export(
         cls,
         model_id: str,
-        neuron_config: dict[str, Any],
+        neuron_config: FakeNeuronConfig,
         config: Any = None,
         load_weights: bool = True,
     ) -> FakeNeuronModel:
-        cls.calls.append(("export", {"model_id": model_id, "load_weights": load_weights}))
+        cls.calls.append(
+            (
+                "export",
+                {
+                    "model_id": model_id,
+                    "load_weights": load_weights,
+                    "on_device_sampling": neuron_config.on_device_sampling,
+                },
+            )
+        )
         return cls(config, neuron_config)
 
     def save_pretrained(self, path: Path) -> None:
         self.config.save_pretrained(path)
-        (Path(path) / "neuron_config.json").write_text(json.dumps(self.neuron_config))
+        (Path(path) / "neuron_config.json").write_text(json.dumps(vars(self.neuron_config)))
 
 
 @pytest.fixture
@@ -198,7 +216,8 @@ def test_export_calls_sdk_and_served_limits_follow(
                 "dtype": "torch.bfloat16",
             },
         ),
-        ("export", {"model_id": str(src), "load_weights": False}),
+        # Host sampling needs logits: on-device sampling is turned off before compiling.
+        ("export", {"model_id": str(src), "load_weights": False, "on_device_sampling": False}),
     ]
     assert (tmp_path / "out" / "tokenizer.json").exists()
     # What `tgis serve --backend neuron --model-id out` derives from the written model:

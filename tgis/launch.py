@@ -47,9 +47,21 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
             max_sequence_tokens=config.max_total_tokens,
             kv_tokens=config.max_batch_total_tokens,
         )
+    if config.backend == "tpu":
+        from tgis.backends.tpu import load_tpu_backend
+
+        return load_tpu_backend(config, model_dir)
+    if config.backend == "neuron":
+        from tgis.backends.neuron import load_neuron_backend
+
+        return load_neuron_backend(config, model_dir)
+    if config.backend == "gaudi":
+        from tgis.backends.gaudi import load_gaudi_backend
+
+        return load_gaudi_backend(config, model_dir)
     raise BackendUnavailableError(
-        f"the {config.backend} backend is not available in this release",
-        "serve with --backend cpu or --backend cuda",
+        f"unknown backend {config.backend!r}",
+        "serve with --backend cpu, cuda, tpu, neuron or gaudi",
     )
 
 

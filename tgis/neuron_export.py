@@ -164,6 +164,9 @@ def _export_with_optimum(request: ExportRequest) -> None:
     neuron_config = NeuronModelForCausalLM.get_neuron_config(
         config=config, **request.neuron_config_kwargs()
     )
+    # tgis samples on the host (every warper, seeded, logprobs): the compiled graphs must return
+    # logits, not tokens sampled on the device (optimum-neuron's default for llama and others).
+    neuron_config.on_device_sampling = False
     model = NeuronModelForCausalLM.export(
         model_id=str(request.model_dir),
         config=config,

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +38,23 @@ from tgis.engine.backend import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def pad_token_id(model_config: Any, tokenizer: Any = None) -> int:
+    """What padding positions carry: the tokenizer's pad id, else the config's, else EOS
+    (tokenizer, then config; the first of a list), else 0."""
+    candidates = (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(model_config, "pad_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model_config, "eos_token_id", None),
+    )
+    for value in candidates:
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0
 
 
 class StaticModel(Protocol):
@@ -113,9 +130,11 @@ class StaticBatchBackend:
         ops: DeviceOps,
         name: str,
         pad_token_id: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.policy, self.ops = model, policy, ops
         self.name = name
+        self.dtype = dtype  # the weights' dtype, for /info (None: the device model's own)
         self.device = str(ops.device)
         self.vocab_size = model.vocab_size
         self.pad_token_id = pad_token_id
