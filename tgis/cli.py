@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from tgis import __version__
-from tgis.commands import benchmark, convert_to_safetensors, download_weights, export_neuron, serve
+from tgis.commands import (
+    benchmark,
+    convert_to_safetensors,
+    download_weights,
+    export_neuron,
+    serve,
+    warmup,
+)
 from tgis.config import debug_enabled
 from tgis.errors import TgisError
 
@@ -33,6 +40,7 @@ SERVING = "Serving"
 app.command("download-weights", rich_help_panel=LIFECYCLE)(download_weights.command)
 app.command("convert-to-safetensors", rich_help_panel=LIFECYCLE)(convert_to_safetensors.command)
 app.command("export-neuron", rich_help_panel=LIFECYCLE)(export_neuron.command)
+app.command("warmup", rich_help_panel=SERVING)(warmup.command)
 app.command("serve", rich_help_panel=SERVING)(serve.command)
 app.command("benchmark", rich_help_panel="Benchmarking")(benchmark.command)
 

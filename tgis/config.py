@@ -73,6 +73,7 @@ class LauncherArgs:
     cors_allow_origin: str | None = None
     prefill_mode: str | None = None
     compile_cache: str | None = None
+    compile: bool | None = None
 
 
 # Environment fallback of each flag (TGI launcher names), and its default when neither is set.
@@ -80,6 +81,7 @@ ENV_NAMES: dict[str, str] = {f.name: f.name.upper() for f in fields(LauncherArgs
 ENV_NAMES["backend"] = "TGIS_BACKEND"
 ENV_NAMES["prefill_mode"] = "TGIS_PREFILL_MODE"
 ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
+ENV_NAMES["compile"] = "TGIS_COMPILE"
 DEFAULTS: dict[str, Any] = {
     "max_concurrent_requests": 128,
     "max_best_of": 2,
@@ -193,8 +195,11 @@ class ServeConfig:
     cors_allow_origins: tuple[str, ...] = ()
     # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
     prefill_mode: str | None = None
-    # Directory where compiled device programs persist (tpu: XLA's cache); None: not kept.
+    # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
+    # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
     compile_cache: str | None = None
+    # cpu/cuda: decode steps through torch.compile (compiled at warmup).
+    compile: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> dict[str, Any]:
@@ -400,6 +405,12 @@ def build_serve_config(
                 f"tpu and neuron backends, not {backend}",
                 "drop --prefill-mode (TGIS_PREFILL_MODE)",
             )
+    if values["compile"] and backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{r.label('compile', 'true')} applies to the cpu and cuda backends; {backend} "
+            "compiles its own graphs at warmup",
+            "drop --compile (TGIS_COMPILE)",
+        )
     warmup = parse_bool("WARMUP_ENABLED", env.get("WARMUP_ENABLED", "true"))
     queue_ms = parse_int("QUEUE_THRESHOLD_MS", env.get("QUEUE_THRESHOLD_MS", "120"), minimum=0)
 
@@ -433,6 +444,7 @@ def build_serve_config(
         ),
         prefill_mode=prefill_mode,
         compile_cache=values["compile_cache"] or None,
+        compile=bool(values["compile"]),
         notes=tuple(notes),
     )
 

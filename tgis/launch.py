@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from tgis.engine.backend import Backend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import BackendUnavailableError, ConfigError
+from tgis.warmup import WarmupReport, run_warmup
 
 log = logging.getLogger("tgis.launch")
 
@@ -31,6 +33,7 @@ class Service:
     engine: Engine
     tokenizer: Any
     kv_tokens: int
+    warmup: WarmupReport | None = None
 
 
 def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
@@ -38,6 +41,9 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
     if config.backend in ("cpu", "cuda"):
         from tgis.backends.torch_dynamic import TorchDynamicBackend
 
+        if config.compile and config.compile_cache:
+            # Inductor's FX graph and kernel caches: read before the first compilation.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config.compile_cache).resolve())
         slots = config.max_batch_size or config.max_concurrent_requests
         return TorchDynamicBackend.load(
             model_dir,
@@ -46,6 +52,7 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
             max_sequences=slots,
             max_sequence_tokens=config.max_total_tokens,
             kv_tokens=config.max_batch_total_tokens,
+            compile=config.compile,
         )
     if config.backend == "tpu":
         from tgis.backends.tpu import load_tpu_backend
@@ -54,7 +61,8 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
     if config.backend == "neuron":
         from tgis.backends.neuron import load_neuron_backend
 
-        return load_neuron_backend(config, model_dir)
+        export_dir = Path(config.compile_cache) if config.compile_cache else None
+        return load_neuron_backend(config, model_dir, export_dir)
     if config.backend == "gaudi":
         from tgis.backends.gaudi import load_gaudi_backend
 
@@ -98,11 +106,10 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
             f"the KV cache holds {kv_tokens} tokens, less than --max-total-tokens {config.max_total_tokens}",
             "lower --max-total-tokens or free memory",
         )
+    report = None
     if config.warmup_enabled:
-        backend.warmup(
-            min(capacity.max_sequences, config.max_batch_size or capacity.max_sequences),
-            config.max_input_tokens,
-        )
+        report = run_warmup(backend, config)
+        log.info("%s", report.summary())
     limits = SchedulerLimits(
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_batch_total_tokens=kv_tokens,
@@ -127,4 +134,4 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         capacity.max_sequence_tokens,
         kv_tokens,
     )
-    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens)
+    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report)

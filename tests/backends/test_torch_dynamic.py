@@ -23,7 +23,7 @@ from tgis.backends import torch_dynamic
 from tgis.backends.hf_forward import HFForward, pad_groups
 from tgis.backends.torch_device import cpu_has_native_bf16, resolve_dtype
 from tgis.backends.torch_dynamic import TorchDynamicBackend
-from tgis.engine.backend import PrefillItem
+from tgis.engine.backend import PrefillItem, Shape
 from tgis.errors import ConfigError
 
 NEW_TOKENS = 8
@@ -266,7 +266,23 @@ def test_full_sequence_cannot_decode(tiny_lm: Callable[..., PreTrainedModel]) ->
 def test_warmup_releases_its_own_sequences(tiny_lm: Callable[..., PreTrainedModel]) -> None:
     backend = make_backend(tiny_lm("gpt2"), max_sequences=4, max_sequence_tokens=32)
     backend.prefill([PrefillItem(0, PROMPTS[0])])
-    backend.warmup(max_batch_size=8, max_input_tokens=40)
+    seen: list[Shape] = []
+    timings = backend.warmup(
+        max_batch_size=8, max_input_tokens=40, on_shape=lambda t: seen.append(t.shape)
+    )
+    # The longest prompt the slots hold, the free slots filled, decode per power of two.
+    assert (
+        [t.shape for t in timings]
+        == seen
+        == [
+            Shape("prefill", 1, 31),
+            Shape("prefill", 3, 8),
+            Shape("decode", 1, 1),
+            Shape("decode", 2, 1),
+            Shape("decode", 3, 1),
+        ]
+    )
+    assert all(t.seconds > 0 and t.compiled == 0 for t in timings)
     assert backend.running == 1
     assert backend.slot_of(0) == 0
 
@@ -337,3 +353,24 @@ def test_cuda_greedy_tokens_equal_generate(
         with torch.no_grad():
             full = tiny_lm(variant)(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits.cpu(), full, atol=1e-3, rtol=0)
+
+
+def test_compiled_decode_equals_eager_and_compiles_only_at_warmup(
+    tiny_lm: Callable[..., PreTrainedModel],
+) -> None:
+    """--compile: warmup compiles the decode step (batch 1 and a dynamic-batch graph); serving
+    other batch sizes and lengths afterwards compiles nothing and gives the eager tokens.
+    (The engine decodes every running sequence, so the subset path is not exercised.)"""
+    model = tiny_lm("llama")
+    prompts, budgets = random_prompts(5, seed=5, vocab=256)
+    eager = make_backend(model, max_sequences=8)
+    joins = {0: range(0, 2), 3: range(2, 5)}
+    expected, _ = staggered_greedy(eager, prompts, budgets, joins, subsets=False)
+    compiled = make_backend(model, max_sequences=8, compile=True)
+    timings = compiled.warmup(8, 40)
+    assert compiled.compilations() > 0
+    assert sum(t.compiled for t in timings) == compiled.compilations()
+    after_warmup = compiled.compilations()
+    tokens, _ = staggered_greedy(compiled, prompts, budgets, joins, subsets=False)
+    assert tokens == expected
+    assert compiled.compilations() == after_warmup

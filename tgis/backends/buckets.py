@@ -26,25 +26,12 @@ import bisect
 from dataclasses import dataclass
 from typing import Literal
 
+from tgis.engine.backend import Shape
+
 PrefillMode = Literal["rebuild", "insert"]
 PREFILL_MODES: tuple[str, ...] = ("rebuild", "insert")
 # optimum-tpu's smallest prefill bucket: shorter prompts are padded to 16 positions.
 MIN_LENGTH_BUCKET = 16
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One compiled step shape: `rows` sequences of `length` positions (decode: length 1)."""
-
-    phase: Literal["prefill", "decode"]
-    rows: int
-    length: int
-
-    def label(self) -> str:
-        """`prefill 4x128` / `decode 8`."""
-        if self.phase == "decode":
-            return f"decode {self.rows}"
-        return f"prefill {self.rows}x{self.length}"
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:

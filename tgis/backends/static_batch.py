@@ -24,16 +24,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from tgis.backends.buckets import Shape, ShapePolicy
+from tgis.backends.buckets import ShapePolicy
 from tgis.engine.backend import (
     BackendCapacity,
     PrefillItem,
     PrefillOutput,
+    Shape,
+    ShapeTiming,
     check_prefill_items,
 )
 
@@ -109,15 +110,6 @@ class EagerOps:
 
     def compilations(self) -> int:
         return 0
-
-
-@dataclass(frozen=True)
-class ShapeTiming:
-    """One warmup shape: wall seconds and the graphs it compiled."""
-
-    shape: Shape
-    seconds: float
-    compiled: int
 
 
 class StaticBatchBackend:
@@ -276,8 +268,10 @@ class StaticBatchBackend:
         if row is not None:
             self._tokens[row] = None
 
-    def warmup_plan(self, max_input_tokens: int | None = None) -> list[Shape]:
-        """The shapes `warmup` runs (see ShapePolicy.warmup_plan)."""
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        """Every bucket of the policy (ShapePolicy.warmup_plan): the static shape fixes the
+        batch, so `max_batch_size` changes nothing."""
+        del max_batch_size
         return self.policy.warmup_plan(max_input_tokens)
 
     @torch.no_grad()
@@ -307,16 +301,9 @@ class StaticBatchBackend:
         on_shape: Callable[[ShapeTiming], None] | None = None,
     ) -> list[ShapeTiming]:
         """Run every shape of the plan once (compiling each graph), in plan order."""
-        del max_batch_size  # the static shape fixes the batch
         timings = []
-        for shape in self.warmup_plan(max_input_tokens):
+        for shape in self.warmup_plan(max_batch_size, max_input_tokens):
             timing = self.run_shape(shape)
-            logger.info(
-                "warmup %s: %.2f s, %d graphs compiled",
-                shape.label(),
-                timing.seconds,
-                timing.compiled,
-            )
             timings.append(timing)
             if on_shape is not None:
                 on_shape(timing)

@@ -11,12 +11,14 @@ qwen2) and the generic HF path (any causal LM through its own forward).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from tgis.backends.buckets import powers_of_two
 from tgis.backends.forward import DecodeBatch, ForwardPath, PrefillSegment
 from tgis.backends.hf_forward import HFForward, probe_kv_shape
 from tgis.backends.llama_native import (
@@ -35,6 +37,8 @@ from tgis.engine.backend import (
     BackendCapacity,
     PrefillItem,
     PrefillOutput,
+    Shape,
+    ShapeTiming,
     check_prefill_items,
 )
 from tgis.errors import ConfigError
@@ -47,6 +51,8 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 
 
 CPU_PREFILL_STEP_TOKENS = 512
+# Prompt length of the short sequences warmup fills the batch with.
+WARMUP_SHORT_PROMPT = 8
 
 
 class TorchDynamicBackend:
@@ -62,8 +68,12 @@ class TorchDynamicBackend:
         native: bool | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         kv_memory_fraction: float | None = None,
+        compile: bool = False,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype).
+
+        compile: run decode steps through torch.compile (dynamic shapes: the batch size and
+        the KV length vary per step without recompiling); warmup pays the compilation.
 
         native: True requires the native llama path, False forces the generic HF path, None
         picks native where the model supports it. kv_tokens: the KV budget in tokens; None
@@ -112,10 +122,14 @@ class TorchDynamicBackend:
             LlamaNativeForward(model, cache) if use_native else HFForward(model, cache)
         )
         self.cache = cache
+        self.compiled = compile
+        if compile:
+            self.path.decode = torch.compile(self.path.decode, dynamic=True)  # type: ignore[method-assign]
         self._capacity = BackendCapacity(
             max_sequences=max_sequences,
             max_sequence_tokens=max_sequence_tokens,
             kv_tokens=max_sequences * max_sequence_tokens,
+            kv_budget_tokens=self._kv_budget,
             kv_bytes_per_token=per_token,
             # A CPU prefill is compute-bound from a few hundred tokens on: bigger steps only
             # delay the first tokens of everyone in them.
@@ -148,6 +162,7 @@ class TorchDynamicBackend:
         native: bool | None = None,
         num_threads: int | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        compile: bool = False,
     ) -> TorchDynamicBackend:
         """Load the causal LM in `model_dir` onto `device` ("cpu", "cuda", "cuda:1").
 
@@ -175,6 +190,7 @@ class TorchDynamicBackend:
             kv_tokens=kv_tokens,
             native=native,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            compile=compile,
         )
 
     def _fit_sequences(
@@ -208,6 +224,7 @@ class TorchDynamicBackend:
                 max_sequence_tokens,
                 max_sequences,
             )
+        self._kv_budget = kv_tokens
         return min(max_sequences, fits)
 
     @property
@@ -323,7 +340,8 @@ class TorchDynamicBackend:
             input_ids=torch.tensor(rows_ids, dtype=torch.long).to(device, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
             kv_len=max(positions) + 1,
-            ragged=min(positions) != max(positions),
+            # Compiled: always the masked variant, so equal and unequal lengths share a graph.
+            ragged=self.compiled or min(positions) != max(positions),
             slots=None if prefix else torch.tensor(row_slots, dtype=torch.long).to(device),
         )
         logits = self.path.decode(batch)
@@ -349,28 +367,65 @@ class TorchDynamicBackend:
         self._seq_at.pop()
         self._length.pop()
 
-    def warmup(self, max_batch_size: int, max_input_tokens: int) -> None:
-        """Prefill one longest prompt plus short ones up to `max_batch_size` sequences (as
-        many as the free slots allow), decode them twice together, release them. Pays the
-        one-off costs (allocator growth, kernel selection, thread pools) before serving."""
-        count = min(max_batch_size, self._capacity.max_sequences - len(self._seq_at))
-        if count < 1:
-            return
-        length = max(1, min(max_input_tokens, self._capacity.max_sequence_tokens - 2))
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        """Representative shapes for eager kernels: the longest prompt alone, short prompts
+        filling the batch, and a decode step per power-of-two batch size up to the largest
+        batch (with torch.compile: the batch sizes it specializes on). Sizes stop at the slots
+        free now."""
+        rows = max(1, min(max_batch_size, self._capacity.max_sequences - len(self._seq_at)))
+        longest = max(1, min(max_input_tokens, self._capacity.max_sequence_tokens - 1))
+        short = min(WARMUP_SHORT_PROMPT, longest)
+        plan = [Shape("prefill", 1, longest)]
+        if rows > 1:
+            plan.append(Shape("prefill", rows, short))
+        return plan + [Shape("decode", n, 1) for n in powers_of_two(1, rows)]
+
+    def compilations(self) -> int:
+        """Graphs torch.compile built in this process (0 when nothing is compiled)."""
+        if not self.compiled:
+            return 0
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def run_shape(self, shape: Shape) -> ShapeTiming:
+        """Run one step of `shape` on sequences of its own (released afterwards); a decode
+        shape first prefills its rows untimed. Needs `shape.rows` free slots."""
+        free = self._capacity.max_sequences - len(self._seq_at)
+        if shape.rows > free:
+            raise RuntimeError(
+                f"warmup of {shape.label()} needs {shape.rows} free slots, {free} are"
+            )
         base = min([0, *self._slot_of]) - 1
-        ids = [base - i for i in range(count)]
-        prompts = [length] + [min(length, 8)] * (count - 1)
-        items = [
-            PrefillItem(seq_id, tuple(j % self.vocab_size for j in range(n)))
-            for seq_id, n in zip(ids, prompts, strict=True)
-        ]
+        ids = [base - i for i in range(shape.rows)]
+        length = shape.length if shape.phase == "prefill" else WARMUP_SHORT_PROMPT
+        items = [PrefillItem(i, tuple(j % self.vocab_size for j in range(length))) for i in ids]
+        before = self.compilations()
         try:
-            self.prefill(items)
-            for _ in range(2):
-                if self._capacity.max_sequence_tokens - length < 1:
-                    break
-                self.decode(ids, [1 % self.vocab_size] * count)
-                length += 1
+            if shape.phase == "prefill":
+                start = time.perf_counter()
+                self.prefill(items)
+            else:
+                self.prefill(items)
+                start = time.perf_counter()
+                self.decode(ids, [1 % self.vocab_size] * shape.rows)
+            seconds = time.perf_counter() - start
         finally:
             for seq_id in ids:
                 self.release(seq_id)
+        return ShapeTiming(shape, seconds, self.compilations() - before)
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        """Run the plan once: pays the one-off costs (allocator growth, kernel selection,
+        thread pools, torch.compile) before serving. Leaves no sequence behind."""
+        timings = []
+        for shape in self.warmup_plan(max_batch_size, max_input_tokens):
+            timings.append(self.run_shape(shape))
+            if on_shape is not None:
+                on_shape(timings[-1])
+        return timings

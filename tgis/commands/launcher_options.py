@@ -142,8 +142,17 @@ CompileCache = Annotated[
     _opt(
         "compile_cache",
         DEVICE,
-        "Directory that keeps compiled device programs across runs (tpu: XLA's cache).",
+        "Directory that keeps compiled programs across runs: XLA's cache (tpu), inductor's (--compile), the start-up export (neuron).",
         "none",
+    ),
+]
+Compile = Annotated[
+    bool | None,
+    _opt(
+        "compile",
+        DEVICE,
+        "cpu/cuda: run decode steps through torch.compile (compiled during warmup).",
+        "",
     ),
 ]
 Port = Annotated[int | None, _opt("port", SERVER, "HTTP port.")]

@@ -9,6 +9,7 @@ import typer
 from tgis.commands.launcher_options import (
     ApiKey,
     Backend,
+    Compile,
     CompileCache,
     CorsAllowOrigin,
     Dtype,
@@ -44,6 +45,7 @@ def command(
     sharded: Sharded = None,
     prefill_mode: PrefillMode = None,
     compile_cache: CompileCache = None,
+    compile: Compile = None,
     max_concurrent_requests: MaxConcurrentRequests = None,
     max_best_of: MaxBestOf = None,
     max_stop_sequences: MaxStopSequences = None,

@@ -8,9 +8,9 @@ the order the items were given.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +27,9 @@ class BackendCapacity:
     # Tokens one prefill step should hold (a soft cap, see SchedulerLimits): where prefill is
     # compute-bound, larger steps add no throughput and only delay first tokens. None: no cap.
     prefill_step_tokens: int | None = None
+    # The KV tokens memory holds (measured from free memory, or given), which exceeds kv_tokens
+    # when the slots are capped by max_sequences. None: fixed by the shape (kv_tokens).
+    kv_budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,31 @@ class PrefillOutput:
 
     last: torch.Tensor
     prompt: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One step shape warmup runs: `rows` sequences of `length` positions (decode: length 1).
+    On a compiling device each distinct shape is one graph."""
+
+    phase: Literal["prefill", "decode"]
+    rows: int
+    length: int
+
+    def label(self) -> str:
+        """`prefill 4x128` / `decode 8`."""
+        if self.phase == "decode":
+            return f"decode {self.rows}"
+        return f"prefill {self.rows}x{self.length}"
+
+
+@dataclass(frozen=True)
+class ShapeTiming:
+    """One warmup shape: wall seconds and the graphs it compiled."""
+
+    shape: Shape
+    seconds: float
+    compiled: int
 
 
 class Backend(Protocol):
@@ -69,8 +97,19 @@ class Backend(Protocol):
         """Forget a sequence and free its KV cache (finished, cancelled or failed)."""
         ...
 
-    def warmup(self, max_batch_size: int, max_input_tokens: int) -> None:
-        """Run representative shapes once so the first requests pay no one-off costs."""
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        """The step shapes `warmup` runs, in order: every bucket serving can meet on a
+        compiling device, representative ones on an eager device."""
+        ...
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        """Run each shape of the plan once on dummy tokens (compiling or capturing it), leaving
+        no sequence behind; `on_shape` hears of each as it finishes. Needs an idle backend."""
         ...
 
 

@@ -1,0 +1,38 @@
+"""`tgis warmup` end to end on the bundled demo model (cpu backend)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import run_tgis
+
+
+def test_warmup_reports_every_shape_and_the_kv_budget(tmp_path: Path) -> None:
+    out = tmp_path / "warmup.json"
+    result = run_tgis(
+        "warmup", "--max-batch-size", "4", "--max-total-tokens", "256", "--output", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tgis warmup: cpu on cpu" in result.stdout
+    data = json.loads(out.read_text())
+    shapes = [(s["phase"], s["rows"], s["length"]) for s in data["shapes"]]
+    assert shapes == [
+        ("prefill", 1, 255),
+        ("prefill", 4, 8),
+        ("decode", 1, 1),
+        ("decode", 2, 1),
+        ("decode", 4, 1),
+    ]
+    assert data["max_batch_total_tokens"] == 4 * 256 == data["max_sequences"] * 256
+    assert data["kv_budget_tokens"] > data["max_batch_total_tokens"]
+    assert "the largest --max-batch-total-tokens that fits is" in " ".join(result.stdout.split())
+
+
+def test_warmup_refuses_what_serve_refuses() -> None:
+    result = run_tgis("warmup", "--backend", "tpu", "--compile")
+    assert result.returncode == 1
+    assert "--compile true applies to the cpu and cuda backends" in result.stderr
+    result = run_tgis("warmup", "--prefill-mode", "rebuild")
+    assert result.returncode == 1
+    assert "applies to the static batch of the tpu and neuron backends, not cpu" in result.stderr

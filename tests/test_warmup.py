@@ -1,0 +1,76 @@
+"""tgis.warmup: the plan a backend gives is what runs, and the report says what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from tests.backends.conftest import VARIANTS, make_backend
+from tests.factories import tiny_model
+from tests.server.conftest import make_config
+from tgis.backends.buckets import static_policy
+from tgis.backends.static_batch import EagerOps, StaticBatchBackend
+from tgis.backends.static_kv import StaticLlamaForward
+from tgis.engine.backend import Shape, ShapeTiming
+from tgis.launch import build_service
+from tgis.warmup import run_warmup
+
+
+def llama() -> PreTrainedModel:
+    return tiny_model("llama", seed=0, **VARIANTS["llama"][1])  # type: ignore[arg-type]
+
+
+def test_static_backend_report() -> None:
+    backend = StaticBatchBackend(
+        StaticLlamaForward(llama(), 4, 64),
+        static_policy(4, 64, 40),
+        EagerOps(),
+        "cpu-static",
+    )
+    config = make_config(max_input_tokens=40, max_total_tokens=64, compile_cache="/cache")
+    plans: list[list[Shape]] = []
+    heard: list[ShapeTiming] = []
+    report = run_warmup(backend, config, on_plan=plans.append, on_shape=heard.append)
+    assert plans == [backend.policy.warmup_plan(40)]
+    assert [t.shape for t in report.timings] == plans[0] == [t.shape for t in heard]
+    assert (report.max_sequences, report.max_sequence_tokens, report.kv_tokens) == (4, 64, 256)
+    assert report.kv_budget_tokens is None  # fixed by the static shape
+    assert report.compiled == 0 and report.seconds > 0
+    data = report.to_dict()
+    assert data["max_batch_total_tokens"] == 256
+    assert [(s["phase"], s["rows"], s["length"]) for s in data["shapes"]][-1] == ("decode", 4, 1)
+    assert report.summary().startswith(f"warmup: {len(plans[0])} shapes in ")
+    assert "compile cache /cache" in report.summary()
+
+
+def test_dynamic_backend_plan_follows_max_batch_size() -> None:
+    backend = make_backend(llama(), max_sequences=16, max_sequence_tokens=64)
+    report = run_warmup(backend, make_config(max_batch_size=6, max_input_tokens=50))
+    assert [t.shape for t in report.timings] == [
+        Shape("prefill", 1, 50),
+        Shape("prefill", 6, 8),
+        Shape("decode", 1, 1),
+        Shape("decode", 2, 1),
+        Shape("decode", 4, 1),
+        Shape("decode", 6, 1),
+    ]
+    assert report.kv_budget_tokens == 16 * 64
+    assert backend.running == 0
+
+
+def test_serve_warms_up_unless_disabled(demo_model_dir: Path) -> None:
+    for enabled in (True, False):
+        config = make_config(
+            model_id=str(demo_model_dir), warmup_enabled=enabled, max_concurrent_requests=4
+        )
+        service = build_service(config, demo_model_dir)
+        try:
+            if enabled:
+                assert service.warmup is not None
+                assert [t.shape.phase for t in service.warmup.timings][:1] == ["prefill"]
+                assert service.warmup.max_sequences == 4
+            else:
+                assert service.warmup is None
+        finally:
+            service.engine.stop()
