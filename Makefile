@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: install serve test lint format bench demo-model clean
+.PHONY: install serve test test-xla lint format bench demo-model clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,27 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
+# The tpu backend on XLA:CPU (PJRT_DEVICE=CPU): torch-xla 2.9.0 pins torch 2.9.0, so it has a
+# virtualenv of its own. PyPI's torch 2.9.0 is the CUDA build (its libraries run on the CPU).
+XLA_VENV ?= .venv-xla
+$(XLA_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q "torch==2.9.0" "torch-xla==2.9.0"
+	$(XLA_VENV)/bin/python -m pip install -q -e . pytest pytest-timeout
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests_xla
+
 lint: install
-	$(VENV)/bin/ruff check tgis tests scripts
-	$(VENV)/bin/ruff format --check tgis tests scripts
+	$(VENV)/bin/ruff check tgis tests tests_xla scripts
+	$(VENV)/bin/ruff format --check tgis tests tests_xla scripts
 	$(VENV)/bin/hadolint Dockerfile.cuda Dockerfile.neuron Dockerfile.tpu Dockerfile.gaudi
 
 format: install
-	$(VENV)/bin/ruff format tgis tests scripts
-	$(VENV)/bin/ruff check --fix tgis tests scripts
+	$(VENV)/bin/ruff format tgis tests tests_xla scripts
+	$(VENV)/bin/ruff check --fix tgis tests tests_xla scripts
 
 # tgis serve vs transformers serve --continuous-batching on a SmolLM2-135M-shaped model.
 # The peer lives in its own virtualenv: transformers 4.57's continuous batching cannot size its
@@ -52,4 +65,4 @@ demo-model: install
 	$(PY) scripts/train_demo_model.py --output tgis/assets/demo-model
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -140,6 +140,9 @@ class StaticBatchBackend:
         self._row_of: dict[int, int] = {}
         # Per slot: the tokens its KV cache holds (prompt + tokens fed by decode), or None.
         self._tokens: list[list[int] | None] = [None] * size
+        # Graphs compiled by serving steps after warmup (each one a request paid for).
+        self.late_compilations = 0
+        self._compiled_at_warmup: int | None = None
         # Materialize what loading left pending (cache zeros, rope tables): otherwise the first
         # step's graph would include it and differ from the same bucket's later steps.
         ops.sync()
@@ -190,7 +193,7 @@ class StaticBatchBackend:
         logits = self.model.prefill_static(
             self._tensor(padded), self._tensor(lengths), self._tensor(all_rows), all_logits
         )
-        self.ops.sync()
+        self._end_step(f"prefill {batch}x{length}" + (" (all logits)" if all_logits else ""))
         # To the host first: slicing on the device would be one more (tiny) graph to compile.
         return logits.cpu()[: len(sequences)]
 
@@ -257,10 +260,26 @@ class StaticBatchBackend:
         for row, token in zip(rows, token_ids, strict=True):
             ids[row] = token
         logits = self.model.decode_static(self._tensor(ids), self._tensor(positions), size)
-        self.ops.sync()
+        self._end_step(f"decode {size}")
         for row, token in zip(rows, token_ids, strict=True):
             self._tokens[row].append(token)  # type: ignore[union-attr]
         return logits.cpu()[torch.tensor(rows)]
+
+    def _end_step(self, label: str) -> None:
+        """Sync the device; after warmup, a step that compiled is counted and logged (a shape
+        warmup missed, paid by a request)."""
+        self.ops.sync()
+        if self._compiled_at_warmup is None:
+            return
+        now = self.ops.compilations()
+        if now > self._compiled_at_warmup:
+            self.late_compilations += now - self._compiled_at_warmup
+            logger.warning(
+                "%s compiled %d graph(s) after warmup: a shape warmup did not cover",
+                label,
+                now - self._compiled_at_warmup,
+            )
+            self._compiled_at_warmup = now
 
     def release(self, seq_id: int) -> None:
         """Free `seq_id`'s slot (unknown or already released ids do nothing)."""
@@ -307,4 +326,5 @@ class StaticBatchBackend:
             timings.append(timing)
             if on_shape is not None:
                 on_shape(timing)
+        self._compiled_at_warmup = self.ops.compilations()
         return timings
