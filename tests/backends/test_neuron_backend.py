@@ -414,6 +414,8 @@ def test_load_exported_model_serves_greedy_tokens(
     assert (backend.policy.batch_size, backend.policy.max_length) == (4, SEQ_LEN)
     assert backend.pad_token_id == PAD  # config.json's pad_token_id (no tokenizer files)
     assert backend.capacity.max_sequences == 4
+    # The engine refuses decoder_input_details (422) before queueing: no prompt logits here.
+    assert backend.capacity.prompt_logprobs is False
     assert greedy(backend, PROMPTS[0], 6) == greedy_reference(llama, PROMPTS[0], 6)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from tgis.backends.torch_dynamic import TorchDynamicBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import FinishReason, GenerationRequest, TokenEvent
-from tgis.errors import GenerationError, OverloadedError
+from tgis.errors import GenerationError, InputValidationError, OverloadedError
 from tgis.launch import eos_token_ids
 from tgis.params import GenerateParameters
 
@@ -249,3 +250,18 @@ def test_backend_failure_fails_its_requests_and_engine_keeps_serving(
     )
     assert events[-1].completion is not None and engine.backend.running == 0  # type: ignore[attr-defined]
     assert not math.isnan(events[-1].token.logprob or 0.0)
+
+
+def test_prompt_logprobs_refused_up_front_where_the_backend_has_none(
+    engine: Engine, tokenizer, monkeypatch
+) -> None:
+    """A backend without prompt logits (neuron) refuses decoder_input_details with a 422-class
+    error before anything is queued; other requests are served as usual."""
+    capacity = dataclasses.replace(engine.backend.capacity, prompt_logprobs=False)
+    monkeypatch.setattr(type(engine.backend), "capacity", property(lambda self: capacity))
+    before = engine.in_flight
+    with pytest.raises(InputValidationError, match=r"decoder_input_details.*not available"):
+        run(collect(engine.generate(request(tokenizer, PROMPTS[0], decoder_input_details=True))))
+    assert engine.in_flight == before
+    events = run(collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=2))))
+    assert events[-1].completion is not None

@@ -410,4 +410,8 @@ def load_neuron_backend(
         mode,
         static_model.continuous_batching,
     )
-    return StaticBatchBackend(static_model, policy, NeuronOps(), "neuron", pad_id)
+    # The compiled graphs return the last position's logits only: the server refuses
+    # decoder_input_details with 422 before a request is queued.
+    return StaticBatchBackend(
+        static_model, policy, NeuronOps(), "neuron", pad_id, prompt_logprobs=False
+    )

@@ -123,6 +123,7 @@ class StaticBatchBackend:
         name: str,
         pad_token_id: int = 0,
         dtype: torch.dtype | None = None,
+        prompt_logprobs: bool = True,
     ) -> None:
         self.model, self.policy, self.ops = model, policy, ops
         self.name = name
@@ -136,6 +137,7 @@ class StaticBatchBackend:
             max_sequence_tokens=policy.max_length,
             kv_tokens=size * policy.max_length,
             kv_bytes_per_token=model.kv_bytes_per_token,
+            prompt_logprobs=prompt_logprobs,
         )
         self._row_of: dict[int, int] = {}
         # Per slot: the tokens its KV cache holds (prompt + tokens fed by decode), or None.

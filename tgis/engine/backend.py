@@ -30,6 +30,8 @@ class BackendCapacity:
     # The KV tokens memory holds (measured from free memory, or given), which exceeds kv_tokens
     # when the slots are capped by max_sequences. None: fixed by the shape (kv_tokens).
     kv_budget_tokens: int | None = None
+    # Whether prefill can return every prompt position's logits (decoder_input_details).
+    prompt_logprobs: bool = True
 
 
 @dataclass(frozen=True)

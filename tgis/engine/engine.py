@@ -24,7 +24,7 @@ from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
-from tgis.errors import GenerationError, OverloadedError, TgisError
+from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
 
 log = logging.getLogger("tgis.engine")
 
@@ -87,6 +87,12 @@ class Engine:
         try:
             params = request.params
             self.scheduler.check_fits(len(request.input_ids), params.max_new_tokens or 1)
+            if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:
+                raise InputValidationError(
+                    f"`decoder_input_details` (prompt logprobs) is not available on the "
+                    f"{self.backend.name} backend: its compiled model returns the last "
+                    "position's logits only. Ask without it (OpenAI: no `echo` with `logprobs`)"
+                )
             handle = RequestHandle(request, asyncio.get_running_loop(), params.best_of or 1)
             self._inbox.put(("add", handle))
             try:
