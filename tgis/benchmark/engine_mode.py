@@ -60,17 +60,23 @@ def load_backend(
     max_batch: int,
     prompt_tokens: int,
     decode_tokens: int,
+    compile: bool = False,
 ) -> Backend:
-    """The TorchDynamicBackend of `model_dir` sized for `max_batch` sequences of the run."""
+    """The TorchDynamicBackend of `model_dir` sized for `max_batch` sequences of the run; with
+    `compile`, decode goes through torch.compile, compiled here by the backend's warmup."""
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
-    return TorchDynamicBackend.load(
+    backend = TorchDynamicBackend.load(
         model_dir,
         device=device,
         dtype=dtype,
         max_sequences=max_batch,
         max_sequence_tokens=prompt_tokens + decode_tokens + 1,
+        compile=compile,
     )
+    if compile:
+        backend.warmup(max_batch, prompt_tokens)
+    return backend
 
 
 def special_token_ids(model_dir: Path) -> set[int]:
@@ -198,6 +204,7 @@ def run_engine(
     dtype: str | None,
     seed: int,
     console: Console | None = None,
+    compile: bool = False,
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
@@ -213,7 +220,9 @@ def run_engine(
             raise ConfigError(f"{flag} {value} must be at least 1")
     model_dir = resolve_model_dir(model_id)
     device = default_device()
-    backend = load_backend(model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens)
+    backend = load_backend(
+        model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile
+    )
     bench = EngineBenchmark(
         backend,
         batch_sizes,
@@ -238,6 +247,7 @@ def run_engine(
         "decode_tokens": decode_tokens,
         "runs": runs,
         "seed": seed,
+        "compile": compile,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

@@ -161,6 +161,14 @@ def command(
             show_default="the model's (float32 on CPUs without bf16)",
         ),
     ] = None,
+    compile: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="--engine: run decode through torch.compile (compiled before measuring).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = False,
     compare: Annotated[
         tuple[Path, Path] | None,
         typer.Option(
@@ -222,7 +230,7 @@ def command(
     if engine:
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
-            dtype, seed,
+            dtype, seed, compile,
         )  # fmt: skip
         return
     rate_list, slos = check_options(
@@ -291,6 +299,7 @@ def _engine(
     runs: int,
     dtype: str | None,
     seed: int,
+    compile: bool = False,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -311,6 +320,7 @@ def _engine(
         dtype,
         seed,
         Console(stderr=True),
+        compile,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)
