@@ -482,3 +482,32 @@ def test_gaudi_profiler_and_graph_variables_read() -> None:
     assert g is not None and g.profiling and g.prof_ranks == (0, 1) and g.prof_record_shapes
     assert not g.enable_hpu_graph
     assert (config.warmup_enabled, config.queue_threshold_ms) == (False, 250)
+
+
+def test_device_compile_flags_apply_where_they_can() -> None:
+    """--prefill-mode (static batch), --compile (cpu/cuda), --cuda-graphs (cuda) are refused
+    elsewhere with the flag named; env names work too."""
+    tpu = build(
+        env={"HF_BATCH_SIZE": "2", "HF_SEQUENCE_LENGTH": "128"},
+        backend="tpu",
+        prefill_mode="Rebuild",
+    )
+    assert tpu.prefill_mode == "rebuild"
+    assert build(backend="cpu", compile=True).compile is True
+    assert build(backend="cuda", env={"TGIS_CUDA_GRAPHS": "true"}).cuda_graphs is True
+    assert build(backend="cpu", env={"TGIS_COMPILE_CACHE": "/c"}).compile_cache == "/c"
+    assert "--prefill-mode all is not a prefill mode (use one of rebuild, insert)" in error_of(
+        env={"HF_BATCH_SIZE": "2", "HF_SEQUENCE_LENGTH": "128"}, backend="tpu", prefill_mode="all"
+    )
+    assert "TGIS_PREFILL_MODE=insert applies to the static batch" in error_of(
+        env={"TGIS_PREFILL_MODE": "insert"}, backend="cpu"
+    )
+    assert "--compile true applies to the cpu and cuda backends" in error_of(
+        env={"HF_BATCH_SIZE": "2", "HF_SEQUENCE_LENGTH": "128"}, backend="tpu", compile=True
+    )
+    assert "--cuda-graphs true applies to the cuda backend, not cpu" in error_of(
+        backend="cpu", cuda_graphs=True
+    )
+    assert "are two ways to compile decode" in error_of(
+        backend="cuda", cuda_graphs=True, compile=True
+    )

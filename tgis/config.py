@@ -74,6 +74,7 @@ class LauncherArgs:
     prefill_mode: str | None = None
     compile_cache: str | None = None
     compile: bool | None = None
+    cuda_graphs: bool | None = None
 
 
 # Environment fallback of each flag (TGI launcher names), and its default when neither is set.
@@ -82,6 +83,7 @@ ENV_NAMES["backend"] = "TGIS_BACKEND"
 ENV_NAMES["prefill_mode"] = "TGIS_PREFILL_MODE"
 ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
 ENV_NAMES["compile"] = "TGIS_COMPILE"
+ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"
 DEFAULTS: dict[str, Any] = {
     "max_concurrent_requests": 128,
     "max_best_of": 2,
@@ -200,6 +202,8 @@ class ServeConfig:
     compile_cache: str | None = None
     # cpu/cuda: decode steps through torch.compile (compiled at warmup).
     compile: bool = False
+    # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup).
+    cuda_graphs: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> dict[str, Any]:
@@ -411,6 +415,18 @@ def build_serve_config(
             "compiles its own graphs at warmup",
             "drop --compile (TGIS_COMPILE)",
         )
+    if values["cuda_graphs"]:
+        if backend != "cuda":
+            raise ConfigError(
+                f"{r.label('cuda_graphs', 'true')} applies to the cuda backend, not {backend}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve with --backend cuda",
+            )
+        if values["compile"]:
+            raise ConfigError(
+                f"{r.label('cuda_graphs', 'true')} and {r.label('compile', 'true')} are two "
+                "ways to compile decode",
+                "keep one of them",
+            )
     warmup = parse_bool("WARMUP_ENABLED", env.get("WARMUP_ENABLED", "true"))
     queue_ms = parse_int("QUEUE_THRESHOLD_MS", env.get("QUEUE_THRESHOLD_MS", "120"), minimum=0)
 
@@ -445,6 +461,7 @@ def build_serve_config(
         prefill_mode=prefill_mode,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
+        cuda_graphs=bool(values["cuda_graphs"]),
         notes=tuple(notes),
     )
 

@@ -38,6 +38,10 @@ class Service:
 
 def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
     """The backend `config.backend` names, loaded with the config's limits."""
+    if config.backend == "cuda" and config.cuda_graphs:
+        from tgis.backends.cuda_graphs import load_cuda_graph_backend
+
+        return load_cuda_graph_backend(config, model_dir)
     if config.backend in ("cpu", "cuda"):
         from tgis.backends.torch_dynamic import TorchDynamicBackend
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from tgis.backends.buckets import Shape, ShapePolicy, gaudi_policy
+from tgis.backends.graphs import GraphedStaticModel
 from tgis.backends.static_batch import ShapeTiming, StaticBatchBackend, pad_token_id
 from tgis.backends.static_kv import StaticLlamaForward
 from tgis.config import ServeConfig, default_env, parse_int
@@ -243,17 +244,32 @@ class HpuOps:
         return self.runtime.captures
 
 
-@dataclass
-class _Captured:
-    """One captured HPU graph: the tensors it reads its inputs from and the one it writes."""
+class HpuGraphApi:
+    """GraphApi for HPU graphs: `HPUGraph` recorded inside the `hpu.graph` context (recording
+    also runs the step), `replay()` after. Counts captures and replays on the runtime."""
 
-    graph: Any
-    inputs: tuple[torch.Tensor, ...]
-    output: torch.Tensor
+    def __init__(self, runtime: HpuRuntime) -> None:
+        self.runtime = runtime
+
+    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        hpu = self.runtime.habana.hpu
+        # Materialize the input copies now, so the graph reads them instead of recording them.
+        self.runtime.mark_step()
+        graph = hpu.HPUGraph()
+        with hpu.graph(graph):
+            output = step()
+        self.runtime.captures += 1
+        return graph, output
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+        self.runtime.replays += 1
 
 
-class HpuGraphModel:
-    """A StaticModel running a StaticLlamaForward through HPU graphs, one per bucket shape."""
+class HpuGraphModel(GraphedStaticModel):
+    """A StaticModel running a StaticLlamaForward through HPU graphs, one per bucket shape:
+    decode always, prefill unless LIMIT_HPU_GRAPH; none with graphs disabled. Decode steps
+    drive the PROF_* profiler."""
 
     def __init__(
         self,
@@ -262,83 +278,16 @@ class HpuGraphModel:
         enable_graphs: bool = True,
         limit_graphs: bool = True,
     ) -> None:
-        self.forward = forward
+        super().__init__(
+            forward,
+            HpuGraphApi(runtime),
+            enabled=enable_graphs,
+            graph_prefill=not limit_graphs,
+            on_decode=runtime.before_decode,
+        )
         self.runtime = runtime
-        self.enable_graphs = enable_graphs
         self.limit_graphs = limit_graphs
-        self.vocab_size: int = forward.vocab_size
-        self.kv_bytes_per_token: int = forward.kv_bytes_per_token
-        self._graphs: dict[tuple[Any, ...], _Captured] = {}
-
-    @property
-    def graph_keys(self) -> list[tuple[Any, ...]]:
-        """The buckets captured so far: ("decode", rows) and ("prefill", rows, length)."""
-        return list(self._graphs)
-
-    @property
-    def prefill_uses_graphs(self) -> bool:
-        return self.enable_graphs and not self.limit_graphs
-
-    def _run(
-        self,
-        key: tuple[Any, ...],
-        step: Callable[..., torch.Tensor],
-        inputs: Sequence[torch.Tensor],
-    ) -> torch.Tensor:
-        """Capture `step` for `key` the first time (capturing runs it), replay it afterwards;
-        returns a copy of the graph's output."""
-        captured = self._graphs.get(key)
-        hpu = self.runtime.habana.hpu
-        if captured is None:
-            static = tuple(t.clone() for t in inputs)
-            # Materialize the input copies now, so the graph reads them instead of recording them.
-            self.runtime.mark_step()
-            graph = hpu.HPUGraph()
-            with hpu.graph(graph):
-                output = step(*static)
-            captured = self._graphs[key] = _Captured(graph, static, output)
-            self.runtime.captures += 1
-            logger.debug("captured an HPU graph for %s", key)
-        else:
-            for target, value in zip(captured.inputs, inputs, strict=True):
-                target.copy_(value)
-            captured.graph.replay()
-            self.runtime.replays += 1
-        # The next replay writes into the same output tensor.
-        return captured.output.clone()
-
-    @torch.no_grad()
-    def prefill_static(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        rows: torch.Tensor,
-        all_logits: bool = False,
-    ) -> torch.Tensor:
-        """StaticLlamaForward.prefill_static, through a graph per (rows, length) unless
-        LIMIT_HPU_GRAPH (or all_logits, which warmup never captures)."""
-        if not self.prefill_uses_graphs or all_logits:
-            return self.forward.prefill_static(input_ids, lengths, rows, all_logits)
-        b, length = input_ids.shape
-        return self._run(
-            ("prefill", b, length),
-            lambda ids, lens, where: self.forward.prefill_static(ids, lens, where, False),
-            (input_ids, lengths, rows),
-        )
-
-    @torch.no_grad()
-    def decode_static(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: int
-    ) -> torch.Tensor:
-        """StaticLlamaForward.decode_static, through a graph per rows bucket."""
-        self.runtime.before_decode()
-        if not self.enable_graphs:
-            return self.forward.decode_static(input_ids, positions, rows)
-        return self._run(
-            ("decode", rows),
-            lambda ids, pos: self.forward.decode_static(ids, pos, rows),
-            (input_ids, positions),
-        )
+        self.enable_graphs = enable_graphs
 
 
 class GaudiBatchBackend(StaticBatchBackend):

@@ -155,6 +155,15 @@ Compile = Annotated[
         "",
     ),
 ]
+CudaGraphs = Annotated[
+    bool | None,
+    _opt(
+        "cuda_graphs",
+        DEVICE,
+        "cuda: replay decode steps from CUDA graphs per batch bucket (recorded during warmup).",
+        "",
+    ),
+]
 Port = Annotated[int | None, _opt("port", SERVER, "HTTP port.")]
 ApiKey = Annotated[
     str | None,
