@@ -58,9 +58,10 @@ def command(
         typer.Option("--output", "-o", help="Also write the report as JSON here."),
     ] = None,
 ) -> None:
-    """Load the backend with the configuration `tgis serve` would use and run every step
-    shape it will meet (prefill per batch and length bucket, decode per batch bucket),
-    showing the compile time of each.
+    """Compile / capture every shape bucket ahead of serving, and time each one.
+
+    Loads the backend with the configuration `tgis serve` would use and runs every step shape
+    it will meet (prefill per batch and length bucket, decode per batch bucket).
 
     On tpu each shape is an XLA program; with --compile-cache they persist, so a following
     `tgis serve` with the same cache and limits loads them instead of compiling. On gaudi
