@@ -41,6 +41,12 @@ def load_tpu_backend(config: ServeConfig, model_dir: Path) -> StaticBatchBackend
         raise ConfigError("the tpu backend needs a static shape", "resolve the config for tpu")
     initialize_compile_cache(Path(config.compile_cache) if config.compile_cache else None)
     ops = XlaOps()
+    if config.compile_cache and ops.platform() == "CPU":
+        logger.warning(
+            "XLA:CPU writes compiled programs to %s but cannot load them back (its PJRT client "
+            "has no executable deserialization): each process compiles again; a TPU loads them",
+            config.compile_cache,
+        )
     dtype = tpu_dtype(config.dtype, ops.platform())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     reason = native_unsupported_reason(model)
