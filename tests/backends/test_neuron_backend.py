@@ -525,3 +525,22 @@ def test_warmup_leaves_slots_free_and_runs_only_the_decode_graph(llama: PreTrain
     # Prefill shapes are all padding rows (skipped); the decode shape runs the whole batch.
     assert fake.calls == [("token_generation", 4, 1)]
     assert greedy(backend, PROMPTS[0], 4) == greedy_reference(llama, PROMPTS[0], 4)
+
+
+def test_legacy_config_neuron_models_are_refused_with_the_fix(
+    tmp_path: Path,
+    llama: PreTrainedModel,
+    fake_optimum_neuron: Callable[[FakeNeuronConfig], list[str]],
+) -> None:
+    """Hub models compiled by optimum-neuron < 0.1 carry a `neuron` section in config.json:
+    the validation core reads their shape, but 0.4.5 cannot load them."""
+    loaded = fake_optimum_neuron(FakeNeuronConfig(4))
+    model_dir = write_model_dir(tmp_path / "legacy", llama, None)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["neuron"] = {"batch_size": 4, "sequence_length": SEQ_LEN, "num_cores": 2,
+                        "auto_cast_type": "fp32"}  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="older optimum-neuron") as info:
+        load_neuron_backend(serve_config(model_dir), model_dir)
+    assert "tgis export-neuron" in str(info.value)
+    assert loaded == []

@@ -383,6 +383,15 @@ def load_neuron_backend(
             "the neuron backend needs a static shape", "serve with --backend neuron validated"
         )
     compiled_dir = ensure_exported(config, Path(model_dir), export_dir)
+    if not (compiled_dir / "neuron_config.json").is_file():
+        # A `neuron` section in config.json is the format of optimum-neuron before 0.1 (the
+        # NeuronX TGI images' Hub models); 0.4's loader reads neuron_config.json only.
+        raise ConfigError(
+            f"{compiled_dir} was compiled by an older optimum-neuron (a `neuron` section in "
+            "config.json, no neuron_config.json), which optimum-neuron 0.4.5 cannot load",
+            "re-export the original checkpoint with `tgis export-neuron`, or serve the "
+            "original model id to compile it at start-up",
+        )
     model = model_class.from_pretrained(str(compiled_dir))
     neuron_config = model.neuron_config
     found = (int(neuron_config.batch_size), int(neuron_config.sequence_length))
