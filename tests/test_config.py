@@ -511,3 +511,12 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     assert "are two ways to compile decode" in error_of(
         backend="cuda", cuda_graphs=True, compile=True
     )
+
+
+def test_neuron_export_at_start_up_defaults_within_the_model_positions() -> None:
+    """A model not compiled yet gets optimum-neuron's 4096 default, capped at its positions."""
+    small = ModelFacts("llama", 1024)
+    config = build(small, backend="neuron")
+    assert config.max_total_tokens == 1024 and config.static_shape is not None
+    assert config.static_shape.sequence_length == 1024
+    assert build(ModelFacts("llama", 8192), backend="neuron").max_total_tokens == 4096

@@ -77,7 +77,9 @@ def neuron_shape(facts: ModelFacts, env: Mapping[str, str], values: dict[str, An
         )
     # Not exported yet: the shape it will be compiled for at start-up.
     batch = env_batch or values["max_batch_size"] or NEURON_DEFAULT_BATCH_SIZE
-    seq = env_seq or values["max_total_tokens"] or NEURON_DEFAULT_SEQUENCE_LENGTH
+    max_pos = facts.max_position_embeddings
+    default_seq = min(max_pos, NEURON_DEFAULT_SEQUENCE_LENGTH) if max_pos else None
+    seq = env_seq or values["max_total_tokens"] or default_seq or NEURON_DEFAULT_SEQUENCE_LENGTH
     cores = env_cores or values["num_shard"] or NEURON_DEFAULT_NUM_CORES
     return StaticShape(
         batch, seq, cores, env_cast or NEURON_DEFAULT_CAST, "export parameters (HF_* / flags)"
