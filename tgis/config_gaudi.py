@@ -13,6 +13,14 @@ from typing import Any
 from tgis.errors import ConfigError
 
 
+def multiples(step: int, high: int) -> tuple[int, ...]:
+    """step, 2*step, ... up to `high`, then `high` itself when it is not a multiple."""
+    values = list(range(step, high + 1, step))
+    if not values or values[-1] < high:
+        values.append(high)
+    return tuple(values)
+
+
 def round_up(value: int, multiple: int) -> int:
     """The smallest multiple of `multiple` that is >= value."""
     return -(-value // multiple) * multiple
@@ -43,25 +51,25 @@ class GaudiSettings:
     @property
     def decode_buckets(self) -> tuple[int, ...]:
         """Batch sizes that decode graphs are captured for."""
-        return tuple(
-            range(self.batch_bucket_size, self.decode_batch_size + 1, self.batch_bucket_size)
-        )
+        return multiples(self.batch_bucket_size, self.decode_batch_size)
 
     @property
     def length_buckets(self) -> tuple[int, ...]:
         """Prompt lengths prefill pads to: multiples of the pad, and the longest prompt itself."""
-        pad = self.pad_sequence_to_multiple_of
-        lengths = list(range(pad, self.max_input_tokens + 1, pad))
-        if not lengths or lengths[-1] < self.max_input_tokens:
-            lengths.append(self.max_input_tokens)
-        return tuple(lengths)
+        return multiples(self.pad_sequence_to_multiple_of, self.max_input_tokens)
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """Prefill batch sizes: multiples of PREFILL_BATCH_BUCKET_SIZE up to the prefill batch,
+        which never exceeds the decode batch (the slots the prefilled sequences join)."""
+        return multiples(
+            self.prefill_batch_bucket_size, min(self.prefill_batch_size, self.decode_batch_size)
+        )
 
     @property
     def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
         """(batch size, padded prompt length) pairs that prefill graphs are captured for."""
-        step = self.prefill_batch_bucket_size
-        sizes = range(step, self.prefill_batch_size + 1, step)
-        return tuple((b, length) for b in sizes for length in self.length_buckets)
+        return tuple((b, length) for b in self.prefill_rows for length in self.length_buckets)
 
     @property
     def profiling(self) -> bool:
@@ -148,7 +156,7 @@ def gaudi_settings(
     )
     notes.append(
         f"gaudi: prefill batches padded to multiples of {settings.prefill_batch_bucket_size} "
-        f"(up to {prefill_batch}), prompts to multiples of {pad} (up to {max_input}); warmup covers {len(settings.prefill_buckets)} prefill "
+        f"(up to {min(prefill_batch, decode_batch)}), prompts to multiples of {pad} (up to {max_input}); warmup covers {len(settings.prefill_buckets)} prefill "
         f"and {len(settings.decode_buckets)} decode buckets"
         + ("" if settings.enable_hpu_graph else "; HPU graphs disabled (ENABLE_HPU_GRAPH=false)")
         + (

@@ -15,6 +15,7 @@ from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
 from tgis.backends.buckets import Shape, gaudi_policy, static_policy
 from tgis.backends.static_batch import EagerOps, StaticBatchBackend
 from tgis.backends.static_kv import StaticLlamaForward
+from tgis.config_gaudi import GaudiSettings
 from tgis.engine.backend import PrefillItem
 
 MAX_LENGTH = 64
@@ -208,7 +209,15 @@ def test_gaudi_buckets_decode_only_the_rows_in_use(
     """Decode runs the smallest bucket that covers the highest used slot (gaudi's padding)."""
     model = tiny_lm("llama")
     forward = StaticLlamaForward(model, batch_size=8, max_length=MAX_LENGTH)
-    policy = gaudi_policy(8, 4, MAX_LENGTH, 32, 4, 2, 16)
+    settings = GaudiSettings(
+        batch_bucket_size=4,
+        prefill_batch_bucket_size=2,
+        pad_sequence_to_multiple_of=16,
+        decode_batch_size=8,
+        prefill_batch_size=4,
+        max_input_tokens=32,
+    )
+    policy = gaudi_policy(settings, MAX_LENGTH)
     backend = StaticBatchBackend(forward, policy, EagerOps(), "cpu-buckets", pad_token_id=3)
     calls: list[int] = []
     original = forward.decode_static

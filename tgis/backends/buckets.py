@@ -26,6 +26,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Literal
 
+from tgis.config_gaudi import GaudiSettings
 from tgis.engine.backend import Shape
 
 PrefillMode = Literal["rebuild", "insert"]
@@ -43,14 +44,6 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
         values.append(v)
         v *= 2
     values.append(high)
-    return tuple(values)
-
-
-def multiples(step: int, high: int) -> tuple[int, ...]:
-    """step, 2*step, ... up to `high`, then `high` when it is not a multiple."""
-    values = list(range(step, high + 1, step))
-    if not values or values[-1] < high:
-        values.append(high)
     return tuple(values)
 
 
@@ -139,21 +132,14 @@ def static_policy(
     )
 
 
-def gaudi_policy(
-    decode_batch_size: int,
-    prefill_batch_size: int,
-    max_length: int,
-    max_input_tokens: int,
-    batch_bucket_size: int,
-    prefill_batch_bucket_size: int,
-    pad_sequence_to_multiple_of: int,
-) -> ShapePolicy:
-    """Seed 003's buckets (see config_gaudi.GaudiSettings, which validates the variables)."""
+def gaudi_policy(settings: GaudiSettings, max_length: int) -> ShapePolicy:
+    """Seed 003's buckets, exactly those GaudiSettings derives (and `serve --check` explains):
+    decode rows, prefill rows and prompt lengths."""
     return ShapePolicy(
-        decode_batch_size,
+        settings.decode_batch_size,
         max_length,
         "insert",
-        multiples(pad_sequence_to_multiple_of, max_input_tokens),
-        multiples(prefill_batch_bucket_size, min(prefill_batch_size, decode_batch_size)),
-        multiples(batch_bucket_size, decode_batch_size),
+        settings.length_buckets,
+        settings.prefill_rows,
+        settings.decode_buckets,
     )

@@ -344,15 +344,7 @@ def build_gaudi_backend(
     runtime = HpuRuntime(habana, DecodeProfiler.from_settings(settings, rank))
     forward = StaticLlamaForward(model, settings.decode_batch_size, max_total_tokens)
     graph_model = HpuGraphModel(forward, runtime, enable_graphs, settings.limit_hpu_graph)
-    policy = gaudi_policy(
-        settings.decode_batch_size,
-        settings.prefill_batch_size,
-        max_total_tokens,
-        settings.max_input_tokens,
-        settings.batch_bucket_size,
-        settings.prefill_batch_bucket_size,
-        settings.pad_sequence_to_multiple_of,
-    )
+    policy = gaudi_policy(settings, max_total_tokens)
     ops = HpuOps(runtime, device)
     return GaudiBatchBackend(graph_model, policy, ops, "gaudi", pad_token_id(model.config))
 
