@@ -495,7 +495,16 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     assert tpu.prefill_mode == "rebuild"
     assert build(backend="cpu", compile=True).compile is True
     assert build(backend="cuda", env={"TGIS_CUDA_GRAPHS": "true"}).cuda_graphs is True
-    assert build(backend="cpu", env={"TGIS_COMPILE_CACHE": "/c"}).compile_cache == "/c"
+    assert (
+        build(backend="cpu", compile=True, env={"TGIS_COMPILE_CACHE": "/c"}).compile_cache == "/c"
+    )
+    assert "TGIS_COMPILE_CACHE=/c has nothing to keep on cpu" in error_of(
+        backend="cpu", env={"TGIS_COMPILE_CACHE": "/c"}
+    )
+    assert "has nothing to keep on gaudi" in error_of(backend="gaudi", compile_cache="/c")
+    assert "on cuda with --cuda-graphs" in error_of(
+        backend="cuda", cuda_graphs=True, compile_cache="/c"
+    )
     assert "--prefill-mode all is not a prefill mode (use one of rebuild, insert)" in error_of(
         env={"HF_BATCH_SIZE": "2", "HF_SEQUENCE_LENGTH": "128"}, backend="tpu", prefill_mode="all"
     )

@@ -427,6 +427,15 @@ def build_serve_config(
                 "ways to compile decode",
                 "keep one of them",
             )
+    if values["compile_cache"] and not (
+        backend in ("tpu", "neuron") or (values["compile"] and not values["cuda_graphs"])
+    ):
+        raise ConfigError(
+            f"{r.label('compile_cache', values['compile_cache'])} has nothing to keep on "
+            f"{backend}{' with --cuda-graphs' if values['cuda_graphs'] else ''}: it holds XLA "
+            "programs (tpu), the start-up export (neuron) or torch.compile's caches (--compile)",
+            "drop --compile-cache (TGIS_COMPILE_CACHE), or add --compile on cpu/cuda",
+        )
     warmup = parse_bool("WARMUP_ENABLED", env.get("WARMUP_ENABLED", "true"))
     queue_ms = parse_int("QUEUE_THRESHOLD_MS", env.get("QUEUE_THRESHOLD_MS", "120"), minimum=0)
 

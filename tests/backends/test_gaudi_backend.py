@@ -309,9 +309,11 @@ def test_prefill_bypasses_graphs_under_limit_hpu_graph(
     again = full.prefill(items)
     assert len(fake.captured) == 1 and fake.replays == 1
     torch.testing.assert_close(again.last, out.last)
-    # Prompt logprobs need every position's logits: not a warmed-up graph, so eager.
+    # Prompt logprobs: the prefill itself uses its bucket's graph (2 rows: a new one); every
+    # position's logits come from an eager pass, never a graph.
     full.prefill([PrefillItem(5, PROMPTS[0], prompt_logprobs=True)])
-    assert len(fake.captured) == 1 and fake.replays == 1
+    assert full.model.graph_keys == [("prefill", 4, 16), ("prefill", 2, 16)]
+    assert len(fake.captured) == 2 and fake.replays == 1
 
 
 def test_disabled_graphs_capture_nothing_and_every_step_marks_once(

@@ -114,10 +114,10 @@ def test_graph_policy_and_slot_fitting() -> None:
     policy = graph_policy(12, 128, 100)
     assert policy.decode_batches == (1, 2, 4, 8, 12)
     assert policy.prefill_lengths == (16, 32, 64, 100)
-    assert fit_slots(16, 1000, 10, 50_000) == 5
-    assert fit_slots(4, 1000, 10, 50_000) == 4
+    assert fit_slots(16, 1000, 10, 60_000) == 5  # six rows: five slots and the scratch row
+    assert fit_slots(4, 1000, 10, 60_000) == 4
     with pytest.raises(ConfigError, match="cannot hold one sequence of 1000 tokens"):
-        fit_slots(4, 1000, 10, 9_999)
+        fit_slots(4, 1000, 10, 19_999)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

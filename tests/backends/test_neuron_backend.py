@@ -192,7 +192,9 @@ def fake_backend(
 ) -> tuple[StaticBatchBackend, FakeNeuronModel]:
     fake = FakeNeuronModel(hf_model, FakeNeuronConfig(batch_size, SEQ_LEN, continuous_batching))
     policy = static_policy(batch_size, SEQ_LEN, max_input_tokens, mode)  # type: ignore[arg-type]
-    backend = StaticBatchBackend(NeuronStaticModel(fake, PAD), policy, NeuronOps(), "neuron", PAD)
+    backend = StaticBatchBackend(
+        NeuronStaticModel(fake, PAD), policy, NeuronOps(), "neuron", PAD, prompt_logprobs=False
+    )  # as load_neuron_backend builds it
     return backend, fake
 
 

@@ -241,3 +241,67 @@ def test_gaudi_buckets_decode_only_the_rows_in_use(
         StaticLlamaForward(model, 8, MAX_LENGTH), policy, EagerOps(), "b", pad_token_id=3
     )
     assert alone_run(backend2, PROMPTS[1], 5)[0] == tokens
+
+
+def test_prompt_logprobs_cost_only_the_prompts_that_ask(
+    tiny_lm: Callable[..., PreTrainedModel],
+) -> None:
+    """In rebuild mode every slot is recomputed, but every-position logits are computed only
+    for the new prompt that asks: one extra pass of that prompt, never slots x positions x vocab."""
+    model = tiny_lm("llama")
+    backend = make_static(model, batch_size=4, mode="rebuild")
+    backend.prefill([PrefillItem(i, PROMPTS[i]) for i in range(3)])
+    calls: list[tuple[tuple[int, ...], bool]] = []
+    original = backend.model.prefill_static
+
+    def spy(ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, all_logits: bool = False):  # type: ignore[no-untyped-def]
+        calls.append((tuple(ids.shape), all_logits))
+        return original(ids, lengths, rows, all_logits)
+
+    backend.model.prefill_static = spy  # type: ignore[method-assign]
+    out = backend.prefill([PrefillItem(9, (5, 6, 7), prompt_logprobs=True)])
+    assert calls == [((4, 16), False), ((1, 16), True)]
+    with torch.no_grad():
+        full = model(torch.tensor([[5, 6, 7]])).logits[0].float()
+    assert out.prompt[0] is not None
+    torch.testing.assert_close(out.prompt[0], full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.last[0], full[-1], atol=1e-4, rtol=0)
+
+
+def test_a_full_row_does_not_break_the_others(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+    """A sequence fed up to max_length stays in the batch (the engine would have released it):
+    decoding the others computes its row at its last position instead of past the cache."""
+    model = tiny_lm("llama")
+    backend = make_static(model, batch_size=2, max_input=15, max_length=16)
+    backend.prefill([PrefillItem(1, tuple(range(4, 19))), PrefillItem(2, (5, 6))])
+    backend.decode([1], [5])  # sequence 1 now holds all 16 positions
+    tokens = [int(backend.decode([2], [7])[0].argmax())]
+    with torch.no_grad():
+        expected = model(torch.tensor([[5, 6, 7]])).logits[0, -1].argmax()
+    assert tokens == [int(expected)]
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral"])
+def test_sdpa_prefill_equals_the_matmul_prefill(
+    tiny_lm: Callable[..., PreTrainedModel], variant: str
+) -> None:
+    """The SDPA prefill (used on CUDA) gives the matmul prefill's logits, padding and sliding
+    windows included."""
+    model = tiny_lm(variant, sliding_window=4) if variant == "mistral" else tiny_lm(variant)
+    results = []
+    for sdpa in (False, True):
+        forward = StaticLlamaForward(model, batch_size=3, max_length=MAX_LENGTH)
+        forward.sdpa_prefill = sdpa
+        padded = [list(p) + [3] * (16 - len(p)) for p in PROMPTS]
+        results.append(
+            forward.prefill_static(
+                torch.tensor(padded),
+                torch.tensor([len(p) for p in PROMPTS]),
+                torch.tensor([0, 1, 2]),
+                all_logits=True,
+            )
+        )
+    for i, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(
+            results[1][i, : len(prompt)], results[0][i, : len(prompt)], atol=1e-4, rtol=0
+        )

@@ -374,3 +374,17 @@ def test_compiled_decode_equals_eager_and_compiles_only_at_warmup(
     tokens, _ = staggered_greedy(compiled, prompts, budgets, joins, subsets=False)
     assert tokens == expected
     assert compiled.compilations() == after_warmup
+    assert compiled.late_compilations == 0
+    # A subset of the running sequences (never sent by the engine) is another variant: it
+    # compiles, and that is counted and logged.
+    compiled.prefill([PrefillItem(i, (5, 6, 7)) for i in range(3)])
+    compiled.decode([0, 2], [8, 9])
+    assert compiled.late_compilations >= 1
+
+
+def test_warmup_fits_tiny_sequence_limits(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+    """max_total_tokens below the warmup's short prompt still warms up (serve must start)."""
+    for tokens in (2, 4, 8):
+        backend = make_backend(tiny_lm("llama"), max_sequences=2, max_sequence_tokens=tokens)
+        timings = backend.warmup(2, tokens - 1)
+        assert timings and backend.running == 0

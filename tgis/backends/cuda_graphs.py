@@ -69,9 +69,9 @@ def graph_policy(slots: int, max_length: int, max_input_tokens: int) -> ShapePol
 
 
 def fit_slots(requested: int, max_length: int, bytes_per_token: int, free_bytes: int) -> int:
-    """Slots of `max_length` tokens that `free_bytes` holds, at most `requested`; ConfigError
-    when not even one fits."""
-    fits = free_bytes // (max_length * bytes_per_token)
+    """Slots of `max_length` tokens that `free_bytes` holds besides the cache's scratch row, at
+    most `requested`; ConfigError when not even one fits."""
+    fits = free_bytes // (max_length * bytes_per_token) - 1  # the static cache's scratch row
     if fits < 1:
         raise ConfigError(
             f"free GPU memory ({free_bytes / 2**30:.1f} GiB for the KV cache) cannot hold one "

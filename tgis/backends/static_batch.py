@@ -180,13 +180,23 @@ class StaticBatchBackend:
             max_prompt_label=f"the longest prefill bucket of {size} x {self.policy.max_length}",
             vocab_size=self.vocab_size,
         )
+        if not self._capacity.prompt_logprobs and any(item.prompt_logprobs for item in items):
+            raise ValueError(
+                f"prompt logprobs (decoder_input_details) are not available on the {self.name} "
+                "backend"
+            )
 
     def _run_prefill(
-        self, sequences: Sequence[Sequence[int]], rows: Sequence[int], all_logits: bool
+        self,
+        sequences: Sequence[Sequence[int]],
+        rows: Sequence[int],
+        all_logits: bool,
+        batch: int | None = None,
     ) -> torch.Tensor:
-        """Pad `sequences` (for `rows`) to the step's bucket, run it, return host logits."""
+        """Pad `sequences` (for `rows`) to the step's bucket (`batch` rows if given), run it,
+        return host logits."""
         length = self.policy.length_bucket(max(len(s) for s in sequences))
-        batch = self.policy.prefill_batch(len(sequences))
+        batch = batch or self.policy.prefill_batch(len(sequences))
         scratch = self.policy.batch_size
         padded = [list(s) + [self.pad_token_id] * (length - len(s)) for s in sequences]
         padded += [[self.pad_token_id] * length] * (batch - len(sequences))
@@ -210,27 +220,34 @@ class StaticBatchBackend:
             return PrefillOutput(torch.empty((0, self.vocab_size)), ())
         self._check_prefill(items)
         rows = self._free_rows()[: len(items)]
-        want_all = any(item.prompt_logprobs for item in items)
         if self.policy.prefill_mode == "insert":
-            logits = self._run_prefill([item.input_ids for item in items], rows, want_all)
+            logits = self._run_prefill([item.input_ids for item in items], rows, False)
         else:
             # Rebuild: every slot from its tokens; free slots get one pad token.
             tokens: list[Sequence[int]] = [t or [self.pad_token_id] for t in self._tokens]
             for item, row in zip(items, rows, strict=True):
                 tokens[row] = item.input_ids
-            full = self._run_prefill(tokens, range(self.policy.batch_size), want_all)
+            full = self._run_prefill(tokens, range(self.policy.batch_size), False)
             logits = full[torch.tensor(rows)]
+        prompt: list[torch.Tensor | None] = [None] * len(items)
+        wanting = [i for i, item in enumerate(items) if item.prompt_logprobs]
+        if wanting:
+            # Every position's logits only for the prompts that ask (run again into the scratch
+            # row): never [all slots x positions x vocab] of a whole rebuild.
+            scratch = [self.policy.batch_size] * len(wanting)
+            every = self._run_prefill(
+                [items[i].input_ids for i in wanting],
+                scratch,
+                True,
+                1 << (len(wanting) - 1).bit_length(),
+            )
+            for j, i in enumerate(wanting):
+                prompt[i] = every[j, : len(items[i].input_ids)]
+        # Only now do the sequences exist: a failed forward leaves no half-registered state.
         for item, row in zip(items, rows, strict=True):
             self._row_of[item.seq_id] = row
             self._tokens[row] = list(item.input_ids)
-        if not want_all:
-            return PrefillOutput(logits, (None,) * len(items))
-        last = torch.stack([logits[i, len(item.input_ids) - 1] for i, item in enumerate(items)])
-        prompt = tuple(
-            logits[i, : len(item.input_ids)] if item.prompt_logprobs else None
-            for i, item in enumerate(items)
-        )
-        return PrefillOutput(last, prompt)
+        return PrefillOutput(logits, tuple(prompt))
 
     @torch.no_grad()
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
@@ -258,7 +275,10 @@ class StaticBatchBackend:
         used = max(row for row, t in enumerate(self._tokens) if t is not None) + 1
         size = self.policy.decode_rows(used)
         ids = [self.pad_token_id] * size
-        positions = [len(t) if t is not None else 0 for t in self._tokens[:size]]
+        # Rows not fed compute at their next position (a full row: its last one), overwritten
+        # before anything reads it; free rows at position 0.
+        last = self.policy.max_length - 1
+        positions = [min(len(t), last) if t is not None else 0 for t in self._tokens[:size]]
         for row, token in zip(rows, token_ids, strict=True):
             ids[row] = token
         logits = self.model.decode_static(self._tensor(ids), self._tensor(positions), size)

@@ -106,6 +106,10 @@ class StaticLlamaForward(LlamaNativeForward):
         self.kv_bytes_per_token = StaticKVCache.bytes_per_token(
             shape.num_layers, shape.num_heads, shape.head_dim, dtype
         )
+        # Prefill attention through SDPA (fused kernels, no [b, heads, L, L] float32 scores) on
+        # CUDA, where eager prefill runs long padded prompts; elsewhere the two matmuls, which
+        # lower to plain ops on XLA and HPU.
+        self.sdpa_prefill = device.type == "cuda"
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -121,14 +125,32 @@ class StaticLlamaForward(LlamaNativeForward):
         out = torch.matmul(probs, values.unsqueeze(2))  # [b, kv_heads, group, L, d]
         return out.permute(0, 3, 1, 2, 4).reshape(b, length, -1)
 
-    def _mask(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> dict:
-        """Additive masks per sliding window: query positions [b, L], key positions [T],
-        valid keys [b, T] -> {window: [b, 1, 1, L, T]}."""
+    def _attend_sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """As `_attend` through scaled_dot_product_attention; `mask` is boolean [b, 1, L, T]."""
+        b, length = q.shape[0], q.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [b, heads, L, d]
+        return out.transpose(1, 2).reshape(b, length, -1)
+
+    def _allowed(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> dict:
+        """Boolean masks (True = attend) per sliding window: query positions [b, L], key
+        positions [T], valid keys [b, T] -> {window: [b, L, T]}."""
         q, k = query[:, :, None], keys[None, None, :]
         base = (k <= q) & valid[:, None, :]
+        return {w: base if w is None else base & (k > q - w) for w in self.windows}
+
+    def _mask(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> dict:
+        """Additive masks per sliding window -> {window: [b, 1, 1, L, T]} (see `_allowed`)."""
         return {
-            w: _additive((base if w is None else base & (k > q - w))[:, None, None])
-            for w in self.windows
+            w: _additive(m[:, None, None]) for w, m in self._allowed(query, keys, valid).items()
         }
 
     @torch.no_grad()
@@ -147,9 +169,14 @@ class StaticLlamaForward(LlamaNativeForward):
         """
         b, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)
-        masks = self._mask(
+        allowed = self._allowed(
             positions.expand(b, length), positions, positions[None, :] < lengths[:, None]
         )
+        if self.sdpa_prefill:
+            masks = {w: m[:, None] for w, m in allowed.items()}  # boolean [b, 1, L, L]
+        else:
+            masks = {w: _additive(m[:, None, None]) for w, m in allowed.items()}
+        attend = self._attend_sdpa if self.sdpa_prefill else self._attend
         cos = self.cos[:length][None, :, None]  # [1, L, 1, d]
         sin = self.sin[:length][None, :, None]
         x = F.embedding(input_ids, self.embed).view(b * length, self.hidden)
@@ -164,7 +191,7 @@ class StaticLlamaForward(LlamaNativeForward):
             cache.keys[index][rows, :, :length] = k
             cache.values[index][rows, :, :length] = v
             q = q.view(b, length, self.num_heads, self.head_dim)
-            out = self._attend(q, k, v, masks[layer.window])
+            out = attend(q, k, v, masks[layer.window])
             x = self._finish(layer, x, out.reshape(b * length, -1))
         x = x.view(b, length, self.hidden)
         if all_logits:

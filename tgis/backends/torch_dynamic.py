@@ -123,6 +123,9 @@ class TorchDynamicBackend:
         )
         self.cache = cache
         self.compiled = compile
+        # Graphs torch.compile built for decode steps after warmup (each one a request paid for).
+        self.late_compilations = 0
+        self._compiled_at_warmup: int | None = None
         if compile:
             self.path.decode = torch.compile(self.path.decode, dynamic=True)  # type: ignore[method-assign]
         self._capacity = BackendCapacity(
@@ -345,6 +348,12 @@ class TorchDynamicBackend:
             slots=None if prefix else torch.tensor(row_slots, dtype=torch.long).to(device),
         )
         logits = self.path.decode(batch)
+        if self._compiled_at_warmup is not None and self.compilations() > self._compiled_at_warmup:
+            # A decode variant warmup did not compile (e.g. a subset of the running sequences):
+            # this step paid for it.
+            self.late_compilations += self.compilations() - self._compiled_at_warmup
+            logger.warning("a decode step of %d sequences compiled after warmup", n)
+            self._compiled_at_warmup = self.compilations()
         for slot in slots:
             self._length[slot] += 1
         if order != list(range(n)):
@@ -398,7 +407,8 @@ class TorchDynamicBackend:
             )
         base = min([0, *self._slot_of]) - 1
         ids = [base - i for i in range(shape.rows)]
-        length = shape.length if shape.phase == "prefill" else WARMUP_SHORT_PROMPT
+        short = min(WARMUP_SHORT_PROMPT, self._capacity.max_sequence_tokens - 1)
+        length = shape.length if shape.phase == "prefill" else max(1, short)
         items = [PrefillItem(i, tuple(j % self.vocab_size for j in range(length))) for i in ids]
         before = self.compilations()
         try:
@@ -428,4 +438,6 @@ class TorchDynamicBackend:
             timings.append(self.run_shape(shape))
             if on_shape is not None:
                 on_shape(timings[-1])
+        if self.compiled:
+            self._compiled_at_warmup = self.compilations()
         return timings
