@@ -63,9 +63,12 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
 
         return load_tpu_backend(config, model_dir)
     if config.backend == "neuron":
-        from tgis.backends.neuron import load_neuron_backend
+        from tgis.backends.neuron import default_export_dir, load_neuron_backend
 
-        export_dir = Path(config.compile_cache) if config.compile_cache else None
+        export_dir = None
+        if config.compile_cache and config.static_shape is not None:
+            root = Path(config.compile_cache)
+            export_dir = default_export_dir(model_dir, config.static_shape, root)
         return load_neuron_backend(config, model_dir, export_dir)
     if config.backend == "gaudi":
         from tgis.backends.gaudi import load_gaudi_backend

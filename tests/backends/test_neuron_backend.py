@@ -512,6 +512,10 @@ def test_default_export_dir_depends_on_model_and_shape(tmp_path: Path) -> None:
     assert neuron.default_export_dir(tmp_path / "m", a) != neuron.default_export_dir(
         tmp_path / "n" / "m", a
     )
+    # --compile-cache DIR holds one directory per (model, shape) too.
+    under = neuron.default_export_dir(tmp_path / "m", a, tmp_path / "cache")
+    assert under.parent == tmp_path / "cache"
+    assert under.name == neuron.default_export_dir(tmp_path / "m", a).name
 
 
 def test_pad_token_falls_back_to_eos_then_zero(tmp_path: Path) -> None:

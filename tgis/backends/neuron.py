@@ -310,14 +310,17 @@ def _exported_shape(model_dir: Path) -> NeuronExport | None:
     return ModelFacts.from_config(*read_model_config(model_dir)).neuron
 
 
-def default_export_dir(model_dir: Path, shape: StaticShape) -> Path:
-    """Where a model compiled at start-up is kept: one directory per (model, shape)."""
+def default_export_dir(
+    model_dir: Path, shape: StaticShape, root: Path = DEFAULT_EXPORT_ROOT
+) -> Path:
+    """Where a model compiled at start-up is kept: one directory per (model, shape) under
+    `root` (--compile-cache, else ~/.cache/tgis/neuron)."""
     digest = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:10]
     name = (
         f"{Path(model_dir).name}-{digest}-b{shape.batch_size}-s{shape.sequence_length}"
         f"-tp{shape.num_cores}-{shape.auto_cast_type}"
     )
-    return DEFAULT_EXPORT_ROOT / name
+    return root / name
 
 
 def ensure_exported(config: ServeConfig, model_dir: Path, export_dir: Path | None = None) -> Path:
