@@ -40,13 +40,16 @@ class Expected:
 EXPECTED = {
     # PyTorch's official CUDA runtime image or NVIDIA's own; the `cuda` extra is empty.
     "cuda": Expected(("pytorch/pytorch", "nvidia/cuda"), frozenset({".", ".[cuda]"})),
+    # Compiled artifacts (start-up exports, XLA programs) persist in the /data volume.
     "neuron": Expected(
-        ("public.ecr.aws/neuron/pytorch-inference-neuronx",), frozenset({".[neuron]"})
+        ("public.ecr.aws/neuron/pytorch-inference-neuronx",),
+        frozenset({".[neuron]"}),
+        (("TGIS_COMPILE_CACHE", "/data/compiled"),),
     ),
     "tpu": Expected(
         ("python", "us-docker.pkg.dev/cloud-tpu-images/"),
         frozenset({".[tpu]"}),
-        (("PJRT_DEVICE", "TPU"),),
+        (("PJRT_DEVICE", "TPU"), ("TGIS_COMPILE_CACHE", "/data/compiled")),
     ),
     "gaudi": Expected(
         ("vault.habana.ai/gaudi-docker/",),
