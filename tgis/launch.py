@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,6 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
     if config.backend in ("cpu", "cuda"):
         from tgis.backends.torch_dynamic import TorchDynamicBackend
 
-        if config.compile and config.compile_cache:
-            # Inductor's FX graph and kernel caches: read before the first compilation.
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config.compile_cache).resolve())
         slots = config.max_batch_size or config.max_concurrent_requests
         return TorchDynamicBackend.load(
             model_dir,
@@ -57,19 +53,16 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
             max_sequence_tokens=config.max_total_tokens,
             kv_tokens=config.max_batch_total_tokens,
             compile=config.compile,
+            compile_cache=Path(config.compile_cache) if config.compile_cache else None,
         )
     if config.backend == "tpu":
         from tgis.backends.tpu import load_tpu_backend
 
         return load_tpu_backend(config, model_dir)
     if config.backend == "neuron":
-        from tgis.backends.neuron import default_export_dir, load_neuron_backend
+        from tgis.backends.neuron import load_neuron_backend
 
-        export_dir = None
-        if config.compile_cache and config.static_shape is not None:
-            root = Path(config.compile_cache)
-            export_dir = default_export_dir(model_dir, config.static_shape, root)
-        return load_neuron_backend(config, model_dir, export_dir)
+        return load_neuron_backend(config, model_dir)
     if config.backend == "gaudi":
         from tgis.backends.gaudi import load_gaudi_backend
 

@@ -21,7 +21,7 @@ from tgis.backends.cuda_graphs import (
     graph_policy,
     load_cuda_graph_backend,
 )
-from tgis.backends.graphs import GraphedStaticModel
+from tgis.backends.graphs import GraphedStaticModel, GraphOps
 from tgis.backends.static_batch import EagerOps, StaticBatchBackend
 from tgis.backends.static_kv import StaticLlamaForward
 from tgis.errors import ConfigError
@@ -48,15 +48,6 @@ class RecordingGraphs:
         self.replays += 1
 
 
-class GraphOps(EagerOps):
-    def __init__(self, model: GraphedStaticModel) -> None:
-        super().__init__("cpu")
-        self.model = model
-
-    def compilations(self) -> int:
-        return self.model.captures
-
-
 def graphed_backend(
     model: PreTrainedModel, slots: int = 8, graph_prefill: bool = False
 ) -> tuple[StaticBatchBackend, GraphedStaticModel, RecordingGraphs]:
@@ -65,7 +56,11 @@ def graphed_backend(
         StaticLlamaForward(model, slots, MAX_LENGTH), api, graph_prefill=graph_prefill
     )
     backend = StaticBatchBackend(
-        graphed, graph_policy(slots, MAX_LENGTH, 40), GraphOps(graphed), "graphs", pad_token_id=3
+        graphed,
+        graph_policy(slots, MAX_LENGTH, 40),
+        GraphOps("cpu", graphed),
+        "graphs",
+        pad_token_id=3,
     )
     return backend, graphed, api
 
@@ -142,7 +137,7 @@ def test_real_cuda_graphs_equal_eager_static(tiny_lm: Callable[..., PreTrainedMo
     expected, _ = staggered_greedy(eager, prompts, budgets, joins, subsets=False)
     graphed = GraphedStaticModel(StaticLlamaForward(model, 8, MAX_LENGTH), CudaGraphApi())
     backend = StaticBatchBackend(
-        graphed, graph_policy(8, MAX_LENGTH, 40), GraphOps(graphed), "cuda", pad_token_id=3
+        graphed, graph_policy(8, MAX_LENGTH, 40), GraphOps("cuda", graphed), "cuda", pad_token_id=3
     )
     backend.warmup(8, 40)
     tokens, _ = staggered_greedy(backend, prompts, budgets, joins, subsets=False)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tgis.backends.buckets import MIN_LENGTH_BUCKET, ShapePolicy, powers_of_two
-from tgis.backends.static_batch import EagerOps, StaticBatchBackend, pad_token_id
+from tgis.backends.static_batch import StaticBatchBackend, pad_token_id
 from tgis.config import ServeConfig
 from tgis.errors import ConfigError
 
@@ -87,7 +87,7 @@ def load_cuda_graph_backend(config: ServeConfig, model_dir: Path) -> StaticBatch
     """Load a llama-family model onto the GPU with graph-replayed decode (see module doc)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tgis.backends.graphs import GraphedStaticModel
+    from tgis.backends.graphs import GraphedStaticModel, GraphOps
     from tgis.backends.llama_native import (
         NATIVE_MODEL_TYPES,
         native_kv_shape,
@@ -124,16 +124,5 @@ def load_cuda_graph_backend(config: ServeConfig, model_dir: Path) -> StaticBatch
         config.max_total_tokens,
         policy.decode_batches,
     )
-    ops = _CudaOps(graphed)
+    ops = GraphOps("cuda", graphed)
     return StaticBatchBackend(graphed, policy, ops, "cuda", pad_token_id(model.config), dtype)
-
-
-class _CudaOps(EagerOps):
-    """Eager CUDA ops that count recorded graphs as compilations (warmup reports them)."""
-
-    def __init__(self, graphed: Any) -> None:
-        super().__init__("cuda")
-        self.graphed = graphed
-
-    def compilations(self) -> int:
-        return int(self.graphed.captures)

@@ -189,13 +189,11 @@ class DecodeProfiler:
 
 @dataclass
 class HpuRuntime:
-    """State shared by the graph model and the device ops: the habana modules, the HPU graphs
-    captured so far, and the decode profiler."""
+    """State shared by the graph model and the device ops: the habana modules and the decode
+    profiler."""
 
     habana: Habana
     profiler: DecodeProfiler | None = None
-    captures: int = 0
-    replays: int = 0
     profiling_paused: bool = False
     _decode_pending: bool = field(default=False, repr=False)
 
@@ -229,8 +227,11 @@ class HpuOps:
     """DeviceOps for the HPU: inputs go to `device`, a step ends with mark_step, and
     `compilations` counts the HPU graphs this backend captured."""
 
-    def __init__(self, runtime: HpuRuntime, device: str | torch.device = "hpu") -> None:
+    def __init__(
+        self, runtime: HpuRuntime, graphs: GraphedStaticModel, device: str | torch.device = "hpu"
+    ) -> None:
         self.runtime = runtime
+        self.graphs = graphs
         self.device = torch.device(device)
         self.name = "hpu"
 
@@ -241,12 +242,12 @@ class HpuOps:
     def compilations(self) -> int:
         """HPU graphs captured so far (graphs the bridge compiles for lazy steps outside HPU
         graphs are not counted: habana_frameworks has no public counter for them)."""
-        return self.runtime.captures
+        return self.graphs.captures
 
 
 class HpuGraphApi:
     """GraphApi for HPU graphs: `HPUGraph` recorded inside the `hpu.graph` context (recording
-    also runs the step), `replay()` after. Counts captures and replays on the runtime."""
+    also runs the step), `replay()` after."""
 
     def __init__(self, runtime: HpuRuntime) -> None:
         self.runtime = runtime
@@ -258,12 +259,10 @@ class HpuGraphApi:
         graph = hpu.HPUGraph()
         with hpu.graph(graph):
             output = step()
-        self.runtime.captures += 1
         return graph, output
 
     def replay(self, graph: Any) -> None:
         graph.replay()
-        self.runtime.replays += 1
 
 
 class HpuGraphModel(GraphedStaticModel):
@@ -286,8 +285,6 @@ class HpuGraphModel(GraphedStaticModel):
             on_decode=runtime.before_decode,
         )
         self.runtime = runtime
-        self.limit_graphs = limit_graphs
-        self.enable_graphs = enable_graphs
 
 
 class GaudiBatchBackend(StaticBatchBackend):
@@ -345,7 +342,7 @@ def build_gaudi_backend(
     forward = StaticLlamaForward(model, settings.decode_batch_size, max_total_tokens)
     graph_model = HpuGraphModel(forward, runtime, enable_graphs, settings.limit_hpu_graph)
     policy = gaudi_policy(settings, max_total_tokens)
-    ops = HpuOps(runtime, device)
+    ops = HpuOps(runtime, graph_model, device)
     return GaudiBatchBackend(graph_model, policy, ops, "gaudi", pad_token_id(model.config))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tgis.backends.static_batch import EagerOps
 from tgis.backends.static_kv import StaticLlamaForward
 
 logger = logging.getLogger(__name__)
@@ -132,3 +133,15 @@ class GraphedStaticModel:
             lambda ids, pos: self.forward.decode_static(ids, pos, rows),
             (input_ids, positions),
         )
+
+
+class GraphOps(EagerOps):
+    """DeviceOps of an eager device whose steps replay graphs: the graphs recorded count as
+    its compilations (what warmup reports and what a late recording is noticed by)."""
+
+    def __init__(self, device: str | torch.device, graphs: GraphedStaticModel) -> None:
+        super().__init__(device)
+        self.graphs = graphs
+
+    def compilations(self) -> int:
+        return self.graphs.captures

@@ -325,7 +325,9 @@ def default_export_dir(
 
 def ensure_exported(config: ServeConfig, model_dir: Path, export_dir: Path | None = None) -> Path:
     """The directory of a compiled model: `model_dir` when it is exported, else the result of
-    compiling it (tgis.neuron_export.export) for config.static_shape, reused when present."""
+    compiling it (tgis.neuron_export.export) for config.static_shape, reused when present:
+    `export_dir`, else a directory per (model, shape) under --compile-cache or
+    ~/.cache/tgis/neuron."""
     if _exported_shape(model_dir) is not None:
         return model_dir
     shape = config.static_shape
@@ -335,7 +337,8 @@ def ensure_exported(config: ServeConfig, model_dir: Path, export_dir: Path | Non
             "set HF_BATCH_SIZE, HF_SEQUENCE_LENGTH, HF_NUM_CORES and HF_AUTO_CAST_TYPE, or run "
             "tgis export-neuron first",
         )
-    output = export_dir or default_export_dir(model_dir, shape)
+    root = Path(config.compile_cache) if config.compile_cache else DEFAULT_EXPORT_ROOT
+    output = export_dir or default_export_dir(model_dir, shape, root)
     wanted = (shape.batch_size, shape.sequence_length, shape.num_cores)
     if (output / "config.json").is_file():
         done = _exported_shape(output)

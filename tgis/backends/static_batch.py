@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from tgis.backends.buckets import ShapePolicy
+from tgis.backends.compile_watch import CompileWatch, run_plan
 from tgis.engine.backend import (
     BackendCapacity,
     PrefillItem,
@@ -142,9 +143,7 @@ class StaticBatchBackend:
         self._row_of: dict[int, int] = {}
         # Per slot: the tokens its KV cache holds (prompt + tokens fed by decode), or None.
         self._tokens: list[list[int] | None] = [None] * size
-        # Graphs compiled by serving steps after warmup (each one a request paid for).
-        self.late_compilations = 0
-        self._compiled_at_warmup: int | None = None
+        self._watch = CompileWatch(ops.compilations)
         # Materialize what loading left pending (cache zeros, rope tables): otherwise the first
         # step's graph would include it and differ from the same bucket's later steps.
         ops.sync()
@@ -288,20 +287,14 @@ class StaticBatchBackend:
         return logits.cpu()[torch.tensor(rows)]
 
     def _end_step(self, label: str) -> None:
-        """Sync the device; after warmup, a step that compiled is counted and logged (a shape
-        warmup missed, paid by a request)."""
+        """Sync the device; after warmup, a step that compiled is counted and logged."""
         self.ops.sync()
-        if self._compiled_at_warmup is None:
-            return
-        now = self.ops.compilations()
-        if now > self._compiled_at_warmup:
-            self.late_compilations += now - self._compiled_at_warmup
-            logger.warning(
-                "%s compiled %d graph(s) after warmup: a shape warmup did not cover",
-                label,
-                now - self._compiled_at_warmup,
-            )
-            self._compiled_at_warmup = now
+        self._watch.check(label)
+
+    @property
+    def late_compilations(self) -> int:
+        """Graphs serving steps compiled after warmup (each one a request paid for)."""
+        return self._watch.late
 
     def release(self, seq_id: int) -> None:
         """Free `seq_id`'s slot (unknown or already released ids do nothing)."""
@@ -342,11 +335,7 @@ class StaticBatchBackend:
         on_shape: Callable[[ShapeTiming], None] | None = None,
     ) -> list[ShapeTiming]:
         """Run every shape of the plan once (compiling each graph), in plan order."""
-        timings = []
-        for shape in self.warmup_plan(max_batch_size, max_input_tokens):
-            timing = self.run_shape(shape)
-            timings.append(timing)
-            if on_shape is not None:
-                on_shape(timing)
-        self._compiled_at_warmup = self.ops.compilations()
+        plan = self.warmup_plan(max_batch_size, max_input_tokens)
+        timings = run_plan(plan, self.run_shape, on_shape)
+        self._watch.arm()
         return timings

@@ -11,6 +11,7 @@ qwen2) and the generic HF path (any causal LM through its own forward).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tgis.backends.buckets import powers_of_two
+from tgis.backends.compile_watch import CompileWatch, run_plan
 from tgis.backends.forward import DecodeBatch, ForwardPath, PrefillSegment
 from tgis.backends.hf_forward import HFForward, probe_kv_shape
 from tgis.backends.llama_native import (
@@ -123,9 +125,7 @@ class TorchDynamicBackend:
         )
         self.cache = cache
         self.compiled = compile
-        # Graphs torch.compile built for decode steps after warmup (each one a request paid for).
-        self.late_compilations = 0
-        self._compiled_at_warmup: int | None = None
+        self._watch = CompileWatch(self.compilations)
         if compile:
             self.path.decode = torch.compile(self.path.decode, dynamic=True)  # type: ignore[method-assign]
         self._capacity = BackendCapacity(
@@ -166,6 +166,7 @@ class TorchDynamicBackend:
         num_threads: int | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         compile: bool = False,
+        compile_cache: Path | None = None,
     ) -> TorchDynamicBackend:
         """Load the causal LM in `model_dir` onto `device` ("cpu", "cuda", "cuda:1").
 
@@ -173,9 +174,13 @@ class TorchDynamicBackend:
         on CPUs without native bf16). On CPU, torch's intra-op threads are set process-wide to
         `num_threads`, by default the cores this process may use (affinity and cgroup quota):
         one thread per core is fastest for the matmul-bound forward, and more threads than
-        cores only add contention.
+        cores only add contention. With `compile`, `compile_cache` keeps inductor's caches
+        (a second start compiles faster).
         """
         dev = torch.device(device)
+        if compile and compile_cache is not None:
+            # Inductor's FX graph and kernel caches, read at the first compilation.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache.resolve())
         if dev.type == "cpu":
             torch.set_num_threads(num_threads or cpu_threads())
         elif dev.type == "cuda" and not torch.cuda.is_available():
@@ -348,12 +353,8 @@ class TorchDynamicBackend:
             slots=None if prefix else torch.tensor(row_slots, dtype=torch.long).to(device),
         )
         logits = self.path.decode(batch)
-        if self._compiled_at_warmup is not None and self.compilations() > self._compiled_at_warmup:
-            # A decode variant warmup did not compile (e.g. a subset of the running sequences):
-            # this step paid for it.
-            self.late_compilations += self.compilations() - self._compiled_at_warmup
-            logger.warning("a decode step of %d sequences compiled after warmup", n)
-            self._compiled_at_warmup = self.compilations()
+        # A decode variant warmup did not compile (e.g. a subset of the running sequences).
+        self._watch.check(f"a decode step of {n} sequences")
         for slot in slots:
             self._length[slot] += 1
         if order != list(range(n)):
@@ -388,6 +389,11 @@ class TorchDynamicBackend:
         if rows > 1:
             plan.append(Shape("prefill", rows, short))
         return plan + [Shape("decode", n, 1) for n in powers_of_two(1, rows)]
+
+    @property
+    def late_compilations(self) -> int:
+        """Graphs compiled by decode steps after warmup (each one a request paid for)."""
+        return self._watch.late
 
     def compilations(self) -> int:
         """Graphs torch.compile built in this process (0 when nothing is compiled)."""
@@ -433,11 +439,8 @@ class TorchDynamicBackend:
     ) -> list[ShapeTiming]:
         """Run the plan once: pays the one-off costs (allocator growth, kernel selection,
         thread pools, torch.compile) before serving. Leaves no sequence behind."""
-        timings = []
-        for shape in self.warmup_plan(max_batch_size, max_input_tokens):
-            timings.append(self.run_shape(shape))
-            if on_shape is not None:
-                on_shape(timings[-1])
+        plan = self.warmup_plan(max_batch_size, max_input_tokens)
+        timings = run_plan(plan, self.run_shape, on_shape)
         if self.compiled:
-            self._compiled_at_warmup = self.compilations()
+            self._watch.arm()
         return timings
