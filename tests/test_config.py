@@ -115,7 +115,9 @@ def test_seed003_gaudi_basic_example_validates() -> None:
     assert config.gaudi.decode_buckets == tuple(range(8, 129, 8))
 
 
-def test_seed003_gaudi_fp8_70b_example_validates() -> None:
+def test_seed003_gaudi_fp8_70b_example_validates_on_one_device() -> None:
+    """Seed 003's 8-card launch: its sharding is refused (no backend shards yet); without
+    --sharded/--num-shard the rest of it validates."""
     env = {
         "QUANT_CONFIG": "./quantization_config/maxabs_quant.json",
         "MAX_TOTAL_TOKENS": "2048",
@@ -123,13 +125,20 @@ def test_seed003_gaudi_fp8_70b_example_validates() -> None:
         "PREFILL_BATCH_BUCKET_SIZE": "4",
         "PAD_SEQUENCE_TO_MULTIPLE_OF": "64",
     }
+    seed_flags: dict[str, object] = {
+        "model_id": "meta-llama/Meta-Llama-3.1-70B-Instruct",
+        "backend": "gaudi",
+        "sharded": True,
+        "num_shard": 8,
+    }
+    assert error_of(LLAMA31, env, **seed_flags, max_input_tokens=1024).startswith(
+        "--num-shard 8: the gaudi backend runs the model on one device"
+    )
     config = build(
         LLAMA31,
         env,
         model_id="meta-llama/Meta-Llama-3.1-70B-Instruct",
         backend="gaudi",
-        sharded=True,
-        num_shard=8,
         max_input_tokens=1024,
         max_total_tokens=2048,
         max_batch_prefill_tokens=4096,
@@ -144,7 +153,7 @@ def test_seed003_gaudi_fp8_70b_example_validates() -> None:
     assert (g.decode_batch_size, g.prefill_batch_size, g.length_buckets[-1]) == (256, 4, 1024)
     assert g.decode_buckets == (256,)
     assert len(g.prefill_buckets) == 16  # 1 batch bucket x 16 length buckets of 64
-    assert config.num_shard == 8
+    assert config.num_shard == 1
 
 
 def test_seed003_gaudi_llava_example_validates() -> None:
@@ -268,7 +277,6 @@ def test_max_total_must_fit_batch_total() -> None:
         ({"waiting_served_ratio": 0.0}, "--waiting-served-ratio 0.0 must be > 0"),
         ({"backend": "tpuv5"}, "--backend 'tpuv5' is not a backend"),
         ({"dtype": "int4"}, "--dtype 'int4' is not a supported dtype"),
-        ({"num_shard": 2}, "the cpu backend runs one shard, not --num-shard 2"),
     ],
 )
 def test_value_rules(flags: dict[str, object], expected: str) -> None:
@@ -481,7 +489,52 @@ def test_gaudi_profiler_and_graph_variables_read() -> None:
     g = config.gaudi
     assert g is not None and g.profiling and g.prof_ranks == (0, 1) and g.prof_record_shapes
     assert not g.enable_hpu_graph
-    assert (config.warmup_enabled, config.queue_threshold_ms) == (False, 250)
+    assert (config.warmup_enabled, g.queue_threshold_ms) == (False, 250)
+    assert (g.rank, g.lazy_mode) == (0, True)
+    g = build(LLAMA31, {"RANK": "3", "PT_HPU_LAZY_MODE": "0"}, backend="gaudi").gaudi
+    assert g is not None and (g.rank, g.lazy_mode, g.queue_threshold_ms) == (3, False, 120)
+    assert "RANK='x' is not an integer" in error_of(LLAMA31, {"RANK": "x"}, backend="gaudi")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "tpu"])
+def test_gaudi_variables_refused_on_other_backends(backend: str) -> None:
+    env = {"QUEUE_THRESHOLD_MS": "250", "BATCH_BUCKET_SIZE": "16"}
+    assert error_of(LLAMA31, env, backend=backend) == (
+        "BATCH_BUCKET_SIZE, QUEUE_THRESHOLD_MS configure the gaudi backend (seed 003's "
+        f"settings), but the backend is {backend} (unset BATCH_BUCKET_SIZE, "
+        "QUEUE_THRESHOLD_MS, or serve with --backend gaudi)"
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "tpu", "gaudi"])
+@pytest.mark.parametrize(
+    ("flags", "env", "named"),
+    [
+        ({"num_shard": 2}, {}, "--num-shard 2"),
+        ({"sharded": True}, {}, "--sharded true"),
+        ({}, {"NUM_SHARD": "4"}, "NUM_SHARD=4"),
+    ],
+)
+def test_sharding_refused_where_no_backend_shards(
+    backend: str, flags: dict[str, object], env: dict[str, str], named: str
+) -> None:
+    message = error_of(LLAMA31, env, backend=backend, **flags)
+    assert message.startswith(f"{named}: the {backend} backend runs the model on one device")
+    assert "only neuron takes --num-shard" in message
+    assert build(LLAMA31, backend=backend, num_shard=1, sharded=False).num_shard == 1
+
+
+def test_neuron_sharding_follows_its_cores() -> None:
+    budget = LLAMA2_NEURON_BUDGET  # compiled for 2 cores
+    assert build(budget, backend="neuron", sharded=True).num_shard == 2
+    assert "--sharded false contradicts" in error_of(budget, backend="neuron", sharded=False)
+    one_core = build_serve_config(
+        LauncherArgs(backend="neuron"), GPT2, {"HF_NUM_CORES": "1", "HF_BATCH_SIZE": "1"}
+    )
+    assert one_core.num_shard == 1
+    assert "but the model runs on one Neuron core" in error_of(
+        GPT2, {"HF_NUM_CORES": "1"}, backend="neuron", sharded=True
+    )
 
 
 def test_device_compile_flags_apply_where_they_can() -> None:

@@ -45,7 +45,6 @@ SERVING_FILES = frozenset(
         "chat_template.json",
     }
 )
-WEIGHT_EXTENSIONS = (".safetensors", ".bin")
 # Root-level files with a weight extension that are not model weights (TGI skips these too).
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state", "arguments", "args")
 # A dropped connection is retried this many times, each attempt resuming the partial file.

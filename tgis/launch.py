@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tgis.config import ServeConfig
-from tgis.engine.backend import Backend
+from tgis.config import ServeConfig, check_kv_budget
+from tgis.engine.backend import Backend, BackendCapacity
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import BackendUnavailableError, ConfigError
@@ -88,6 +88,22 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def scheduler_limits(
+    config: ServeConfig, capacity: BackendCapacity, kv_tokens: int
+) -> SchedulerLimits:
+    """The scheduler's budgets: the config's, the loaded backend's slots and KV budget."""
+    return SchedulerLimits(
+        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
+        max_batch_total_tokens=kv_tokens,
+        max_sequences=capacity.max_sequences,
+        max_batch_size=config.max_batch_size,
+        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens,
+        prefill_step_tokens=capacity.prefill_step_tokens,
+        queue_threshold_ms=config.gaudi.queue_threshold_ms if config.gaudi else None,
+    )
+
+
 def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) -> Service:
     """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), start the engine."""
     from transformers import AutoTokenizer
@@ -100,29 +116,15 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         ) from exc
     backend = load_backend(config, model_dir)
     capacity = backend.capacity
-    kv_tokens = min(config.max_batch_total_tokens or capacity.kv_tokens, capacity.kv_tokens)
-    if config.max_total_tokens > kv_tokens:
-        raise ConfigError(
-            f"the KV cache holds {kv_tokens} tokens, less than --max-total-tokens {config.max_total_tokens}",
-            "lower --max-total-tokens or free memory",
-        )
+    kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:
         report = run_warmup(backend, config)
         log.info("%s", report.summary())
-    limits = SchedulerLimits(
-        max_batch_prefill_tokens=config.max_batch_prefill_tokens,
-        max_batch_total_tokens=kv_tokens,
-        max_sequences=capacity.max_sequences,
-        max_batch_size=config.max_batch_size,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
-        prefill_step_tokens=capacity.prefill_step_tokens,
-    )
     engine = Engine(
         backend,
         tokenizer,
-        limits,
+        scheduler_limits(config, capacity, kv_tokens),
         config.max_concurrent_requests,
         eos_token_ids(model_dir, tokenizer),
         observer,

@@ -14,8 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from tgis.backends.registry import has_module
-from tgis.config import LauncherArgs, ModelFacts, NeuronExport, ServeConfig, build_serve_config
-from tgis.config_static import CAST_TO_DTYPE, CAST_TYPES
+from tgis.config import (
+    CAST_TO_DTYPE,
+    CAST_TYPES,
+    LauncherArgs,
+    ModelFacts,
+    NeuronExport,
+    ServeConfig,
+    build_serve_config,
+)
 from tgis.errors import BackendUnavailableError, ConfigError
 
 # optimum-neuron's own cap on the default sequence length of a decoder export.

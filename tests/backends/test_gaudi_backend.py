@@ -40,8 +40,7 @@ from tgis.backends.gaudi import (
 )
 from tgis.backends.static_batch import EagerOps, StaticBatchBackend
 from tgis.backends.static_kv import StaticLlamaForward
-from tgis.config import LauncherArgs, ModelFacts, build_serve_config
-from tgis.config_gaudi import GaudiSettings
+from tgis.config import GaudiSettings, LauncherArgs, ModelFacts, build_serve_config
 from tgis.engine.backend import PrefillItem
 from tgis.errors import BackendUnavailableError, ConfigError
 
@@ -167,12 +166,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeHabana:
 def make(
     model: PreTrainedModel,
     fake: FakeHabana,
-    env: dict[str, str] | None = None,
     **changes: Any,
 ) -> GaudiBatchBackend:
-    return build_gaudi_backend(
-        model, settings(**changes), MAX_LENGTH, fake.habana, env=env or {}, device="cpu"
-    )
+    return build_gaudi_backend(model, settings(**changes), MAX_LENGTH, fake.habana, device="cpu")
 
 
 def solo(model: PreTrainedModel) -> StaticBatchBackend:
@@ -333,7 +329,7 @@ def test_lazy_mode_off_runs_without_graphs(
     tiny_lm: Callable[..., PreTrainedModel], fake: FakeHabana
 ) -> None:
     model = tiny_lm("llama")
-    backend = make(model, fake, env={"PT_HPU_LAZY_MODE": "0"})
+    backend = make(model, fake, lazy_mode=False)
     tokens, _ = alone_run(backend, PROMPTS[1], 4)
     assert tokens == greedy_reference(model, PROMPTS[1], 4)
     assert fake.captured == []
@@ -423,7 +419,7 @@ def test_profiler_records_decode_steps_with_the_prof_schedule(
     tiny_lm: Callable[..., PreTrainedModel], fake: FakeHabana, profiles: list[ProfileRecorder]
 ) -> None:
     model = tiny_lm("llama")
-    backend = make(model, fake, env={"RANK": "2"}, **PROFILING)
+    backend = make(model, fake, rank=2, **PROFILING)
     backend.warmup(6, 32)
     assert profiles == []  # warmup steps are not profiled
     backend.prefill([PrefillItem(0, PROMPTS[0])])
@@ -450,28 +446,27 @@ def test_profiler_records_decode_steps_with_the_prof_schedule(
 
 
 @pytest.mark.parametrize(
-    ("env", "changes"),
+    "changes",
     [
-        ({"RANK": "1"}, {}),  # not in PROF_RANKS
-        ({}, {"prof_ranks": (1,)}),  # RANK defaults to 0
-        ({"RANK": "0"}, {"prof_step": 0}),  # profiling off
+        {"rank": 1},  # not in PROF_RANKS
+        {"prof_ranks": (1,)},  # RANK defaults to 0
+        {"rank": 0, "prof_step": 0},  # profiling off
     ],
 )
 def test_profiler_only_on_listed_ranks(
     tiny_lm: Callable[..., PreTrainedModel],
     fake: FakeHabana,
     profiles: list[ProfileRecorder],
-    env: dict[str, str],
     changes: dict[str, Any],
 ) -> None:
-    backend = make(tiny_lm("llama"), fake, env=env, **{**PROFILING, **changes})
+    backend = make(tiny_lm("llama"), fake, **{**PROFILING, **changes})
     alone_run(backend, PROMPTS[0], 6)
     assert profiles == []
 
 
 def test_decode_profiler_from_settings() -> None:
-    assert DecodeProfiler.from_settings(settings(**PROFILING), rank=3) is None
-    prof = DecodeProfiler.from_settings(settings(**PROFILING), rank=0)
+    assert DecodeProfiler.from_settings(settings(**PROFILING, rank=3)) is None
+    prof = DecodeProfiler.from_settings(settings(**PROFILING, rank=0))
     assert prof is not None
     assert (prof.wait, prof.warmup, prof.active, prof.total) == (1, 1, 2, 4)
     assert (prof.path, prof.record_shapes) == ("/tmp/traces", True)
@@ -520,7 +515,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_load_gaudi_backend_serves_the_saved_model(
     tiny_lm: Callable[..., PreTrainedModel], fake: FakeHabana, llama_dir: Path
 ) -> None:
-    backend = load_gaudi_backend(gaudi_config(dtype="float32"), llama_dir, env={}, device="cpu")
+    backend = load_gaudi_backend(gaudi_config(dtype="float32"), llama_dir, device="cpu")
     assert isinstance(backend, StaticBatchBackend) and backend.name == "gaudi"
     policy = backend.policy
     assert (policy.decode_batches, policy.prefill_rows, policy.prefill_lengths) == (
@@ -535,7 +530,7 @@ def test_load_gaudi_backend_serves_the_saved_model(
 
 
 def test_load_gaudi_backend_defaults_to_bfloat16(fake: FakeHabana, llama_dir: Path) -> None:
-    backend = load_gaudi_backend(gaudi_config(), llama_dir, env={}, device="cpu")
+    backend = load_gaudi_backend(gaudi_config(), llama_dir, device="cpu")
     assert isinstance(backend.model, HpuGraphModel)
     assert backend.model.forward.embed.dtype == torch.bfloat16
 
@@ -543,7 +538,7 @@ def test_load_gaudi_backend_defaults_to_bfloat16(fake: FakeHabana, llama_dir: Pa
 def test_load_without_habana_is_one_line(monkeypatch: pytest.MonkeyPatch, llama_dir: Path) -> None:
     monkeypatch.setitem(sys.modules, "habana_frameworks", None)
     with pytest.raises(BackendUnavailableError) as err:
-        load_gaudi_backend(gaudi_config(), llama_dir, env={}, device="cpu")
+        load_gaudi_backend(gaudi_config(), llama_dir, device="cpu")
     text = str(err.value)
     assert "\n" not in text
     assert "habana_frameworks" in text and "Dockerfile.gaudi" in text
@@ -553,7 +548,7 @@ def test_load_without_habana_is_one_line(monkeypatch: pytest.MonkeyPatch, llama_
 def test_quant_config_is_refused(fake: FakeHabana, llama_dir: Path) -> None:
     config = gaudi_config({"QUANT_CONFIG": "./quantization_config/maxabs_quant.json"})
     with pytest.raises(ConfigError) as err:
-        load_gaudi_backend(config, llama_dir, env={}, device="cpu")
+        load_gaudi_backend(config, llama_dir, device="cpu")
     text = str(err.value)
     assert "QUANT_CONFIG" in text and "FP8" in text and "unset QUANT_CONFIG" in text
 
@@ -563,7 +558,7 @@ def test_non_llama_models_are_refused(
 ) -> None:
     tiny_lm("gpt2").save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as err:
-        load_gaudi_backend(gaudi_config(), tmp_path, env={}, device="cpu")
+        load_gaudi_backend(gaudi_config(), tmp_path, device="cpu")
     text = str(err.value)
     assert "'gpt2'" in text and "llama" in text and "qwen2" in text
 
@@ -571,4 +566,4 @@ def test_non_llama_models_are_refused(
 def test_a_non_gaudi_config_is_refused(fake: FakeHabana, llama_dir: Path) -> None:
     config = build_serve_config(LauncherArgs(backend="cpu"), ModelFacts("llama", 128), {})
     with pytest.raises(ConfigError, match="gaudi settings"):
-        load_gaudi_backend(config, llama_dir, env={}, device="cpu")
+        load_gaudi_backend(config, llama_dir, device="cpu")

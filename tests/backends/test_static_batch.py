@@ -15,7 +15,7 @@ from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
 from tgis.backends.buckets import Shape, gaudi_policy, static_policy
 from tgis.backends.static_batch import EagerOps, StaticBatchBackend
 from tgis.backends.static_kv import StaticLlamaForward
-from tgis.config_gaudi import GaudiSettings
+from tgis.config import GaudiSettings
 from tgis.engine.backend import PrefillItem
 
 MAX_LENGTH = 64

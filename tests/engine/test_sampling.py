@@ -32,7 +32,7 @@ def logits_for(step: int, rows: int = 1, vocab: int = VOCAB) -> torch.Tensor:
 
 def test_greedy_picks_argmax_with_raw_logprobs_and_rank_one() -> None:
     logits = logits_for(0, rows=4)
-    out = SamplingBatch.from_params([P()] * 4, [[1]] * 4).choose(logits)
+    out = SamplingBatch([SamplingRow(P(), [1]) for _ in range(4)]).choose(logits)
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).max(-1).values
     assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
@@ -81,7 +81,9 @@ def test_processors_match_huggingface_in_a_mixed_batch() -> None:
         P(),
         P(repetition_penalty=0.6),
     ]
-    scores = SamplingBatch.from_params(params, histories).process(logits)
+    scores = SamplingBatch(
+        [SamplingRow(p, h) for p, h in zip(params, histories, strict=True)]
+    ).process(logits)
     expected = [
         RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([histories[0]]), logits[0:1].clone()),
         TopKLogitsWarper(7)(None, logits[1:2].clone()),
@@ -261,7 +263,7 @@ def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(scale: floa
     vocab = 5000
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(7)) * scale
     params = [P(top_p=0.9), P(top_p=0.5), P(typical_p=0.9), P(typical_p=0.3)]
-    scores = SamplingBatch.from_params(params, [[1]] * 4).process(logits)
+    scores = SamplingBatch([SamplingRow(p, [1]) for p in params]).process(logits)
     expected = torch.cat(
         [
             TopPLogitsWarper(0.9)(None, logits[0:1].clone()),

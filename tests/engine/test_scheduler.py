@@ -6,9 +6,8 @@ import itertools
 
 import pytest
 
-from tgis.engine.scheduler import Scheduler, SchedulerLimits, StepKind
+from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus, Sequence
-from tgis.errors import InputValidationError
 
 _ids = itertools.count()
 
@@ -137,11 +136,42 @@ def test_finish_waiting_and_running() -> None:
     assert not s.running and not s.has_work and s.reserved == 0
 
 
-def test_request_that_never_fits_is_refused() -> None:
-    s = Scheduler(limits(max_batch_total_tokens=100))
-    with pytest.raises(InputValidationError, match="must be <= 100 \\(the KV cache budget\\)"):
-        s.check_fits(60, 50)
-    s.check_fits(50, 50)
+def test_sequence_that_never_fits_is_refused_and_nothing_queued() -> None:
+    s = Scheduler(limits(max_batch_total_tokens=100, max_batch_prefill_tokens=80))
+    fits = seq(50, 50)
+    with pytest.raises(ValueError, match="can never run within max_batch_prefill_tokens=80 and"):
+        s.add([fits, seq(60, 41)])  # one candidate over the KV budget: the request is refused
+    with pytest.raises(ValueError, match=r"\(81 prompt \+ 1 new tokens\)"):
+        s.add([seq(81, 1)])  # over the prefill budget
+    assert not s.waiting
+    s.add([fits])
+    assert s.schedule() == Step(StepKind.PREFILL, (fits,))
+
+
+def test_queue_threshold_serves_overdue_first_then_shortest() -> None:
+    now = [100.0]
+    s = Scheduler(limits(queue_threshold_ms=120, max_sequences=1), clock=lambda: now[0])
+    old_long = Sequence(1, "a", prompt_len=90, max_new_tokens=5, arrival=99.5)  # 500 ms
+    older_long = Sequence(2, "b", prompt_len=80, max_new_tokens=5, arrival=99.0)
+    new_long = Sequence(3, "c", prompt_len=70, max_new_tokens=5, arrival=99.95)
+    new_short = Sequence(4, "d", prompt_len=5, max_new_tokens=5, arrival=99.99)
+    new_short2 = Sequence(5, "e", prompt_len=5, max_new_tokens=5, arrival=99.995)
+    s.add([old_long, older_long, new_long, new_short, new_short2])
+    # overdue oldest first, then the rest shortest first, ties in arrival order
+    assert s.queue_order() == [older_long, old_long, new_short, new_short2, new_long]
+    now[0] = 99.05  # nothing overdue yet: shortest first
+    assert s.queue_order() == [new_short, new_short2, new_long, older_long, old_long]
+    now[0] = 100.0
+    step = s.schedule()
+    assert step is not None and step.sequences == (older_long,)
+
+
+def test_without_threshold_the_queue_is_first_come_first_served() -> None:
+    s = Scheduler(limits(max_sequences=1), clock=lambda: 1e9)
+    long, short = seq(90, 5), seq(5, 5)
+    s.add([long, short])
+    assert s.queue_order() == [long, short]
+    assert s.schedule() == Step(StepKind.PREFILL, (long,))
 
 
 def test_reservations_sum_never_exceeds_budget_under_churn() -> None:

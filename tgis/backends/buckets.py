@@ -26,11 +26,10 @@ import bisect
 from dataclasses import dataclass
 from typing import Literal
 
-from tgis.config_gaudi import GaudiSettings
+from tgis.config import PREFILL_MODES, GaudiSettings
 from tgis.engine.backend import Shape
 
 PrefillMode = Literal["rebuild", "insert"]
-PREFILL_MODES: tuple[str, ...] = ("rebuild", "insert")
 # optimum-tpu's smallest prefill bucket: shorter prompts are padded to 16 positions.
 MIN_LENGTH_BUCKET = 16
 

@@ -93,7 +93,8 @@ def load_cuda_graph_backend(config: ServeConfig, model_dir: Path) -> StaticBatch
         native_kv_shape,
         native_unsupported_reason,
     )
-    from tgis.backends.static_kv import StaticKVCache, StaticLlamaForward
+    from tgis.backends.slot_cache import kv_bytes_per_token
+    from tgis.backends.static_kv import StaticLlamaForward
     from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, resolve_dtype
 
     if not torch.cuda.is_available():
@@ -109,9 +110,7 @@ def load_cuda_graph_backend(config: ServeConfig, model_dir: Path) -> StaticBatch
             f"use a {'/'.join(NATIVE_MODEL_TYPES)} model, or serve without --cuda-graphs",
         )
     shape = native_kv_shape(model)
-    per_token = StaticKVCache.bytes_per_token(
-        shape.num_layers, shape.num_heads, shape.head_dim, dtype
-    )
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
     requested = config.max_batch_size or config.max_concurrent_requests
     free = int(available_memory(device) * KV_MEMORY_FRACTION["cuda"])
     slots = fit_slots(requested, config.max_total_tokens, per_token, free)

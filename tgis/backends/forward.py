@@ -89,3 +89,14 @@ def causal_mask(
     if window is not None:
         mask &= keys > query - window
     return mask
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Boolean mask (True = attend) -> 0 / the dtype's lowest finite value, to add to scores.
+
+    Finite rather than -inf: a fully masked row (a padded slot of a static batch) stays a valid
+    softmax instead of NaN on every device, and a row with any visible key gives the same
+    probabilities as with -inf."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, low)

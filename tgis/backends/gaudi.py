@@ -12,7 +12,7 @@ bucket) and replayed afterwards: the step's inputs are copied into the tensors t
 captured with, the graph is replayed, and its output, which the next replay overwrites, is
 cloned before it is returned.
 
-Seed 003's variables (parsed and validated by tgis.config_gaudi.GaudiSettings):
+Seed 003's variables (parsed and validated by tgis.config.gaudi.GaudiSettings):
 
 - BATCH_BUCKET_SIZE, PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF: the buckets of
   `gaudi_policy` (decode rows, prefill rows, prompt lengths); warmup runs each one.
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,13 +52,12 @@ from tgis.backends.buckets import Shape, ShapePolicy, gaudi_policy
 from tgis.backends.graphs import GraphedStaticModel
 from tgis.backends.static_batch import ShapeTiming, StaticBatchBackend, pad_token_id
 from tgis.backends.static_kv import StaticLlamaForward
-from tgis.config import ServeConfig, default_env, parse_int
-from tgis.config_gaudi import GaudiSettings
+from tgis.backends.torch_device import torch_dtype
+from tgis.config import GaudiSettings, ServeConfig
 from tgis.errors import BackendUnavailableError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Settings already warned about in this process (the warning is logged once).
 _WARNED: set[str] = set()
 
@@ -124,10 +123,10 @@ class DecodeProfiler:
         self._profiler: Any = None
 
     @classmethod
-    def from_settings(cls, settings: GaudiSettings, rank: int) -> DecodeProfiler | None:
-        """The profiler PROF_* ask for on `rank`, or None (PROF_STEP=0, or a rank not listed
-        in PROF_RANKS)."""
-        if not settings.profiling or rank not in settings.prof_ranks:
+    def from_settings(cls, settings: GaudiSettings) -> DecodeProfiler | None:
+        """The profiler PROF_* ask for on this process's rank (RANK), or None (PROF_STEP=0,
+        or a rank not listed in PROF_RANKS)."""
+        if not settings.profiling or settings.rank not in settings.prof_ranks:
             return None
         return cls(
             settings.prof_waitstep,
@@ -324,21 +323,17 @@ def build_gaudi_backend(
     max_total_tokens: int,
     habana: Habana,
     *,
-    env: Mapping[str, str] | None = None,
     device: str | torch.device = "hpu",
 ) -> GaudiBatchBackend:
     """The backend over a loaded llama-family `model` (already on `device`)."""
     from tgis.backends.llama_native import native_unsupported_reason
 
     _check_family(model.config.model_type, native_unsupported_reason(model))
-    env = default_env() if env is None else env
-    rank = parse_int("RANK", env.get("RANK", "0") or "0", minimum=0)
-    lazy = env.get("PT_HPU_LAZY_MODE", "1").strip() != "0"
-    enable_graphs = settings.enable_hpu_graph and lazy
-    if settings.enable_hpu_graph and not lazy:
+    enable_graphs = settings.enable_hpu_graph and settings.lazy_mode
+    if settings.enable_hpu_graph and not settings.lazy_mode:
         logger.warning("PT_HPU_LAZY_MODE=0: HPU graphs need lazy mode, running without them")
     warn_ignored_settings(settings)
-    runtime = HpuRuntime(habana, DecodeProfiler.from_settings(settings, rank))
+    runtime = HpuRuntime(habana, DecodeProfiler.from_settings(settings))
     forward = StaticLlamaForward(model, settings.decode_batch_size, max_total_tokens)
     graph_model = HpuGraphModel(forward, runtime, enable_graphs, settings.limit_hpu_graph)
     policy = gaudi_policy(settings, max_total_tokens)
@@ -350,14 +345,13 @@ def load_gaudi_backend(
     config: ServeConfig,
     model_dir: Path,
     *,
-    env: Mapping[str, str] | None = None,
     device: str = "hpu",
 ) -> StaticBatchBackend:
     """Load the llama-family model in `model_dir` onto the HPU (bfloat16 unless config.dtype
     says otherwise) and wrap it in the static batch with seed 003's buckets.
 
-    `env` supplies RANK and PT_HPU_LAZY_MODE (default: the process environment, read through
-    tgis.config.default_env); `device` is "hpu" except in tests.
+    RANK and PT_HPU_LAZY_MODE come with the settings (tgis.config.gaudi); `device` is "hpu"
+    except in tests.
     """
     settings = config.gaudi
     if settings is None:
@@ -379,12 +373,10 @@ def load_gaudi_backend(
     model_type = getattr(AutoConfig.from_pretrained(model_dir), "model_type", None)
     if model_type not in NATIVE_MODEL_TYPES:
         _check_family(model_type, "not a llama-family architecture")
-    dtype = _DTYPES[config.dtype] if config.dtype else torch.bfloat16
+    dtype = torch_dtype(config.dtype) if config.dtype else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.eval().to(torch.device(device))
-    return build_gaudi_backend(
-        model, settings, config.max_total_tokens, habana, env=env, device=device
-    )
+    return build_gaudi_backend(model, settings, config.max_total_tokens, habana, device=device)
 
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from tgis.backends.forward import DecodeBatch, PrefillSegment, causal_mask
+from tgis.backends.forward import DecodeBatch, PrefillSegment, additive_mask, causal_mask
 from tgis.backends.hf_forward import KVShape, sliding_windows
 from tgis.backends.slot_cache import KVStep, SlotKVCache
 
@@ -105,11 +105,6 @@ class _Layer:
     down_w: torch.Tensor
     down_b: torch.Tensor | None
     window: int | None  # sliding window (None: full attention)
-
-
-def _additive(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean attention mask (True = attend) as float32 0 / -inf to add to scores."""
-    return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,7 +234,7 @@ class LlamaNativeForward:
         # see padding past their own token. Without padding (all rows at kv_len - 1) and
         # inside the window, full attention needs no mask.
         masks = {
-            w: _additive(causal_mask(positions[:, None], kv_len, w))
+            w: additive_mask(causal_mask(positions[:, None], kv_len, w))
             if batch.ragged or (w is not None and kv_len > w)
             else None
             for w in self.windows

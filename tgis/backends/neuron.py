@@ -49,6 +49,7 @@ import torch
 
 from tgis import neuron_export
 from tgis.backends.buckets import PrefillMode, static_policy
+from tgis.backends.slot_cache import kv_bytes_per_token as shared_kv_bytes_per_token
 from tgis.backends.static_batch import StaticBatchBackend, pad_token_id
 from tgis.config import ModelFacts, NeuronExport, ServeConfig, StaticShape
 from tgis.errors import BackendUnavailableError, ConfigError
@@ -61,7 +62,6 @@ PROMPT_LOGPROBS_UNAVAILABLE = (
 # Modules the backend imports: optimum-neuron, and the Neuron runtime its NxD models run on.
 REQUIRED_MODULES = ("optimum.neuron", "neuronx_distributed")
 DEFAULT_EXPORT_ROOT = Path.home() / ".cache" / "tgis" / "neuron"
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 
 
 class NeuronModel(Protocol):
@@ -120,12 +120,6 @@ def choose_prefill_mode(requested: str | None, model: NeuronModel) -> PrefillMod
     return "insert" if requested == "insert" else "rebuild"
 
 
-def _dtype_bytes(dtype: Any) -> int:
-    if isinstance(dtype, torch.dtype):
-        return torch.finfo(dtype).bits // 8
-    return _DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 2)
-
-
 def kv_bytes_per_token(hf_config: Any, dtype: Any) -> int:
     """K and V bytes of one token over all layers, from the model config (the compiled cache
     may hold more KV heads: optimum-neuron replicates them to divide over the cores)."""
@@ -133,7 +127,7 @@ def kv_bytes_per_token(hf_config: Any, dtype: Any) -> int:
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * _dtype_bytes(dtype)
+    return shared_kv_bytes_per_token(int(text.num_hidden_layers), kv_heads, head_dim, dtype)
 
 
 class NeuronStaticModel:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-from collections.abc import Mapping
 
 from tgis.config import ModelFacts
 
@@ -17,17 +15,16 @@ def has_module(name: str) -> bool:
         return False
 
 
-def detect_backend(facts: ModelFacts, env: Mapping[str, str] | None = None) -> str:
+def detect_backend(facts: ModelFacts, pjrt_device: str | None = None) -> str:
     """The backend `auto` resolves to, most specific first.
 
     A Neuron-exported model can only run on neuron. Otherwise: a TPU runtime (torch-xla with
-    PJRT_DEVICE=TPU), Gaudi (habana_frameworks), CUDA (torch.cuda.is_available()), else cpu.
+    PJRT_DEVICE=TPU, which the validation core passes as `pjrt_device`), Gaudi (habana_frameworks), CUDA (torch.cuda.is_available()), else cpu.
     XLA on CPU is never chosen automatically: ask for it with --backend tpu.
     """
-    env = os.environ if env is None else env
     if facts.neuron is not None:
         return "neuron"
-    if env.get("PJRT_DEVICE", "").upper() == "TPU" and has_module("torch_xla"):
+    if (pjrt_device or "").upper() == "TPU" and has_module("torch_xla"):
         return "tpu"
     if has_module("habana_frameworks"):
         return "gaudi"

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tgis.config import dtype_bytes
+
 
 @dataclass(frozen=True)
 class KVStep:
@@ -43,6 +45,19 @@ class KVStep:
     def past_len(self) -> int:
         """Tokens in the read window before this step's tokens (what HF calls the past)."""
         return self.kv_len - self.query_len
+
+
+def kv_bytes_per_token(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | str,
+    value_head_dim: int = 0,
+) -> int:
+    """Bytes of K and V that one token takes over all layers (`dtype` a torch dtype or its
+    name; values `value_head_dim` wide where that differs from the keys' head_dim)."""
+    element = dtype.itemsize if isinstance(dtype, torch.dtype) else dtype_bytes(dtype)
+    return num_layers * num_kv_heads * (head_dim + (value_head_dim or head_dim)) * element
 
 
 class SlotKVCache:
@@ -77,17 +92,9 @@ class SlotKVCache:
         # Row indices for decode writes into the running prefix, sliced instead of rebuilt.
         self._rows = torch.arange(max_sequences, device=device)
 
-    @staticmethod
-    def bytes_per_token(
-        num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, value_head_dim: int = 0
-    ) -> int:
-        """Bytes of K and V that one token takes over all layers."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return num_layers * num_heads * (head_dim + (value_head_dim or head_dim)) * element
-
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.bytes_per_token(
+        return kv_bytes_per_token(
             self.num_layers, self.num_heads, self.head_dim, self.dtype, self.value_head_dim
         )
 

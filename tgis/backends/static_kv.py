@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from tgis.backends.forward import additive_mask
 from tgis.backends.llama_native import LlamaNativeForward, native_kv_shape
+from tgis.backends.slot_cache import kv_bytes_per_token
 
 
 @dataclass
@@ -62,21 +64,6 @@ class StaticKVCache:
         """The row padding writes go to."""
         return self.batch_size
 
-    @staticmethod
-    def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        """K and V bytes of one token over all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Boolean mask (True = attend) -> 0 / large negative additive mask (finite: every row of a
-    padded step stays a valid softmax on every device)."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, low)
-
 
 class StaticLlamaForward(LlamaNativeForward):
     """The native llama weights, run with fixed shapes over a `StaticKVCache`."""
@@ -103,7 +90,7 @@ class StaticLlamaForward(LlamaNativeForward):
         super().__init__(model, cache, fuse_gate_up=False, transposed=False)  # type: ignore[arg-type]
         self.static_cache = cache
         self.vocab_size = int(self.lm_head.shape[0])
-        self.kv_bytes_per_token = StaticKVCache.bytes_per_token(
+        self.kv_bytes_per_token = kv_bytes_per_token(
             shape.num_layers, shape.num_heads, shape.head_dim, dtype
         )
         # Prefill attention through SDPA (fused kernels, no [b, heads, L, L] float32 scores) on
@@ -150,7 +137,7 @@ class StaticLlamaForward(LlamaNativeForward):
     def _mask(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> dict:
         """Additive masks per sliding window -> {window: [b, 1, 1, L, T]} (see `_allowed`)."""
         return {
-            w: _additive(m[:, None, None]) for w, m in self._allowed(query, keys, valid).items()
+            w: additive_mask(m[:, None, None]) for w, m in self._allowed(query, keys, valid).items()
         }
 
     @torch.no_grad()
@@ -175,7 +162,7 @@ class StaticLlamaForward(LlamaNativeForward):
         if self.sdpa_prefill:
             masks = {w: m[:, None] for w, m in allowed.items()}  # boolean [b, 1, L, L]
         else:
-            masks = {w: _additive(m[:, None, None]) for w, m in allowed.items()}
+            masks = {w: additive_mask(m[:, None, None]) for w, m in allowed.items()}
         attend = self._attend_sdpa if self.sdpa_prefill else self._attend
         cos = self.cos[:length][None, :, None]  # [1, L, 1, d]
         sin = self.sin[:length][None, :, None]

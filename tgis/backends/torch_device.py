@@ -1,7 +1,7 @@
 """What the torch backend needs to know of the machine: dtype, CPU threads, free memory.
 
-No environment variables are read here (config.py owns them); everything comes from torch,
-/proc and /sys.
+No environment variables are read here (tgis.config.env owns them); everything comes from
+torch, /proc and /sys.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from tgis.config import DTYPES
+
 # Fraction of the memory free after loading the model that the KV cache may take. CPU memory
 # is shared with the OS, the server and prefill activations; a GPU's is the backend's own.
 KV_MEMORY_FRACTION = {"cpu": 0.5, "cuda": 0.85}
@@ -41,6 +42,13 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a canonical name (tgis.config.DTYPES)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
 def resolve_dtype(device: torch.device, requested: str | None, model_dtype: object) -> torch.dtype:
     """The dtype to load the model in.
 
@@ -49,18 +57,18 @@ def resolve_dtype(device: torch.device, requested: str | None, model_dtype: obje
     fp16 matmuls are several times slower than fp32. CUDA: what was asked for, else the
     checkpoint's half-precision dtype, else bfloat16 where supported, else float16.
     """
-    if requested is not None and requested not in _DTYPES:
-        raise ValueError(f"dtype {requested!r} is not one of {sorted(_DTYPES)}")
+    if requested is not None:
+        torch_dtype(requested)  # refuse unknown names on every device
     if device.type == "cpu":
         if requested in (None, "bfloat16") and cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
     if requested is not None:
-        return _DTYPES[requested]
+        return torch_dtype(requested)
     if model_dtype in (torch.float16, torch.bfloat16):
         return model_dtype  # type: ignore[return-value]
     if isinstance(model_dtype, str) and model_dtype in ("float16", "bfloat16"):
-        return _DTYPES[model_dtype]
+        return torch_dtype(model_dtype)
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 

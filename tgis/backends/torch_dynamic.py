@@ -11,7 +11,6 @@ qwen2) and the generic HF path (any causal LM through its own forward).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,13 +27,14 @@ from tgis.backends.llama_native import (
     native_kv_shape,
     native_unsupported_reason,
 )
-from tgis.backends.slot_cache import SlotKVCache
+from tgis.backends.slot_cache import SlotKVCache, kv_bytes_per_token
 from tgis.backends.torch_device import (
     KV_MEMORY_FRACTION,
     available_memory,
     cpu_threads,
     resolve_dtype,
 )
+from tgis.config import use_inductor_cache
 from tgis.engine.backend import (
     BackendCapacity,
     PrefillItem,
@@ -103,7 +103,7 @@ class TorchDynamicBackend:
         use_native = native is not False and reason is None
         with torch.inference_mode():
             shape = native_kv_shape(model) if use_native else probe_kv_shape(model)
-        per_token = SlotKVCache.bytes_per_token(
+        per_token = kv_bytes_per_token(
             shape.num_layers, shape.num_heads, shape.head_dim, self.dtype, shape.value_head_dim
         )
         max_sequences = self._fit_sequences(
@@ -179,8 +179,7 @@ class TorchDynamicBackend:
         """
         dev = torch.device(device)
         if compile and compile_cache is not None:
-            # Inductor's FX graph and kernel caches, read at the first compilation.
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache.resolve())
+            use_inductor_cache(compile_cache)
         if dev.type == "cpu":
             torch.set_num_threads(num_threads or cpu_threads())
         elif dev.type == "cuda" and not torch.cuda.is_available():

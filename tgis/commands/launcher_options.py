@@ -1,13 +1,17 @@
 """The launcher flags of `serve` and `warmup` (TGI's names), defined once.
 
 Each flag defaults to None: the validation core (tgis.config) applies the environment
-fallback and the derived default, so the help shows what the default will be.
+fallback and the derived default, so the help shows what the default will be. A command takes
+them with `@launcher_options(...)` and receives them as keyword arguments.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -176,6 +180,91 @@ CorsAllowOrigin = Annotated[
 Hostname = Annotated[str | None, _opt("hostname", SERVER, "Address to listen on.")]
 
 
+# Every launcher option, in the order --help lists them.
+OPTIONS: dict[str, Any] = {
+    "model_id": ModelId,
+    "revision": Revision,
+    "backend": Backend,
+    "dtype": Dtype,
+    "num_shard": NumShard,
+    "sharded": Sharded,
+    "prefill_mode": PrefillMode,
+    "compile_cache": CompileCache,
+    "compile": Compile,
+    "cuda_graphs": CudaGraphs,
+    "max_concurrent_requests": MaxConcurrentRequests,
+    "max_best_of": MaxBestOf,
+    "max_stop_sequences": MaxStopSequences,
+    "max_top_n_tokens": MaxTopNTokens,
+    "max_input_tokens": MaxInputTokens,
+    "max_input_length": MaxInputLength,
+    "max_total_tokens": MaxTotalTokens,
+    "max_batch_prefill_tokens": MaxBatchPrefillTokens,
+    "max_batch_total_tokens": MaxBatchTotalTokens,
+    "max_batch_size": MaxBatchSize,
+    "max_waiting_tokens": MaxWaitingTokens,
+    "waiting_served_ratio": WaitingServedRatio,
+    "port": Port,
+    "hostname": Hostname,
+    "api_key": ApiKey,
+    "cors_allow_origin": CorsAllowOrigin,
+}
+# What warmup needs: the model, the device and the limits that shape the batch.
+WARMUP_OPTIONS = (
+    "model_id",
+    "revision",
+    "backend",
+    "dtype",
+    "num_shard",
+    "sharded",
+    "prefill_mode",
+    "compile_cache",
+    "compile",
+    "cuda_graphs",
+    "max_concurrent_requests",
+    "max_input_tokens",
+    "max_input_length",
+    "max_total_tokens",
+    "max_batch_prefill_tokens",
+    "max_batch_total_tokens",
+    "max_batch_size",
+)
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def launcher_options(*names: str) -> Callable[[Command], Command]:
+    """Give a command the launcher options `names` (all of them when none are named) ahead of
+    its own parameters; it receives them as keyword arguments (`**launcher`)."""
+    picked = names or tuple(OPTIONS)
+    unknown = [n for n in picked if n not in OPTIONS]
+    if unknown:
+        raise ValueError(f"not launcher options: {', '.join(unknown)}")
+
+    def decorate(func: Command) -> Command:
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(func, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        shared = [
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=OPTIONS[n]
+            )
+            for n in picked
+        ]
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            return func(**kwargs)
+
+        command.__signature__ = inspect.Signature(shared + own)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in shared + own}
+        return command  # type: ignore[return-value]
+
+    return decorate
+
+
 def launcher_args(values: dict[str, Any]) -> LauncherArgs:
     """The LauncherArgs named in a command's locals()."""
     from tgis.config import parse_bool
@@ -198,4 +287,4 @@ def resolve_launcher_config(values: dict[str, Any]) -> tuple[ServeConfig, Path]:
     model_dir = resolve_model_dir(model_id, revision)
     config_json, neuron_json = read_model_config(model_dir)
     facts = ModelFacts.from_config(config_json, neuron_json)
-    return build_serve_config(args, facts, env, lambda f: detect_backend(f, env)), model_dir
+    return build_serve_config(args, facts, env, detect_backend), model_dir

@@ -2,68 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from tgis.commands.launcher_options import (
-    ApiKey,
-    Backend,
-    Compile,
-    CompileCache,
-    CorsAllowOrigin,
-    CudaGraphs,
-    Dtype,
-    Hostname,
-    MaxBatchPrefillTokens,
-    MaxBatchSize,
-    MaxBatchTotalTokens,
-    MaxBestOf,
-    MaxConcurrentRequests,
-    MaxInputLength,
-    MaxInputTokens,
-    MaxStopSequences,
-    MaxTopNTokens,
-    MaxTotalTokens,
-    MaxWaitingTokens,
-    ModelId,
-    NumShard,
-    Port,
-    PrefillMode,
-    Revision,
-    Sharded,
-    WaitingServedRatio,
-    resolve_launcher_config,
-)
+from tgis.commands.launcher_options import launcher_options, resolve_launcher_config
 
 
+@launcher_options()
 def command(
-    model_id: ModelId = None,
-    revision: Revision = None,
-    backend: Backend = None,
-    dtype: Dtype = None,
-    num_shard: NumShard = None,
-    sharded: Sharded = None,
-    prefill_mode: PrefillMode = None,
-    compile_cache: CompileCache = None,
-    compile: Compile = None,
-    cuda_graphs: CudaGraphs = None,
-    max_concurrent_requests: MaxConcurrentRequests = None,
-    max_best_of: MaxBestOf = None,
-    max_stop_sequences: MaxStopSequences = None,
-    max_top_n_tokens: MaxTopNTokens = None,
-    max_input_tokens: MaxInputTokens = None,
-    max_input_length: MaxInputLength = None,
-    max_total_tokens: MaxTotalTokens = None,
-    max_batch_prefill_tokens: MaxBatchPrefillTokens = None,
-    max_batch_total_tokens: MaxBatchTotalTokens = None,
-    max_batch_size: MaxBatchSize = None,
-    max_waiting_tokens: MaxWaitingTokens = None,
-    waiting_served_ratio: WaitingServedRatio = None,
-    port: Port = None,
-    hostname: Hostname = None,
-    api_key: ApiKey = None,
-    cors_allow_origin: CorsAllowOrigin = None,
     shutdown_grace: Annotated[
         float,
         typer.Option(
@@ -76,6 +23,7 @@ def command(
         bool,
         typer.Option("--check", help="Validate and print the resolved configuration, then exit."),
     ] = False,
+    **launcher: Any,
 ) -> None:
     """Serve a model over HTTP: TGI's routes (/generate, /generate_stream, ...) and OpenAI's
     (/v1/completions, /v1/chat/completions), with continuous batching.
@@ -104,7 +52,7 @@ def command(
     from tgis.launch import build_service
     from tgis.server import Metrics, ModelInfo, create_app, serve
 
-    config, model_dir = resolve_launcher_config(locals())
+    config, model_dir = resolve_launcher_config(launcher)
     console = Console()
     render_config(console, config)
     if check:

@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tgis.commands.launcher_options import (
-    Backend,
-    Compile,
-    CompileCache,
-    CudaGraphs,
-    Dtype,
-    MaxBatchPrefillTokens,
-    MaxBatchSize,
-    MaxBatchTotalTokens,
-    MaxConcurrentRequests,
-    MaxInputLength,
-    MaxInputTokens,
-    MaxTotalTokens,
-    ModelId,
-    NumShard,
-    PrefillMode,
-    Revision,
-    Sharded,
+    WARMUP_OPTIONS,
+    launcher_options,
     resolve_launcher_config,
 )
 
@@ -35,28 +20,13 @@ if TYPE_CHECKING:
     from tgis.warmup import WarmupReport
 
 
+@launcher_options(*WARMUP_OPTIONS)
 def command(
-    model_id: ModelId = None,
-    revision: Revision = None,
-    backend: Backend = None,
-    dtype: Dtype = None,
-    num_shard: NumShard = None,
-    sharded: Sharded = None,
-    prefill_mode: PrefillMode = None,
-    compile_cache: CompileCache = None,
-    compile: Compile = None,
-    cuda_graphs: CudaGraphs = None,
-    max_concurrent_requests: MaxConcurrentRequests = None,
-    max_input_tokens: MaxInputTokens = None,
-    max_input_length: MaxInputLength = None,
-    max_total_tokens: MaxTotalTokens = None,
-    max_batch_prefill_tokens: MaxBatchPrefillTokens = None,
-    max_batch_total_tokens: MaxBatchTotalTokens = None,
-    max_batch_size: MaxBatchSize = None,
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", help="Also write the report as JSON here."),
     ] = None,
+    **launcher: Any,
 ) -> None:
     """Compile / capture every shape bucket ahead of serving, and time each one.
 
@@ -87,7 +57,7 @@ def command(
     from tgis.launch import load_backend
     from tgis.warmup import run_warmup
 
-    config, model_dir = resolve_launcher_config(locals())
+    config, model_dir = resolve_launcher_config(launcher)
     console = Console()
     render_config(console, config)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

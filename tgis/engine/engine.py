@@ -56,7 +56,6 @@ class Engine:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tgis-engine", daemon=True)
-        self._failed: BaseException | None = None
 
     # --- the asyncio side --------------------------------------------------------------
 
@@ -86,7 +85,6 @@ class Engine:
             self._in_flight += 1
         try:
             params = request.params
-            self.scheduler.check_fits(len(request.input_ids), params.max_new_tokens or 1)
             if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:
                 raise InputValidationError(
                     f"`decoder_input_details` (prompt logprobs) is not available on the "
@@ -118,8 +116,7 @@ class Engine:
                 step = self.scheduler.schedule()
                 if step is not None:
                     self._run_step(step)
-        except BaseException as exc:  # the thread must never die silently
-            self._failed = exc
+        except BaseException:  # the thread must never die silently
             log.exception("engine thread failed")
         finally:
             self._fail_all(
@@ -159,7 +156,13 @@ class Engine:
             self._live[seq.seq_id] = live
             handle.sequences.append(live)
             seqs.append(seq)
-        self.scheduler.add(seqs)
+        try:
+            self.scheduler.add(seqs)
+        except ValueError as exc:  # larger than the engine's budgets: refuse, keep serving
+            for live in handle.sequences:
+                self._live.pop(live.seq.seq_id, None)
+            handle.sequences.clear()
+            handle.post([InputValidationError(str(exc))])
 
     def _drop(self, live: LiveSequence) -> None:
         """Forget a sequence (cancelled or failed), freeing its slot if it had one."""

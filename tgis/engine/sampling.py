@@ -172,17 +172,6 @@ class SamplingBatch:
         self.rows = list(rows)
         self.eos_token_ids = list(eos_token_ids)
 
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[GenerateParameters],
-        histories: Sequence[Sequence[int]],
-        eos_token_ids: Sequence[int] = (),
-    ) -> SamplingBatch:
-        """A batch of fresh rows, one per (params, prompt ids) pair."""
-        rows = [SamplingRow(p, h) for p, h in zip(params, histories, strict=True)]
-        return cls(rows, eos_token_ids)
-
     def _select(self, keep: Callable[[SamplingRow], object]) -> list[int]:
         return [i for i, r in enumerate(self.rows) if keep(r)]
 

@@ -10,20 +10,25 @@ Budgets, all enforced at admission:
 - KV: running sequences reserve prompt + max_new_tokens each, at most `max_batch_total_tokens`
   in all, so decoding can never run out of cache;
 - size: at most `max_batch_size` running sequences and at most `max_sequences` (backend slots).
-A request that could never fit (its reservation exceeds the KV budget alone) is refused by
-`check_fits` before it is queued.
+Requests arrive validated (tgis.params.validate) against limits that the validation core has
+checked against these budgets (tgis.config.rules), so each one fits a prefill step and the KV
+budget on its own; `add` refuses a sequence that breaks that contract.
+
+Queue order is first come, first served, unless `queue_threshold_ms` is set (Gaudi's
+QUEUE_THRESHOLD_MS): then requests that have waited longer than the threshold go first, oldest
+first, and the others shortest prompt first.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
 from tgis.engine.sequence import SeqStatus, Sequence
-from tgis.errors import InputValidationError
 
 
 class StepKind(Enum):
@@ -43,6 +48,8 @@ class SchedulerLimits:
     # bigger steps gain no throughput but delay every first token of the step. The first
     # sequence of a step is admitted whatever its length (up to max_batch_prefill_tokens).
     prefill_step_tokens: int | None = None
+    # None: first come, first served. Otherwise overdue requests first, then shortest prompts.
+    queue_threshold_ms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "max_sequences"):
@@ -65,31 +72,35 @@ class Step:
 class Scheduler:
     """Decides the next step; the engine runs it and reports finished sequences back."""
 
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(
+        self, limits: SchedulerLimits, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.limits = limits
+        self.clock = clock  # the clock of Sequence.arrival
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved = 0  # KV tokens reserved by the running batch
         # Decode steps since the last prefill (TGI's "waiting tokens").
         self.waiting_steps = 0
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Refuse at once a request no batch could ever hold (never queue it forever)."""
-        reserved = prompt_len + max_new_tokens
-        if reserved > self.limits.max_batch_total_tokens:
-            raise InputValidationError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {self.limits.max_batch_total_tokens} "
-                f"(the KV cache budget). Given: {prompt_len} `inputs` tokens and {max_new_tokens} "
-                "`max_new_tokens`"
-            )
-        if prompt_len > self.limits.max_batch_prefill_tokens:
-            raise InputValidationError(
-                f"`inputs` must have less than {self.limits.max_batch_prefill_tokens + 1} tokens "
-                f"(--max-batch-prefill-tokens). Given: {prompt_len}"
-            )
-
     def add(self, sequences: Iterable[Sequence]) -> None:
-        """Queue sequences (FIFO). All candidates of one request are added together."""
+        """Queue sequences. All candidates of one request are added together.
+
+        Raises ValueError for a sequence no step could ever run (larger than the KV budget or
+        the prefill budget): the caller validated it against the wrong limits.
+        """
+        sequences = list(sequences)
+        for seq in sequences:
+            if (
+                seq.reserved_tokens > self.limits.max_batch_total_tokens
+                or seq.prompt_len > self.limits.max_batch_prefill_tokens
+            ):
+                raise ValueError(
+                    f"sequence {seq.seq_id} ({seq.prompt_len} prompt + {seq.max_new_tokens} new "
+                    f"tokens) can never run within max_batch_prefill_tokens="
+                    f"{self.limits.max_batch_prefill_tokens} and max_batch_total_tokens="
+                    f"{self.limits.max_batch_total_tokens}"
+                )
         for seq in sequences:
             seq.status = SeqStatus.WAITING
             self.waiting.append(seq)
@@ -122,8 +133,19 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
+    def queue_order(self) -> list[Sequence]:
+        """The waiting sequences in the order they are considered for the next prefill."""
+        threshold = self.limits.queue_threshold_ms
+        if threshold is None:
+            return list(self.waiting)
+        now = self.clock()
+        overdue = [s for s in self.waiting if (now - s.arrival) * 1000 >= threshold]
+        rest = [s for s in self.waiting if (now - s.arrival) * 1000 < threshold]
+        # sorted() is stable: ties (and a request's candidates) keep their queue order.
+        return sorted(overdue, key=lambda s: s.arrival) + sorted(rest, key=lambda s: s.prompt_len)
+
     def _next_prefill(self) -> list[Sequence]:
-        """Waiting sequences to prefill now, in FIFO order, within every budget."""
+        """Waiting sequences to prefill now, in queue order, within every budget."""
         if not self.waiting:
             return []
         free_slots = self.limits.batch_limit - len(self.running)
@@ -140,7 +162,7 @@ class Scheduler:
         prefill_tokens = 0
         capped = False
         batch: list[Sequence] = []
-        for seq in self.waiting:
+        for seq in self.queue_order():
             if len(batch) == free_slots:
                 break
             if prefill_tokens + seq.prompt_len > prefill_budget:
@@ -149,7 +171,7 @@ class Scheduler:
                 capped = True
                 break
             if seq.reserved_tokens > kv_budget:
-                break  # FIFO: a large request is not overtaken by smaller ones behind it
+                break  # in order: a large request is not overtaken by smaller ones behind it
             batch.append(seq)
             prefill_tokens += seq.prompt_len
             kv_budget -= seq.reserved_tokens
@@ -158,6 +180,6 @@ class Scheduler:
         enough = len(batch) >= min_size or (capped and len(self.waiting) >= min_size)
         if not batch or not enough:
             return []
-        for _ in batch:
-            self.waiting.popleft()
+        for seq in batch:
+            self.waiting.remove(seq)
         return batch

@@ -7,74 +7,12 @@ buckets: each bucket is a graph to compile at warmup and to keep in device memor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from tgis.config.env import env_value
+from tgis.config.parse import parse_bool, parse_int
+from tgis.config.types import GaudiSettings, round_up
 from tgis.errors import ConfigError
-
-
-def multiples(step: int, high: int) -> tuple[int, ...]:
-    """step, 2*step, ... up to `high`, then `high` itself when it is not a multiple."""
-    values = list(range(step, high + 1, step))
-    if not values or values[-1] < high:
-        values.append(high)
-    return tuple(values)
-
-
-def round_up(value: int, multiple: int) -> int:
-    """The smallest multiple of `multiple` that is >= value."""
-    return -(-value // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class GaudiSettings:
-    batch_bucket_size: int = 8
-    prefill_batch_bucket_size: int = 4
-    pad_sequence_to_multiple_of: int = 128
-    enable_hpu_graph: bool = True
-    limit_hpu_graph: bool = True
-    skip_tokenizer_in_tgi: bool = False
-    use_flash_attention: bool = True
-    flash_attention_recompute: bool = True
-    quant_config: str | None = None
-    prof_waitstep: int = 0
-    prof_warmupstep: int = 0
-    prof_step: int = 0
-    prof_path: str = "/tmp/hpu_profile"
-    prof_ranks: tuple[int, ...] = (0,)
-    prof_record_shapes: bool = False
-    # Derived from the launcher limits:
-    decode_batch_size: int = 0
-    prefill_batch_size: int = 0
-    max_input_tokens: int = 0
-
-    @property
-    def decode_buckets(self) -> tuple[int, ...]:
-        """Batch sizes that decode graphs are captured for."""
-        return multiples(self.batch_bucket_size, self.decode_batch_size)
-
-    @property
-    def length_buckets(self) -> tuple[int, ...]:
-        """Prompt lengths prefill pads to: multiples of the pad, and the longest prompt itself."""
-        return multiples(self.pad_sequence_to_multiple_of, self.max_input_tokens)
-
-    @property
-    def prefill_rows(self) -> tuple[int, ...]:
-        """Prefill batch sizes: multiples of PREFILL_BATCH_BUCKET_SIZE up to the prefill batch,
-        which never exceeds the decode batch (the slots the prefilled sequences join)."""
-        return multiples(
-            self.prefill_batch_bucket_size, min(self.prefill_batch_size, self.decode_batch_size)
-        )
-
-    @property
-    def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
-        """(batch size, padded prompt length) pairs that prefill graphs are captured for."""
-        return tuple((b, length) for b in self.prefill_rows for length in self.length_buckets)
-
-    @property
-    def profiling(self) -> bool:
-        return self.prof_step > 0
-
 
 _INTS = {
     "BATCH_BUCKET_SIZE": "batch_bucket_size",
@@ -82,6 +20,7 @@ _INTS = {
     "PAD_SEQUENCE_TO_MULTIPLE_OF": "pad_sequence_to_multiple_of",
 }
 _COUNTS = {
+    "QUEUE_THRESHOLD_MS": "queue_threshold_ms",
     "PROF_WAITSTEP": "prof_waitstep",
     "PROF_WARMUPSTEP": "prof_warmupstep",
     "PROF_STEP": "prof_step",
@@ -96,12 +35,32 @@ _BOOLS = {
 }
 
 
+# Seed 003's variables: they configure the gaudi backend and nothing else.
+GAUDI_VARIABLES = (
+    *_INTS,
+    *_COUNTS,
+    *_BOOLS,
+    "PROF_PATH",
+    "PROF_RANKS",
+    "QUANT_CONFIG",
+)
+
+
+def check_gaudi_variables_unused(backend: str, env: Mapping[str, str]) -> None:
+    """Seed 003's variables set for another backend would be ignored: refuse them."""
+    given = [name for name in GAUDI_VARIABLES if env_value(env, name) is not None]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} the gaudi "
+            f"backend (seed 003's settings), but the backend is {backend}",
+            f"unset {', '.join(given)}, or serve with --backend gaudi",
+        )
+
+
 def gaudi_settings(
     env: Mapping[str, str], values: dict[str, Any], notes: list[str]
 ) -> GaudiSettings:
     """Read seed 003's variables, derive the bucket sizes from the limits, and check them."""
-    from tgis.config import parse_bool, parse_int
-
     kw: dict[str, Any] = {}
     for name, key in _INTS.items():
         if env.get(name, "").strip():
@@ -124,6 +83,10 @@ def gaudi_settings(
             ) from None
     if env.get("QUANT_CONFIG", "").strip():
         kw["quant_config"] = env["QUANT_CONFIG"].strip()
+    # The HPU runtime's own variables, read here so the backend gets them from the settings.
+    rank = env_value(env, "RANK")
+    kw["rank"] = 0 if rank is None else parse_int("RANK", rank, minimum=0)
+    kw["lazy_mode"] = (env_value(env, "PT_HPU_LAZY_MODE") or "1") != "0"
     base = GaudiSettings(**kw)
 
     max_input = values["max_input_tokens"]

@@ -9,12 +9,14 @@ HF_SEQUENCE_LENGTH (or the flags). Unset flags are derived from the shape; set o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tgis.config.dtypes import CAST_TO_DTYPE, CAST_TYPES
+from tgis.config.env import Sources, env_int, env_value
+from tgis.config.model import ModelFacts
+from tgis.config.parse import flag
+from tgis.config.types import StaticShape
 from tgis.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tgis.config import ModelFacts, StaticShape, _Resolver
 
 # optimum-neuron's export defaults when neither the model nor HF_* says otherwise.
 NEURON_DEFAULT_BATCH_SIZE = 1
@@ -24,22 +26,13 @@ NEURON_DEFAULT_CAST = "bf16"
 # A conservative TPU default: one slot over a 1024-token window.
 TPU_DEFAULT_BATCH_SIZE = 1
 TPU_DEFAULT_SEQUENCE_LENGTH = 1024
-CAST_TYPES = ("fp16", "bf16", "fp32")
-CAST_TO_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    from tgis.config import parse_int
-
-    raw = env.get(name)
-    return None if raw is None or raw.strip() == "" else parse_int(name, raw)
 
 
 def _cast_from_env(env: Mapping[str, str]) -> str | None:
-    raw = env.get("HF_AUTO_CAST_TYPE")
-    if raw is None or raw.strip() == "":
+    raw = env_value(env, "HF_AUTO_CAST_TYPE")
+    if raw is None:
         return None
-    cast = raw.strip().lower()
+    cast = raw.lower()
     if cast not in CAST_TYPES:
         raise ConfigError(
             f"HF_AUTO_CAST_TYPE={raw!r} is not a Neuron cast type",
@@ -50,10 +43,8 @@ def _cast_from_env(env: Mapping[str, str]) -> str | None:
 
 def neuron_shape(facts: ModelFacts, env: Mapping[str, str], values: dict[str, Any]) -> StaticShape:
     """The Neuron static shape: from the compiled model, else from HF_* (export at start-up)."""
-    from tgis.config import StaticShape
-
-    env_batch, env_seq = _env_int(env, "HF_BATCH_SIZE"), _env_int(env, "HF_SEQUENCE_LENGTH")
-    env_cores, env_cast = _env_int(env, "HF_NUM_CORES"), _cast_from_env(env)
+    env_batch, env_seq = env_int(env, "HF_BATCH_SIZE"), env_int(env, "HF_SEQUENCE_LENGTH")
+    env_cores, env_cast = env_int(env, "HF_NUM_CORES"), _cast_from_env(env)
     export = facts.neuron
     if export is not None:
         for env_name, env_value, model_value, key in (
@@ -87,17 +78,15 @@ def neuron_shape(facts: ModelFacts, env: Mapping[str, str], values: dict[str, An
 
 
 def tpu_shape(
-    facts: ModelFacts, env: Mapping[str, str], values: dict[str, Any], r: _Resolver
+    facts: ModelFacts, env: Mapping[str, str], values: dict[str, Any], r: Sources
 ) -> StaticShape:
     """The TPU static shape: HF_BATCH_SIZE x HF_SEQUENCE_LENGTH, else the flags, else defaults."""
-    from tgis.config import StaticShape
-
-    batch = _env_int(env, "HF_BATCH_SIZE")
+    batch = env_int(env, "HF_BATCH_SIZE")
     if batch is None:
         batch = values["max_batch_size"]
         if batch is None and r.given("max_concurrent_requests"):
             batch = values["max_concurrent_requests"]
-    seq = _env_int(env, "HF_SEQUENCE_LENGTH") or values["max_total_tokens"]
+    seq = env_int(env, "HF_SEQUENCE_LENGTH") or values["max_total_tokens"]
     if seq is None:
         max_pos = facts.max_position_embeddings
         seq = min(max_pos, TPU_DEFAULT_SEQUENCE_LENGTH) if max_pos else TPU_DEFAULT_SEQUENCE_LENGTH
@@ -121,15 +110,13 @@ def _shape_label(backend: str, shape: StaticShape, what: str) -> str:
 def apply_static_rules(
     backend: str,
     values: dict[str, Any],
-    r: _Resolver,
+    r: Sources,
     facts: ModelFacts,
     env: Mapping[str, str],
     dtype: str | None,
     notes: list[str],
 ) -> tuple[StaticShape, str | None]:
     """Derive unset limits from the static shape and check set ones against it."""
-    from tgis.config import flag
-
     shape = (
         neuron_shape(facts, env, values)
         if backend == "neuron"

@@ -1,0 +1,44 @@
+"""tgis.launch: the scheduler's budgets come from the config and the loaded backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import make_config
+from tgis.config import GaudiSettings, check_kv_budget
+from tgis.engine.backend import BackendCapacity
+from tgis.errors import ConfigError
+from tgis.launch import scheduler_limits
+
+CAPACITY = BackendCapacity(
+    max_sequences=6, max_sequence_tokens=128, kv_tokens=768, kv_bytes_per_token=64,
+    prefill_step_tokens=96,
+)  # fmt: skip
+
+
+def test_scheduler_limits_combine_config_and_capacity() -> None:
+    config = make_config(max_batch_size=4, max_waiting_tokens=7, waiting_served_ratio=1.2)
+    limits = scheduler_limits(config, CAPACITY, 700)
+    assert (limits.max_batch_prefill_tokens, limits.max_batch_total_tokens) == (150, 700)
+    assert (limits.max_sequences, limits.max_batch_size, limits.batch_limit) == (6, 4, 4)
+    assert (limits.max_waiting_tokens, limits.waiting_served_ratio) == (7, 1.2)
+    assert limits.prefill_step_tokens == 96
+    assert limits.queue_threshold_ms is None  # first come, first served
+
+
+def test_gaudi_queue_threshold_reaches_the_scheduler() -> None:
+    config = make_config(backend="gaudi", gaudi=GaudiSettings(queue_threshold_ms=250))
+    assert scheduler_limits(config, CAPACITY, 700).queue_threshold_ms == 250
+
+
+def test_kv_budget_is_the_smaller_of_flag_and_capacity() -> None:
+    assert check_kv_budget(make_config(), 768) == 768
+    assert check_kv_budget(make_config(max_batch_total_tokens=300), 768) == 300
+    assert check_kv_budget(make_config(max_batch_total_tokens=5000), 768) == 768
+    with pytest.raises(ConfigError) as info:
+        check_kv_budget(make_config(max_total_tokens=128), 100)
+    assert str(info.value) == (
+        "--max-total-tokens 128 must be <= the KV cache the cpu backend holds (100 tokens): one "
+        "full-length request could never fit in the batch (lower --max-total-tokens to 100, or "
+        "raise the KV cache (free device memory, or --max-batch-total-tokens) to at least 128)"
+    )

@@ -1,0 +1,230 @@
+"""The rules every backend shares (TGI launcher semantics), each in one place.
+
+Called by tgis.config.resolve while it builds a ServeConfig, and by the service once the
+backend has measured its KV budget (`check_kv_budget`). Per-backend shape rules are in
+tgis.config.static (tpu, neuron) and tgis.config.gaudi.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tgis.config.env import DEFAULTS, Sources
+from tgis.config.parse import flag
+from tgis.config.types import PREFILL_MODES, STATIC_BACKENDS, ServeConfig
+from tgis.errors import ConfigError
+
+# TGI caps the default context at 4096 tokens to leave room for more concurrent users.
+DEFAULT_MAX_TOTAL_CAP = 4096
+# TGI's slack on the default prefill budget, for block-size alignment.
+PREFILL_EDGE = 50
+
+
+def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
+    """Fill TGI's plain defaults and check each value on its own (counts, ratios)."""
+    for name in (
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_top_n_tokens",
+        "max_waiting_tokens",
+        "waiting_served_ratio",
+    ):
+        if values[name] is None:
+            values[name] = DEFAULTS[name]
+    for name in (
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_input_tokens",
+        "max_total_tokens",
+        "max_batch_prefill_tokens",
+        "max_batch_total_tokens",
+        "max_batch_size",
+        "num_shard",
+        "port",
+    ):
+        if values[name] is not None and values[name] < 1:
+            raise ConfigError(
+                f"{r.label(name, values[name])} must be >= 1",
+                f"set {flag(name)} to a positive value",
+            )
+    for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
+        if values[name] < 0:
+            raise ConfigError(
+                f"{r.label(name, values[name])} must be >= 0", f"set {flag(name)} to 0 or more"
+            )
+    if values["waiting_served_ratio"] <= 0:
+        raise ConfigError(
+            f"{r.label('waiting_served_ratio', values['waiting_served_ratio'])} must be > 0",
+            "use a ratio such as 0.3 (TGI's default) or 1.2",
+        )
+
+
+def derive_dynamic_defaults(
+    values: dict[str, Any], max_positions: int | None, notes: list[str]
+) -> None:
+    """TGI's launcher defaults for dynamic-shape backends (cpu, cuda, gaudi)."""
+    if values["max_total_tokens"] is None:
+        cap = DEFAULT_MAX_TOTAL_CAP
+        default = cap if max_positions is None else min(max_positions, cap)
+        if values["max_input_tokens"] is not None:
+            # Room for at least one new token, within what the model can address.
+            wanted = max(default, values["max_input_tokens"] + 1)
+            default = wanted if max_positions is None else min(wanted, max_positions)
+        elif max_positions is not None and max_positions > cap:
+            notes.append(
+                f"the model supports {max_positions} positions; the default context is "
+                f"{cap} to leave memory for more users "
+                f"(raise it with --max-total-tokens {max_positions} --max-input-tokens "
+                f"{max_positions - 1} --max-batch-prefill-tokens {max_positions + PREFILL_EDGE})"
+            )
+        values["max_total_tokens"] = default
+    if values["max_input_tokens"] is None:
+        values["max_input_tokens"] = values["max_total_tokens"] - 1
+    if values["max_batch_prefill_tokens"] is None:
+        if values["max_batch_size"] is not None:
+            values["max_batch_prefill_tokens"] = (
+                values["max_batch_size"] * values["max_input_tokens"]
+            )
+        else:
+            values["max_batch_prefill_tokens"] = values["max_input_tokens"] + PREFILL_EDGE
+
+
+def check_token_limits(values: dict[str, Any], r: Sources, max_positions: int | None) -> None:
+    """The per-request limits against each other, the model and the batch budgets.
+
+    Together they guarantee that every request tgis.params.validate admits fits one prefill
+    step and the KV budget, so the scheduler never holds a request it cannot run.
+    """
+    mi, mt = values["max_input_tokens"], values["max_total_tokens"]
+    prefill, total = values["max_batch_prefill_tokens"], values["max_batch_total_tokens"]
+    if mi >= mt:
+        raise ConfigError(
+            f"{r.label('max_input_tokens', mi)} must be < {r.label('max_total_tokens', mt)}",
+            f"lower --max-input-tokens to at most {mt - 1}, or raise --max-total-tokens above {mi}",
+        )
+    if max_positions is not None and mt > max_positions:
+        raise ConfigError(
+            f"{r.label('max_total_tokens', mt)} exceeds the model's {max_positions} positions "
+            "(max_position_embeddings in its config.json)",
+            f"set --max-total-tokens {max_positions} or less",
+        )
+    if prefill < mi:
+        raise ConfigError(
+            f"{r.label('max_batch_prefill_tokens', prefill)} must be >= "
+            f"{r.label('max_input_tokens', mi)}: a prompt of the maximum length could never be prefilled",
+            f"set --max-batch-prefill-tokens {mi} or more",
+        )
+    if total is not None:
+        if prefill > total:
+            raise ConfigError(
+                f"{r.label('max_batch_prefill_tokens', prefill)} must be <= "
+                f"{r.label('max_batch_total_tokens', total)}",
+                f"lower --max-batch-prefill-tokens to {total} or raise --max-batch-total-tokens",
+            )
+        _require_one_request_fits(
+            mt,
+            r.label("max_total_tokens", mt),
+            total,
+            r.label("max_batch_total_tokens", total),
+            "--max-batch-total-tokens",
+        )
+
+
+def check_kv_budget(config: ServeConfig, capacity_tokens: int) -> int:
+    """The KV budget the engine schedules with: --max-batch-total-tokens, at most what the
+    loaded backend holds (`capacity_tokens`). One full-length request must fit in it."""
+    budget = min(config.max_batch_total_tokens or capacity_tokens, capacity_tokens)
+    _require_one_request_fits(
+        config.max_total_tokens,
+        f"--max-total-tokens {config.max_total_tokens}",
+        budget,
+        f"the KV cache the {config.backend} backend holds ({budget} tokens)",
+        "the KV cache (free device memory, or --max-batch-total-tokens)",
+    )
+    return budget
+
+
+def _require_one_request_fits(
+    max_total: int, total_label: str, budget: int, budget_label: str, to_raise: str
+) -> None:
+    if max_total > budget:
+        raise ConfigError(
+            f"{total_label} must be <= {budget_label}: one full-length request could never fit "
+            "in the batch",
+            f"lower --max-total-tokens to {budget}, or raise {to_raise} to at least {max_total}",
+        )
+
+
+def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
+    """The shard count: 1 on every backend but neuron, where it is the Neuron cores."""
+    num_shard = values["num_shard"] or 1
+    sharded = values["sharded"]
+    if backend != "neuron":
+        if num_shard > 1 or sharded:
+            given = r.label("num_shard", num_shard) if num_shard > 1 else r.label("sharded", "true")
+            raise ConfigError(
+                f"{given}: the {backend} backend runs the model on one device, and no backend "
+                "shards it over several yet (only neuron takes --num-shard: the Neuron cores "
+                "its model is compiled for)",
+                "drop --num-shard and --sharded (NUM_SHARD, SHARDED), or set --num-shard 1",
+            )
+        return 1
+    if sharded is False and num_shard > 1:
+        raise ConfigError(
+            f"{r.label('sharded', 'false')} contradicts {r.label('num_shard', num_shard)} "
+            "(the Neuron cores the model runs on)",
+            "drop --sharded false",
+        )
+    if sharded and num_shard == 1:
+        raise ConfigError(
+            f"{r.label('sharded', 'true')} but the model runs on one Neuron core",
+            "drop --sharded, or re-export the model with tgis export-neuron --num-cores 2 or more",
+        )
+    return num_shard
+
+
+def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:
+    """Options that apply to some backends only; returns the normalized prefill mode."""
+    prefill_mode = values["prefill_mode"]
+    if prefill_mode is not None:
+        prefill_mode = prefill_mode.strip().lower()
+        if prefill_mode not in PREFILL_MODES:
+            raise ConfigError(
+                f"{r.label('prefill_mode', prefill_mode)} is not a prefill mode",
+                f"use one of {', '.join(PREFILL_MODES)}",
+            )
+        if backend not in STATIC_BACKENDS:
+            raise ConfigError(
+                f"{r.label('prefill_mode', prefill_mode)} applies to the static batch of the "
+                f"tpu and neuron backends, not {backend}",
+                "drop --prefill-mode (TGIS_PREFILL_MODE)",
+            )
+    if values["compile"] and backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{r.label('compile', 'true')} applies to the cpu and cuda backends; {backend} "
+            "compiles its own graphs at warmup",
+            "drop --compile (TGIS_COMPILE)",
+        )
+    if values["cuda_graphs"]:
+        if backend != "cuda":
+            raise ConfigError(
+                f"{r.label('cuda_graphs', 'true')} applies to the cuda backend, not {backend}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve with --backend cuda",
+            )
+        if values["compile"]:
+            raise ConfigError(
+                f"{r.label('cuda_graphs', 'true')} and {r.label('compile', 'true')} are two "
+                "ways to compile decode",
+                "keep one of them",
+            )
+    if values["compile_cache"] and not (
+        backend in STATIC_BACKENDS or (values["compile"] and not values["cuda_graphs"])
+    ):
+        raise ConfigError(
+            f"{r.label('compile_cache', values['compile_cache'])} has nothing to keep on "
+            f"{backend}{' with --cuda-graphs' if values['cuda_graphs'] else ''}: it holds XLA "
+            "programs (tpu), the start-up export (neuron) or torch.compile's caches (--compile)",
+            "drop --compile-cache (TGIS_COMPILE_CACHE), or add --compile on cpu/cuda",
+        )
+    return prefill_mode

@@ -1,0 +1,189 @@
+"""The validation core's types: the raw launcher flags in, the validated configuration out.
+
+Plain frozen dataclasses with no rules of their own (the rules are in tgis.config.rules,
+.static and .gaudi; tgis.config.resolve builds a ServeConfig from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
+# Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
+STATIC_BACKENDS = ("tpu", "neuron")
+# How a static batch prefills (see tgis.backends.buckets): recompute every slot, or only new ones.
+PREFILL_MODES = ("rebuild", "insert")
+
+
+@dataclass(frozen=True)
+class LauncherArgs:
+    """Raw launcher flags as given on the command line; None means "not given"."""
+
+    model_id: str | None = None
+    revision: str | None = None
+    max_concurrent_requests: int | None = None
+    max_best_of: int | None = None
+    max_stop_sequences: int | None = None
+    max_top_n_tokens: int | None = None
+    max_input_tokens: int | None = None
+    max_input_length: int | None = None
+    max_total_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_batch_size: int | None = None
+    max_waiting_tokens: int | None = None
+    waiting_served_ratio: float | None = None
+    dtype: str | None = None
+    backend: str | None = None
+    num_shard: int | None = None
+    sharded: bool | None = None
+    port: int | None = None
+    hostname: str | None = None
+    api_key: str | None = None
+    cors_allow_origin: str | None = None
+    prefill_mode: str | None = None
+    compile_cache: str | None = None
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The one static batch of a tpu or neuron backend: [batch_size, sequence_length]."""
+
+    batch_size: int
+    sequence_length: int
+    num_cores: int | None
+    auto_cast_type: str | None
+    source: str
+
+    @property
+    def max_tokens(self) -> int:
+        return self.batch_size * self.sequence_length
+
+
+def multiples(step: int, high: int) -> tuple[int, ...]:
+    """step, 2*step, ... up to `high`, then `high` itself when it is not a multiple."""
+    values = list(range(step, high + 1, step))
+    if not values or values[-1] < high:
+        values.append(high)
+    return tuple(values)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= value."""
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GaudiSettings:
+    """Seed 003's environment table, read and checked by tgis.config.gaudi.gaudi_settings."""
+
+    batch_bucket_size: int = 8
+    prefill_batch_bucket_size: int = 4
+    pad_sequence_to_multiple_of: int = 128
+    enable_hpu_graph: bool = True
+    limit_hpu_graph: bool = True
+    skip_tokenizer_in_tgi: bool = False
+    use_flash_attention: bool = True
+    flash_attention_recompute: bool = True
+    quant_config: str | None = None
+    # Waiting longer than this makes a request overdue: overdue requests go first (oldest
+    # first), the others shortest prompt first (tgis.engine.scheduler).
+    queue_threshold_ms: int = 120
+    prof_waitstep: int = 0
+    prof_warmupstep: int = 0
+    prof_step: int = 0
+    prof_path: str = "/tmp/hpu_profile"
+    prof_ranks: tuple[int, ...] = (0,)
+    prof_record_shapes: bool = False
+    # This process's rank (RANK) and whether the HPU runs in lazy mode (PT_HPU_LAZY_MODE != 0).
+    rank: int = 0
+    lazy_mode: bool = True
+    # Derived from the launcher limits:
+    decode_batch_size: int = 0
+    prefill_batch_size: int = 0
+    max_input_tokens: int = 0
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Batch sizes that decode graphs are captured for."""
+        return multiples(self.batch_bucket_size, self.decode_batch_size)
+
+    @property
+    def length_buckets(self) -> tuple[int, ...]:
+        """Prompt lengths prefill pads to: multiples of the pad, and the longest prompt itself."""
+        return multiples(self.pad_sequence_to_multiple_of, self.max_input_tokens)
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """Prefill batch sizes: multiples of PREFILL_BATCH_BUCKET_SIZE up to the prefill batch,
+        which never exceeds the decode batch (the slots the prefilled sequences join)."""
+        return multiples(
+            self.prefill_batch_bucket_size, min(self.prefill_batch_size, self.decode_batch_size)
+        )
+
+    @property
+    def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
+        """(batch size, padded prompt length) pairs that prefill graphs are captured for."""
+        return tuple((b, length) for b in self.prefill_rows for length in self.length_buckets)
+
+    @property
+    def profiling(self) -> bool:
+        return self.prof_step > 0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `tgis serve` (and warmup) needs, validated. Immutable."""
+
+    model_id: str
+    revision: str | None
+    backend: str
+    dtype: str | None
+    num_shard: int
+    port: int
+    hostname: str
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_top_n_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    # None on dynamic backends: the KV budget is measured at warmup from free memory.
+    max_batch_total_tokens: int | None
+    max_batch_size: int | None
+    max_waiting_tokens: int
+    waiting_served_ratio: float
+    warmup_enabled: bool = True
+    static_shape: StaticShape | None = None
+    gaudi: GaudiSettings | None = None
+    # Bearer token required on generation routes; never printed.
+    api_key: str | None = field(default=None, repr=False)
+    cors_allow_origins: tuple[str, ...] = ()
+    # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
+    prefill_mode: str | None = None
+    # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
+    # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
+    compile_cache: str | None = None
+    # cpu/cuda: decode steps through torch.compile (compiled at warmup).
+    compile: bool = False
+    # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup).
+    cuda_graphs: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def summary(self) -> dict[str, Any]:
+        """A flat, JSON-friendly view for logs and `/info`."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "notes":
+                continue
+            if f.name == "api_key":
+                value = "set" if value else None
+            if f.name in ("static_shape", "gaudi") and value is not None:
+                value = {k.name: getattr(value, k.name) for k in fields(value)}
+            out[f.name] = value
+        return out
