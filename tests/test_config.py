@@ -496,6 +496,15 @@ def test_gaudi_profiler_and_graph_variables_read() -> None:
     assert "RANK='x' is not an integer" in error_of(LLAMA31, {"RANK": "x"}, backend="gaudi")
 
 
+def test_gaudi_skip_tokenizer_refused() -> None:
+    assert error_of(LLAMA31, {"SKIP_TOKENIZER_IN_TGI": "true"}, backend="gaudi") == (
+        "SKIP_TOKENIZER_IN_TGI=true asks for requests and responses made of token ids, which "
+        "tgis's HTTP APIs do not take: the server always tokenizes (unset SKIP_TOKENIZER_IN_TGI "
+        "(or set it to false))"
+    )
+    assert build(LLAMA31, {"SKIP_TOKENIZER_IN_TGI": "false"}, backend="gaudi").gaudi is not None
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cuda", "tpu"])
 def test_gaudi_variables_refused_on_other_backends(backend: str) -> None:
     env = {"QUEUE_THRESHOLD_MS": "250", "BATCH_BUCKET_SIZE": "16"}

@@ -31,8 +31,8 @@ Seed 003's variables (parsed and validated by tgis.config.gaudi.GaudiSettings):
 - USE_FLASH_ATTENTION, FLASH_ATTENTION_RECOMPUTE: ignored. The fixed-shape forward computes
   attention as two batched matmuls with a float32 softmax, not with Habana's fused SDPA kernel;
   setting either to false logs a warning once.
-- SKIP_TOKENIZER_IN_TGI: belongs to the server (whether requests carry token ids instead of
-  text); the backend only ever sees token ids and leaves it alone.
+- SKIP_TOKENIZER_IN_TGI: requests and responses of token ids instead of text; the server
+  always tokenizes, so true is refused by the validation core.
 - QUANT_CONFIG (FP8 through Intel Neural Compressor): not supported; loading refuses it.
 """
 

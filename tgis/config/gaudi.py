@@ -88,6 +88,12 @@ def gaudi_settings(
     kw["rank"] = 0 if rank is None else parse_int("RANK", rank, minimum=0)
     kw["lazy_mode"] = (env_value(env, "PT_HPU_LAZY_MODE") or "1") != "0"
     base = GaudiSettings(**kw)
+    if base.skip_tokenizer_in_tgi:
+        raise ConfigError(
+            "SKIP_TOKENIZER_IN_TGI=true asks for requests and responses made of token ids, "
+            "which tgis's HTTP APIs do not take: the server always tokenizes",
+            "unset SKIP_TOKENIZER_IN_TGI (or set it to false)",
+        )
 
     max_input = values["max_input_tokens"]
     pad = base.pad_sequence_to_multiple_of
