@@ -69,7 +69,9 @@ def test_huggingface_hub_inference_client(url: str, engine: FakeEngine) -> None:
     )
     assert len(outputs) == 4
     assert outputs[-1].details.finish_reason == "length"
-    assert outputs[-1].generated_text is not None
+    # The client posts to `/`, where return_full_text defaults to true (text-generation model):
+    # TGI's final stream event then carries the prompt too.
+    assert outputs[-1].generated_text == PROMPT + expected_text(engine, 4)
     details = client.text_generation(PROMPT, max_new_tokens=2, details=True)
     assert details.details.generated_tokens == 2
     chat = client.chat_completion(MESSAGES, max_tokens=3)
