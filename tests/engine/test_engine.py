@@ -274,7 +274,9 @@ def test_backend_failure_fails_its_requests_and_engine_keeps_serving(
     events = run(
         collect(engine.generate(request(tokenizer, PROMPTS[7], max_new_tokens=3, ignore_eos=True)))
     )
-    assert events[-1].completion is not None and engine.backend.running == 0  # type: ignore[attr-defined]
+    completion = events[-1].completion
+    assert completion is not None and completion.generated_tokens == 3
+    assert engine.backend.running == 0  # type: ignore[attr-defined]
     logprob = events[-1].token.logprob
     assert logprob is not None and math.isfinite(logprob) and logprob <= 0.0
 
@@ -290,5 +292,9 @@ def test_prompt_logprobs_refused_up_front_where_the_backend_has_none(
     with pytest.raises(InputValidationError, match=r"decoder_input_details.*not available"):
         run(collect(engine.generate(request(tokenizer, PROMPTS[0], decoder_input_details=True))))
     assert engine.in_flight == before
-    events = run(collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=2))))
-    assert events[-1].completion is not None
+    events = run(
+        collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=2, ignore_eos=True)))
+    )
+    completion = events[-1].completion
+    assert completion is not None and completion.finish_reason is FinishReason.LENGTH
+    assert completion.generated_tokens == 2
