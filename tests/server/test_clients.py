@@ -122,7 +122,7 @@ def test_openai_client_with_an_api_key(
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         assert [m.id for m in client.models.list()] == ["tiny-llama"]
         wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", timeout=10, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError, match="Error code: 401"):
             wrong.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=1)
         with pytest.raises(openai.UnprocessableEntityError, match="`n` must be <= 2"):
             client.completions.create(model="tiny-llama", prompt=PROMPT, n=5)

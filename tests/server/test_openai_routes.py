@@ -164,6 +164,12 @@ def test_chat_max_completion_tokens_and_text_parts(client: TestClient, engine: F
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     post(client, "/v1/chat/completions", messages=messages, max_completion_tokens=2, max_tokens=9)
     assert engine.requests[-1].params.max_new_tokens == 2
+    # The text part is rendered as the plain string content would be.
+    rendered = engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    expected_ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert engine.requests[-1].input_ids == tuple(expected_ids)
 
 
 def test_chat_logprobs(client: TestClient) -> None:
