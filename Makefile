@@ -21,8 +21,10 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/tgis serve --port $(PORT)
 
+# In a new random order each run (pytest-randomly, which prints "Using --randomly-seed=N" first);
+# `$(PY) -m pytest -q --randomly-seed=N` replays an order, `-p no:randomly` turns it off.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -p randomly
 
 # The tpu backend on XLA:CPU (PJRT_DEVICE=CPU): torch-xla 2.9.0 pins torch 2.9.0, so it has a
 # virtualenv of its own. PyPI's torch 2.9.0 is the CUDA build (its libraries run on the CPU).

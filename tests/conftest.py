@@ -21,6 +21,17 @@ def demo_model_dir() -> Path:
     return path
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Print pytest-randomly's seed under -q too (`make test`): quiet runs hide the header
+    that shows it, and an order-dependent failure can only be replayed with it."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or config.get_verbosity() >= 0:
+        return  # no terminal, or the header already shows the seed
+    if config.pluginmanager.hasplugin("randomly"):
+        reporter.write_line(f"Using --randomly-seed={config.getoption('randomly_seed')}")
+
+
 def run_tgis(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

@@ -5,12 +5,14 @@ huggingface_hub.InferenceClient, openai)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import run_tgis
 from tests.server.conftest import live_server
@@ -20,13 +22,19 @@ from tgis.launch import Service, build_service
 from tgis.server import Metrics, ModelInfo, create_app
 
 SEED_REQUEST = {"inputs": "What is Deep Learning?", "parameters": {"max_new_tokens": 20}}
+FIBONACCI = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
 def service(demo_model_dir: Path) -> Iterator[tuple[Service, Metrics]]:
     facts = ModelFacts.from_config(*read_model_config(demo_model_dir))
+    # float32 everywhere (not bf16 where the CPU has it): greedy answers are the model card's.
     args = LauncherArgs(
-        max_total_tokens=512, max_batch_size=8, max_concurrent_requests=16, backend="cpu"
+        max_total_tokens=512,
+        max_batch_size=8,
+        max_concurrent_requests=16,
+        backend="cpu",
+        dtype="float32",
     )
     config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
     metrics = Metrics(config.max_total_tokens, 8)
@@ -58,18 +66,31 @@ def test_seed_curl_examples(base_url: str) -> None:
     assert all(e["generated_text"] is None for e in events[:-1])
 
 
-def test_text_generation_client(base_url: str) -> None:
+def greedy_fibonacci(demo_model_dir: Path) -> str:
+    """What transformers' greedy generate continues FIBONACCI with (48 tokens, no EOS), as the
+    model card records it."""
+    record = json.loads((demo_model_dir / "training.json").read_text())["greedy_fibonacci"]
+    assert record.startswith(FIBONACCI)
+    return record[len(FIBONACCI) :]
+
+
+def test_text_generation_client(base_url: str, demo_model_dir: Path) -> None:
     from text_generation import Client
 
     client = Client(base_url, timeout=60)
     response = client.generate(
-        "def fibonacci(n):", max_new_tokens=8, decoder_input_details=True, top_n_tokens=2
+        FIBONACCI, max_new_tokens=8, decoder_input_details=True, top_n_tokens=2
     )
-    assert response.details.generated_tokens == len(response.details.tokens) == 8 or (
-        response.details.finish_reason.value == "eos_token"
-    )
+    # Greedy: the first 8 of the 48 tokens the model card shows, none of them the EOS.
+    assert response.details.finish_reason.value == "length"
+    assert response.details.generated_tokens == len(response.details.tokens) == 8
+    assert response.generated_text
+    assert greedy_fibonacci(demo_model_dir).startswith(response.generated_text)
+    assert [len(top) for top in response.details.top_tokens] == [2] * 8
     assert response.details.prefill[0].logprob is None
-    streamed = [r for r in client.generate_stream("def fibonacci(n):", max_new_tokens=8)]
+    assert all(t.logprob is not None for t in response.details.prefill[1:])
+    streamed = [r for r in client.generate_stream(FIBONACCI, max_new_tokens=8)]
+    assert len(streamed) == 8
     assert streamed[-1].generated_text == response.generated_text
 
 
@@ -81,26 +102,36 @@ def test_inference_client(base_url: str) -> None:
     pieces = list(client.text_generation("import os\n", max_new_tokens=6, stream=True))
     # TGI's compat route returns the full text for text-generation models; streams do not.
     assert text == "import os\n" + "".join(pieces)
-    chat = client.chat_completion([{"role": "user", "content": "hello"}], max_tokens=5)
-    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 5
+    assert len(pieces) == 6
+    chat = client.chat_completion(
+        [{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].message.content
 
 
-def test_openai_client(base_url: str) -> None:
+def test_openai_client(base_url: str, service: tuple[Service, Metrics]) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60)
-    assert [m.id for m in client.models.list().data]
+    assert [m.id for m in client.models.list().data] == [service[0].config.model_id]
     completion = client.completions.create(
         model="tgis", prompt="class Foo:", max_tokens=6, temperature=0
     )
     streamed = client.completions.create(
         model="tgis", prompt="class Foo:", max_tokens=6, temperature=0, stream=True
     )
+    assert completion.choices[0].text and completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 6
     assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
     chat = client.chat.completions.create(
-        model="tgis", messages=[{"role": "user", "content": "x = "}], max_tokens=4
+        model="tgis",
+        messages=[{"role": "user", "content": "x = "}],
+        max_tokens=4,
+        temperature=0,
     )
-    assert chat.usage is not None and chat.usage.completion_tokens <= 4
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 4
 
 
 def test_disconnect_frees_the_slot(base_url: str, service: tuple[Service, Metrics]) -> None:
@@ -127,16 +158,45 @@ def test_validation_error_is_tgi_422(base_url: str) -> None:
     assert body["error_type"] == "validation" and "`max_new_tokens` must be <= 512" in body["error"]
 
 
-def test_metrics_after_traffic(base_url: str) -> None:
+def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for name in (
-        "tgi_request_count",
-        "tgi_batch_inference_count",
-        "tgi_batch_current_size",
-        "tgi_request_duration",
-    ):
-        assert name in text
-    assert 'tgi_batch_inference_count_total{method="prefill"}' in text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_after_traffic(base_url: str) -> None:
+    """Two requests of exactly 3 tokens move the request and batch metrics by exactly that
+    much: per request one prefill step and two decode steps (the engine is otherwise idle)."""
+    before = scrape(base_url)
+    body = {"inputs": "import os", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
+    for _ in range(2):
+        resp = httpx.post(f"{base_url}/generate", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+    expected = {
+        ("tgi_request_count_total", (("kind", "single"),)): 2,
+        ("tgi_request_success_total", (("kind", "single"), ("stop_reason", "MAX_TOKENS"))): 2,
+        ("tgi_request_generated_tokens_sum", ()): 6,
+        ("tgi_request_duration_count", ()): 2,
+        ("tgi_batch_inference_count_total", (("method", "prefill"),)): 2,
+        ("tgi_batch_inference_count_total", (("method", "next_token"),)): 4,
+        ("tgi_batch_inference_success_total", (("method", "next_token"),)): 4,
+    }
+
+    def moved() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], float]:
+        after = scrape(base_url)
+        delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in expected}
+        return delta, after[("tgi_batch_current_size", ())]
+
+    # The engine thread reports a step (then the batch after it) just after it hands out the
+    # step's tokens: the last report may come a moment after the response.
+    deadline = time.monotonic() + 10
+    while moved() != (expected, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert moved() == (expected, 0)  # and both requests have left the batch
 
 
 def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
@@ -187,4 +247,7 @@ def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
 
 def test_serve_check_still_validates_only() -> None:
     result = run_tgis("serve", "--check", "--max-total-tokens", "256")
-    assert result.returncode == 0 and "max_total_tokens" in result.stdout
+    assert result.returncode == 0, result.stderr  # it returned: nothing was served
+    # The resolved limits: the flag, and the input limit derived from it.
+    assert re.search(r"max_total_tokens\W+256\b", result.stdout), result.stdout
+    assert re.search(r"max_input_tokens\W+255\b", result.stdout), result.stdout

@@ -32,15 +32,33 @@ def test_static_backend_report() -> None:
     plans: list[list[Shape]] = []
     heard: list[ShapeTiming] = []
     report = run_warmup(backend, config, on_plan=plans.append, on_shape=heard.append)
-    assert plans == [backend.policy.warmup_plan(40)]
+    # Insert mode, 4 slots of 64 positions, prompts of at most 40 tokens: prefill rows 1, 2, 4
+    # (powers of two up to the batch) x lengths 16, 32, 40 (powers of two from 16, then the
+    # longest prompt), then one decode over the whole static batch.
+    assert plans == [
+        [
+            Shape("prefill", 1, 16),
+            Shape("prefill", 1, 32),
+            Shape("prefill", 1, 40),
+            Shape("prefill", 2, 16),
+            Shape("prefill", 2, 32),
+            Shape("prefill", 2, 40),
+            Shape("prefill", 4, 16),
+            Shape("prefill", 4, 32),
+            Shape("prefill", 4, 40),
+            Shape("decode", 4, 1),
+        ]
+    ]
     assert [t.shape for t in report.timings] == plans[0] == [t.shape for t in heard]
     assert (report.max_sequences, report.max_sequence_tokens, report.kv_tokens) == (4, 64, 256)
     assert report.kv_budget_tokens is None  # fixed by the static shape
     assert report.compiled == 0 and report.seconds > 0
     data = report.to_dict()
     assert data["max_batch_total_tokens"] == 256
-    assert [(s["phase"], s["rows"], s["length"]) for s in data["shapes"]][-1] == ("decode", 4, 1)
-    assert report.summary().startswith(f"warmup: {len(plans[0])} shapes in ")
+    assert [(s["phase"], s["rows"], s["length"]) for s in data["shapes"]] == [
+        (shape.phase, shape.rows, shape.length) for shape in plans[0]
+    ]
+    assert report.summary().startswith("warmup: 10 shapes in ")
     assert "compile cache /cache" in report.summary()
 
 
@@ -68,7 +86,14 @@ def test_serve_warms_up_unless_disabled(demo_model_dir: Path) -> None:
         try:
             if enabled:
                 assert service.warmup is not None
-                assert [t.shape.phase for t in service.warmup.timings][:1] == ["prefill"]
+                # The cpu plan for 4 concurrent requests of up to 100 prompt tokens.
+                assert [t.shape for t in service.warmup.timings] == [
+                    Shape("prefill", 1, 100),
+                    Shape("prefill", 4, 8),
+                    Shape("decode", 1, 1),
+                    Shape("decode", 2, 1),
+                    Shape("decode", 4, 1),
+                ]
                 assert service.warmup.max_sequences == 4
             else:
                 assert service.warmup is None

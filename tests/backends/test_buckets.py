@@ -65,7 +65,9 @@ def test_seed003_buckets_are_the_ones_serve_check_explains() -> None:
     assert policy.prefill_lengths == tuple(range(128, 1025, 128)) == settings.length_buckets
     plan = policy.warmup_plan()
     prefills = [(s.rows, s.length) for s in plan if s.phase == "prefill"]
+    assert prefills == [(4, length) for length in range(128, 1025, 128)]
     assert tuple(prefills) == settings.prefill_buckets
+    assert [s.rows for s in plan if s.phase == "decode"] == [16, 32, 48, 64]
     note = next(n for n in config.notes if n.startswith("gaudi:"))
     assert f"warmup covers {len(prefills)} prefill and 4 decode buckets" in note
     assert policy.decode_rows(17) == 32 and policy.prefill_batch(3) == 4

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from tests.backends.conftest import PROMPTS, greedy_reference
+from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
 from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
-from tests.factories import make_model_dir
+from tests.factories import make_model_dir, tiny_model
 from tests.server.conftest import make_config
 from tgis.backends.cuda_graphs import (
     CudaGraphApi,
@@ -123,8 +123,11 @@ def test_cuda_graphs_without_cuda_is_one_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_real_cuda_graphs_equal_eager_static(tiny_lm: Callable[..., PreTrainedModel]) -> None:
-    model = tiny_lm("llama").to("cuda")
+def test_real_cuda_graphs_equal_eager_static() -> None:
+    # A model of its own: `.to` moves a module in place, and the session's shared CPU model
+    # must stay on the CPU for the tests after this one.
+    arch, fields = VARIANTS["llama"]
+    model = tiny_model(arch, seed=0, **fields).to("cuda")  # type: ignore[arg-type]
     prompts, budgets = random_prompts(5, seed=4, vocab=256)
     joins = {0: range(0, 2), 3: range(2, 5)}
     eager = StaticBatchBackend(

@@ -528,6 +528,7 @@ def test_warmup_leaves_slots_free_and_runs_only_the_decode_graph(llama: PreTrain
     backend, fake = fake_backend(llama, 4, "insert", True)
     timings = backend.warmup(4, 24)
     assert [t.compiled for t in timings] == [0] * len(timings)
+    assert backend.running == 0
     # Prefill shapes are all padding rows (skipped); the decode shape runs the whole batch.
     assert fake.calls == [("token_generation", 4, 1)]
     assert greedy(backend, PROMPTS[0], 4) == greedy_reference(llama, PROMPTS[0], 4)

@@ -157,7 +157,8 @@ def test_slots_are_the_lowest_free_and_reused(tiny_lm: Callable[..., PreTrainedM
 
 
 def test_bad_calls_raise_and_change_nothing(tiny_lm: Callable[..., PreTrainedModel]) -> None:
-    backend = make_static(tiny_lm("llama"), batch_size=2, max_input=20)
+    model = tiny_lm("llama")
+    backend = make_static(model, batch_size=2, max_input=20)
     backend.prefill([PrefillItem(1, (5, 6))])
     with pytest.raises(ValueError, match="only 1 of 2 static slots are free"):
         backend.prefill([PrefillItem(2, (5,)), PrefillItem(3, (6,))])
@@ -172,8 +173,12 @@ def test_bad_calls_raise_and_change_nothing(tiny_lm: Callable[..., PreTrainedMod
     with pytest.raises(ValueError, match="repeat"):
         backend.decode([1, 1], [5, 5])
     assert backend.running == 1 and backend.slot_of(1) == 0
+    # Sequence 1's cache is what its prefill left: decoding continues it exactly.
     out = backend.decode([1], [9])
+    with torch.no_grad():
+        expected = model(torch.tensor([[5, 6, 9]])).logits[0, -1].float()
     assert out.shape == (1, backend.vocab_size)
+    torch.testing.assert_close(out[0], expected, atol=1e-4, rtol=0)
 
 
 def test_full_sequence_cannot_decode(tiny_lm: Callable[..., PreTrainedModel]) -> None:
@@ -191,7 +196,11 @@ def test_warmup_runs_every_shape_without_touching_slots(
     backend = make_static(model, batch_size=4, max_input=40)
     seen: list[Shape] = []
     timings = backend.warmup(4, 40, on_shape=lambda t: seen.append(t.shape))
-    assert seen == backend.policy.warmup_plan(40)
+    # Insert mode: prefill rows 1, 2, 4 x lengths 16, 32, 40, then decode of the 4 slots.
+    assert seen == [
+        *(Shape("prefill", rows, length) for rows in (1, 2, 4) for length in (16, 32, 40)),
+        Shape("decode", 4, 1),
+    ]
     assert [t.shape for t in timings] == seen
     assert all(t.seconds > 0 and t.compiled == 0 for t in timings)
     # Warmup left no sequence behind, and generation afterwards is exact.

@@ -97,10 +97,12 @@ def test_prompt_logits_equal_full_forward(
             torch.testing.assert_close(out.prompt[i], full, atol=1e-4, rtol=0)
 
 
-def test_prompt_logits_without_the_lm_head_hook(tiny_lm: Callable[..., PreTrainedModel]) -> None:
+def test_prompt_logits_without_the_lm_head_hook() -> None:
     """A model that computes logits without calling its output-embedding module gets its rows
     selected after the forward instead, with the same result."""
-    model = tiny_lm("gpt_neox")
+    # A model of its own: its hooks are cleared below, the session's shared one stays intact.
+    arch, fields = VARIANTS["gpt_neox"]
+    model = tiny_model(arch, seed=0, **fields)  # type: ignore[arg-type]
     backend = make_backend(model)
     backend.path.pad_slack = 10.0  # type: ignore[attr-defined]
     model.get_output_embeddings()._forward_pre_hooks.clear()

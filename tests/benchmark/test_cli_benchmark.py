@@ -84,7 +84,9 @@ def test_each_kind_writes_valid_results_and_a_png(
     assert len(data["steps"]) == expected
     assert all(s["requests"]["ok"] > 0 and not s["errors"] for s in data["steps"]), data["steps"]
     if "--slo" in extra:
-        assert all(s["goodput"] is not None for s in data["steps"])
+        assert all(s["goodput"]["slos_s"] == {"ttft": 0.5, "itl": 0.05} for s in data["steps"])
+    else:
+        assert all(s["goodput"] is None for s in data["steps"])
     assert png.read_bytes().startswith(PNG)
     assert "TTFT p50" in result.output and "output tok/s" in result.output
     for step in data["steps"]:

@@ -65,8 +65,10 @@ def test_percentile_interpolates_linearly() -> None:
     assert percentile(values, 99) == pytest.approx(9.91)
     assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
     assert percentile([3.0], 95) == 3.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="percentile of no values"):
         percentile([], 50)
+    with pytest.raises(ValueError, match=r"percentile must be within 0\.\.100, got 101"):
+        percentile(values, 101)
 
 
 def test_distribution() -> None:

@@ -7,31 +7,20 @@ import shutil
 from pathlib import Path
 
 import pytest
-import typer
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from tests.factories import make_model_dir
 from tests.fakehub import FakeHub, fake_hub_fixture, set_offline  # noqa: F401
-from tgis.commands import convert_to_safetensors
+from tgis.cli import app
 from tgis.errors import ConversionError, ModelNotFoundError
 from tgis.hub import fetch_weights, resolve_model_dir
 
 runner = CliRunner()
 
 
-def cli_app() -> typer.Typer:
-    """The real root app when it imports (commands of other engineers may still be missing)."""
-    try:
-        from tgis.cli import app
-    except ImportError:
-        app = typer.Typer()
-        app.command("convert-to-safetensors")(convert_to_safetensors.command)
-    return app
-
-
 def invoke(*args: str) -> tuple[int, str, BaseException | None]:
-    result = runner.invoke(cli_app(), ["convert-to-safetensors", *args], terminal_width=200)
+    result = runner.invoke(app, ["convert-to-safetensors", *args], terminal_width=200)
     return result.exit_code, result.output, result.exception
 
 

@@ -6,27 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from tests.conftest import run_tgis
 from tests.factories import make_model_dir
 from tests.fakehub import FakeHub, fake_hub_fixture, set_offline  # noqa: F401
-from tgis.commands import download_weights
+from tgis.cli import app
 from tgis.errors import HubError, ModelNotFoundError
 from tgis.hub import resolve_model_dir
 
 runner = CliRunner()
-
-
-def cli_app() -> typer.Typer:
-    """The real root app when it imports (commands of other engineers may still be missing)."""
-    try:
-        from tgis.cli import app
-    except ImportError:
-        app = typer.Typer()
-        app.command("download-weights")(download_weights.command)
-    return app
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +24,7 @@ def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def invoke(*args: str) -> tuple[int, str, BaseException | None]:
-    result = runner.invoke(cli_app(), ["download-weights", *args], terminal_width=200)
+    result = runner.invoke(app, ["download-weights", *args], terminal_width=200)
     return result.exit_code, result.output, result.exception
 
 

@@ -105,21 +105,44 @@ def test_greedy_matches_transformers_generate(engine: Engine, tokenizer, hf_mode
     assert completion.generated_text == tokenizer.decode(ours, skip_special_tokens=True)
 
 
-def test_greedy_same_alone_and_in_a_batch_of_16(demo_model_dir: Path, tokenizer) -> None:
+def test_greedy_same_alone_and_in_a_batch_of_16(
+    demo_model_dir: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make_engine(demo_model_dir, tokenizer, waiting_served_ratio=0.0)
+    # The rows of every decode step the backend runs: proof of who shared a step.
+    decode_rows: list[int] = []
+    real_decode = engine.backend.decode
+
+    def counting_decode(seq_ids, token_ids):
+        decode_rows.append(len(seq_ids))
+        return real_decode(seq_ids, token_ids)
+
+    monkeypatch.setattr(engine.backend, "decode", counting_decode)
     try:
+        # ignore_eos: every sequence runs its 20 tokens, so none leaves before the others join.
         reqs = [
-            request(tokenizer, PROMPTS[i % 8] + " " * (i // 8), f"r{i}", max_new_tokens=20)
+            request(
+                tokenizer,
+                PROMPTS[i % 8] + " " * (i // 8),
+                f"r{i}",
+                max_new_tokens=20,
+                ignore_eos=True,
+            )
             for i in range(16)
         ]
         alone = [[e.token.id for e in run(collect(engine.generate(r)))] for r in reqs]
+        assert decode_rows == [1] * 16 * 19  # alone: 19 decode steps of one row each
+        decode_rows.clear()
 
         async def together() -> list[list[int]]:
             results = await asyncio.gather(*(collect(engine.generate(r)) for r in reqs))
             return [[e.token.id for e in events] for events in results]
 
         assert run(together()) == alone
-        assert max(engine.scheduler.limits.max_sequences, 16) == 16
+        assert all(len(tokens) == 20 for tokens in alone)
+        # The 16 requests really were batched: at least one decode step carried all of them.
+        assert max(decode_rows) == 16, decode_rows
+        assert sum(decode_rows) == 16 * 19  # each sequence decoded once per step, no more
     finally:
         engine.stop()
 
@@ -155,6 +178,9 @@ def test_seeded_sampling_is_reproducible(engine: Engine, tokenizer) -> None:
     second = [e.token.id for e in run(collect(engine.generate(req)))]
     assert first == second
     assert run(collect(engine.generate(req)))[-1].completion.seed == 42  # type: ignore[union-attr]
+    # The seed is what fixes the tokens: another seed samples another continuation.
+    other = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=43))
+    assert [e.token.id for e in run(collect(engine.generate(other)))] != first
 
 
 def test_stop_sequence_cut_and_reason(engine: Engine, tokenizer) -> None:
@@ -248,8 +274,11 @@ def test_backend_failure_fails_its_requests_and_engine_keeps_serving(
     events = run(
         collect(engine.generate(request(tokenizer, PROMPTS[7], max_new_tokens=3, ignore_eos=True)))
     )
-    assert events[-1].completion is not None and engine.backend.running == 0  # type: ignore[attr-defined]
-    assert not math.isnan(events[-1].token.logprob or 0.0)
+    completion = events[-1].completion
+    assert completion is not None and completion.generated_tokens == 3
+    assert engine.backend.running == 0  # type: ignore[attr-defined]
+    logprob = events[-1].token.logprob
+    assert logprob is not None and math.isfinite(logprob) and logprob <= 0.0
 
 
 def test_prompt_logprobs_refused_up_front_where_the_backend_has_none(
@@ -263,5 +292,9 @@ def test_prompt_logprobs_refused_up_front_where_the_backend_has_none(
     with pytest.raises(InputValidationError, match=r"decoder_input_details.*not available"):
         run(collect(engine.generate(request(tokenizer, PROMPTS[0], decoder_input_details=True))))
     assert engine.in_flight == before
-    events = run(collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=2))))
-    assert events[-1].completion is not None
+    events = run(
+        collect(engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=2, ignore_eos=True)))
+    )
+    completion = events[-1].completion
+    assert completion is not None and completion.finish_reason is FinishReason.LENGTH
+    assert completion.generated_tokens == 2

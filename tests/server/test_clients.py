@@ -69,7 +69,9 @@ def test_huggingface_hub_inference_client(url: str, engine: FakeEngine) -> None:
     )
     assert len(outputs) == 4
     assert outputs[-1].details.finish_reason == "length"
-    assert outputs[-1].generated_text is not None
+    # The client posts to `/`, where return_full_text defaults to true (text-generation model):
+    # TGI's final stream event then carries the prompt too.
+    assert outputs[-1].generated_text == PROMPT + expected_text(engine, 4)
     details = client.text_generation(PROMPT, max_new_tokens=2, details=True)
     assert details.details.generated_tokens == 2
     chat = client.chat_completion(MESSAGES, max_tokens=3)
@@ -120,7 +122,7 @@ def test_openai_client_with_an_api_key(
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         assert [m.id for m in client.models.list()] == ["tiny-llama"]
         wrong = openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", timeout=10, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError, match="Error code: 401"):
             wrong.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=1)
         with pytest.raises(openai.UnprocessableEntityError, match="`n` must be <= 2"):
             client.completions.create(model="tiny-llama", prompt=PROMPT, n=5)

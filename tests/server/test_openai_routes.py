@@ -72,9 +72,17 @@ def test_completion_logprobs(client: TestClient, engine: FakeEngine) -> None:
     assert engine.requests[-1].params.top_n_tokens == 2
     logprobs = body["choices"][0]["logprobs"]
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 3
-    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
-    assert logprobs["text_offset"][0] == 0
+    tokens = logprobs["tokens"]
+    assert len(tokens) == len(logprobs["token_logprobs"]) == 3
+    # logprobs=2: the two best per step, the chosen token's own logprob among them.
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2, 2, 2]
+    for token, value, top in zip(
+        tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        assert top[token] == value
+    # Each token's character offset in the text: the lengths of the tokens before it.
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert logprobs["text_offset"] == offsets
 
 
 def test_echo_prepends_the_prompt_with_its_logprobs(client: TestClient, engine: FakeEngine) -> None:
@@ -156,6 +164,12 @@ def test_chat_max_completion_tokens_and_text_parts(client: TestClient, engine: F
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     post(client, "/v1/chat/completions", messages=messages, max_completion_tokens=2, max_tokens=9)
     assert engine.requests[-1].params.max_new_tokens == 2
+    # The text part is rendered as the plain string content would be.
+    rendered = engine.tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    expected_ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert engine.requests[-1].input_ids == tuple(expected_ids)
 
 
 def test_chat_logprobs(client: TestClient) -> None:
@@ -239,6 +253,7 @@ def test_stream_with_n_and_several_prompts(client: TestClient, engine: FakeEngin
     assert finished == {0, 1, 2, 3}
     assert texts[0] == "Hello" + expected_text(engine, 3, 0)
     assert texts[1] == "Hello" + expected_text(engine, 3, 1)
+    assert texts[2] == "world" + expected_text(engine, 3, 0)
     assert texts[3] == "world" + expected_text(engine, 3, 1)
 
 

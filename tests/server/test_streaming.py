@@ -61,16 +61,22 @@ def test_stream_texts_add_up_to_generate(client: TestClient) -> None:
     assert got[-1]["generated_text"] == whole["generated_text"]
 
 
-def test_stream_details_only_when_asked_and_top_tokens(client: TestClient) -> None:
+def expected_text(engine: FakeEngine, tokens: int) -> str:
+    return engine.tokenizer.decode(engine.sequence_ids(0, tokens), skip_special_tokens=True)
+
+
+def test_stream_details_only_when_asked_and_top_tokens(
+    client: TestClient, engine: FakeEngine
+) -> None:
     got = events(stream(client, max_new_tokens=2, top_n_tokens=3).text)
     assert got[-1]["details"] is None
-    assert got[-1]["generated_text"] is not None
+    assert got[-1]["generated_text"] == expected_text(engine, 2)
     assert all(len(e["top_tokens"]) == 3 for e in got)
 
 
-def test_stream_return_full_text(client: TestClient) -> None:
+def test_stream_return_full_text(client: TestClient, engine: FakeEngine) -> None:
     got = events(stream(client, max_new_tokens=2, return_full_text=True).text)
-    assert got[-1]["generated_text"].startswith(PROMPT)
+    assert got[-1]["generated_text"] == PROMPT + expected_text(engine, 2)
 
 
 def test_stream_refuses_best_of_with_a_status(client: TestClient) -> None:
@@ -179,7 +185,7 @@ def test_shutdown_lets_streams_finish_and_refuses_new_requests(
         assert health.status_code == 503
         last = json.loads(rest[-1][5:])
         assert len(first) + len(rest) == 60
-        assert last["generated_text"] is not None
+        assert last["generated_text"] == expected_text(engine, 60)  # finished, not cut
         assert engine.cancelled == []
 
 
@@ -248,7 +254,8 @@ def test_sigterm_drains_in_flight_streams() -> None:
             process.send_signal(signal.SIGTERM)
             rest = reader.take(100)
         assert len(first) + len(rest) == 30
-        assert json.loads(rest[-1][5:])["generated_text"] is not None
+        streamed = [json.loads(line[5:]) for line in first + rest]
+        assert streamed[-1]["generated_text"] == "".join(e["token"]["text"] for e in streamed)
         assert process.wait(timeout=15) == 0
     finally:
         if process.poll() is None:
