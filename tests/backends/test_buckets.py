@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_config import build
+from tests.config.test_resolve import build
 from tgis.backends.buckets import ShapePolicy, gaudi_policy, powers_of_two, static_policy
 from tgis.config import ModelFacts
 from tgis.engine.backend import Shape

@@ -298,3 +298,19 @@ def test_prompt_logprobs_refused_up_front_where_the_backend_has_none(
     completion = events[-1].completion
     assert completion is not None and completion.finish_reason is FinishReason.LENGTH
     assert completion.generated_tokens == 2
+
+
+def test_request_beyond_the_engine_budgets_is_refused_and_the_engine_keeps_serving(
+    engine: Engine, tokenizer
+) -> None:
+    """A request validated against limits larger than the engine's KV budget (16 x 256) gets a
+    422 naming the budgets; nothing is queued and the next request is served."""
+    req = request(tokenizer, PROMPTS[0], rid="huge", max_new_tokens=16 * 256)
+    with pytest.raises(InputValidationError, match="can never run within") as info:
+        run(collect(engine.generate(req)))
+    assert "max_batch_total_tokens=4096" in str(info.value)
+    assert engine.healthy() and not engine.scheduler.waiting and engine.in_flight == 0
+    events = run(
+        collect(engine.generate(request(tokenizer, PROMPTS[1], max_new_tokens=3, ignore_eos=True)))
+    )
+    assert len(events) == 3 and events[-1].completion is not None

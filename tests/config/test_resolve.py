@@ -1,4 +1,4 @@
-"""The validation core: the seeds' example launches validate, and every rule has a breaking test."""
+"""tgis.config.resolve: the seeds' example launches validate, and every rule refuses what it must."""
 
 from __future__ import annotations
 
