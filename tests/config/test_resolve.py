@@ -125,28 +125,21 @@ def test_seed003_gaudi_fp8_70b_example_validates_on_one_device() -> None:
         "PREFILL_BATCH_BUCKET_SIZE": "4",
         "PAD_SEQUENCE_TO_MULTIPLE_OF": "64",
     }
-    seed_flags: dict[str, object] = {
+    flags: dict[str, object] = {
         "model_id": "meta-llama/Meta-Llama-3.1-70B-Instruct",
         "backend": "gaudi",
-        "sharded": True,
-        "num_shard": 8,
+        "max_input_tokens": 1024,
+        "max_total_tokens": 2048,
+        "max_batch_prefill_tokens": 4096,
+        "max_batch_size": 256,
+        "max_waiting_tokens": 7,
+        "waiting_served_ratio": 1.2,
+        "max_concurrent_requests": 512,
     }
-    assert error_of(LLAMA31, env, **seed_flags, max_input_tokens=1024).startswith(
+    assert error_of(LLAMA31, env, **flags, sharded=True, num_shard=8).startswith(
         "--num-shard 8: the gaudi backend runs the model on one device"
     )
-    config = build(
-        LLAMA31,
-        env,
-        model_id="meta-llama/Meta-Llama-3.1-70B-Instruct",
-        backend="gaudi",
-        max_input_tokens=1024,
-        max_total_tokens=2048,
-        max_batch_prefill_tokens=4096,
-        max_batch_size=256,
-        max_waiting_tokens=7,
-        waiting_served_ratio=1.2,
-        max_concurrent_requests=512,
-    )
+    config = build(LLAMA31, env, **flags)
     g = config.gaudi
     assert g is not None
     assert g.quant_config == "./quantization_config/maxabs_quant.json"
