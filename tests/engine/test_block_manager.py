@@ -1,0 +1,189 @@
+"""tgis.engine.block_manager: block tables, admission by free blocks, prefix caching."""
+
+from __future__ import annotations
+
+import ast
+import random
+from pathlib import Path
+
+import pytest
+
+import tgis.engine.block_manager as bm
+from tgis.engine.block_manager import BlockManager, block_hash
+
+
+def test_module_is_pure_python() -> None:
+    tree = ast.parse(Path(bm.__file__).read_text())
+    imported = {
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    assert not {m for m in imported if m and m.split(".")[0] in ("torch", "numpy", "tgis")}
+
+
+def test_block_table_and_slots() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    assert m.allocate(0, list(range(10))) == 0
+    assert m.block_table(0) == [0, 1, 2] and m.free_blocks == 5
+    assert m.allocate(1, [7, 7]) == 0
+    assert m.block_table(1) == [3]
+    # position p -> block table[p // 4], offset p % 4
+    assert [m.slot(0, p) for p in (0, 3, 4, 9)] == [0, 3, 4, 9]
+    assert m.slots(1, 0, 2) == [12, 13]
+    assert m.append(0, 5) == 10 and m.append(0, 5) == 11  # fills block 2
+    assert m.append(0, 5) == 16 and m.block_table(0) == [0, 1, 2, 4]  # crosses into a new block
+    assert m.num_tokens(0) == 13 and m.used_blocks == 5
+
+
+def test_admission_by_free_blocks() -> None:
+    m = BlockManager(num_blocks=4, block_size=4)
+    assert m.can_allocate([1] * 16) and not m.can_allocate([1] * 17)
+    m.allocate(0, [1] * 12)
+    assert m.can_allocate([2] * 4) and not m.can_allocate([2] * 5)
+    assert not m.can_allocate([2] * 4, reserve=1)  # room kept for running decodes
+    with pytest.raises(MemoryError, match="needs 2 blocks, 1 of 4 are free"):
+        m.allocate(1, [2] * 5)
+    assert 1 not in m and m.free_blocks == 1  # a refused allocation takes nothing
+
+
+def test_append_needs_a_block_only_at_a_boundary() -> None:
+    m = BlockManager(num_blocks=2, block_size=4)
+    m.allocate(0, [1, 2, 3])
+    m.allocate(1, [1, 2, 3, 4])
+    assert m.blocks_to_append([0, 1]) == 1  # seq 1 is at a boundary, seq 0 is not
+    assert not m.can_append([0, 1]) and m.can_append([0])
+    m.append(0, 9)
+    with pytest.raises(MemoryError, match="needs a block"):
+        m.append(1, 9)
+    assert m.num_tokens(1) == 4  # nothing changed
+
+
+def test_free_returns_every_block() -> None:
+    m = BlockManager(num_blocks=6, block_size=2)
+    rng = random.Random(0)
+    live: list[int] = []
+    for step in range(300):
+        if live and (rng.random() < 0.3 or not m.can_allocate([0] * 5)):
+            m.free(live.pop(rng.randrange(len(live))))
+        else:
+            m.allocate(step, [0] * rng.randint(1, 5))
+            live.append(step)
+        owned = [b for s in live for b in m.block_table(s)]
+        assert len(owned) == len(set(owned)) == m.used_blocks  # no block given twice
+    for s in live:
+        m.free(s)
+    assert m.free_blocks == 6
+
+
+def test_errors_name_the_sequence() -> None:
+    m = BlockManager(4, 4)
+    m.allocate(3, [1])
+    with pytest.raises(ValueError, match="sequence 3 already has blocks"):
+        m.allocate(3, [1])
+    with pytest.raises(ValueError, match="sequence 4: an empty prompt"):
+        m.allocate(4, [])
+    with pytest.raises(ValueError, match="needs num_blocks >= 1 and block_size >= 1, got 0 x 4"):
+        BlockManager(0, 4)
+
+
+# --- prefix caching -----------------------------------------------------------------------
+
+PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and 2 more
+
+
+def test_shared_prefix_reuses_computed_blocks_only() -> None:
+    m = BlockManager(num_blocks=10, block_size=4, prefix_caching=True)
+    assert m.allocate(0, PROMPT) == 0
+    # Not computed yet: nothing to share (the first prefill has not written it).
+    assert m.allocate(1, PROMPT) == 0
+    m.free(1)
+    m.mark_computed(0)
+    assert m.allocate(2, [*PROMPT[:8], 1, 2, 3]) == 8
+    assert m.block_table(2)[:2] == m.block_table(0)[:2]
+    assert m.block_table(2)[2] not in m.block_table(0)
+    assert (m.stats.queried_tokens, m.stats.hit_tokens) == (10 + 10 + 11, 8)
+
+
+def test_a_different_earlier_block_or_salt_breaks_the_chain() -> None:
+    m = BlockManager(num_blocks=12, block_size=4, prefix_caching=True)
+    m.allocate(0, PROMPT)
+    m.mark_computed(0)
+    changed_first = [999, *PROMPT[1:]]  # same second block, different first: no hit
+    assert m.allocate(1, changed_first) == 0
+    assert m.allocate(2, PROMPT, salt=b"prefix-a") == 0  # another tuned prefix: no hit
+    assert block_hash(b"", [1, 2]) != block_hash(b"x", [1, 2])
+
+
+def test_the_last_prompt_token_is_always_computed() -> None:
+    m = BlockManager(num_blocks=10, block_size=4, prefix_caching=True)
+    m.allocate(0, PROMPT[:8])
+    m.mark_computed(0)
+    # The whole 8-token prompt is cached, but its logits need the last token run again.
+    assert m.allocate(1, PROMPT[:8]) == 4
+    assert m.allocate(2, PROMPT[:9]) == 8
+
+
+def test_cached_blocks_outlive_their_sequence_until_space_is_needed() -> None:
+    m = BlockManager(num_blocks=4, block_size=4, prefix_caching=True)
+    m.allocate(0, PROMPT)  # 3 blocks
+    m.mark_computed(0)
+    m.free(0)
+    assert m.free_blocks == 4  # cached blocks count as free
+    assert m.allocate(1, PROMPT) == 8 and m.stats.evicted_blocks == 0
+    m.free(1)
+    m.allocate(2, [5] * 16)  # needs all four: evicts the cached ones
+    assert m.stats.evicted_blocks == 2
+    m.free(2)
+    assert m.allocate(3, PROMPT) == 0  # gone from the cache
+
+
+def test_eviction_is_least_recently_used() -> None:
+    m = BlockManager(num_blocks=7, block_size=2, prefix_caching=True)
+    a, b = [1, 1, 1, 1, 9], [2, 2, 2, 2, 9]  # two full blocks each, cached once computed
+    for seq, prompt in ((0, a), (1, b)):
+        m.allocate(seq, prompt)
+        m.mark_computed(seq)
+    m.free(0)
+    m.free(1)  # a's blocks were released first: least recently used
+    m.allocate(2, [7, 7, 7])  # never-used blocks are taken before cached ones
+    assert m.stats.evicted_blocks == 0
+    m.allocate(3, [8, 8, 8])  # one free block left, then a's tail block is evicted
+    assert m.stats.evicted_blocks == 1
+    assert m.allocate(4, b) == 4  # b is intact; its third block evicts a's first
+    assert m.stats.evicted_blocks == 2
+    m.free(4)
+    assert m.allocate(5, a) == 0
+
+
+def test_a_shared_block_is_freed_only_by_its_last_user() -> None:
+    m = BlockManager(num_blocks=5, block_size=4, prefix_caching=True)
+    m.allocate(0, PROMPT)
+    m.mark_computed(0)
+    m.allocate(1, PROMPT)
+    shared = m.block_table(0)[:2]
+    assert m.block_table(1)[:2] == shared and m.free_blocks == 1
+    m.free(0)
+    assert m.free_blocks == 2  # seq 0's own last block; the shared two stay with seq 1
+    assert m.can_allocate(PROMPT)  # the shared two are in use: one new block suffices
+    m.free(1)
+    assert m.free_blocks == 5
+
+
+def test_decoded_tokens_fill_blocks_that_become_shareable() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, prefix_caching=True)
+    m.allocate(0, [1, 2, 3])
+    m.mark_computed(0)
+    for token in (4, 5, 6):
+        m.append(0, token)
+    m.mark_computed(0, 6)  # the newest token is not fed yet
+    assert m.allocate(1, [1, 2, 3, 4, 5, 6]) == 4
+
+
+def test_caching_off_never_shares() -> None:
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.allocate(0, PROMPT)
+    m.mark_computed(0)
+    assert m.allocate(1, PROMPT) == 0
+    assert m.stats.queried_tokens == 0
