@@ -18,9 +18,12 @@ CUDA kernel is tested against.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
+
+from tgis.backends.forward import causal_mask
 
 
 def write_kv(
@@ -63,10 +66,7 @@ def paged_attention_reference(
         values = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
         q = query[q_start:q_end]
         q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=query.device)
-        k_pos = torch.arange(kv_len, device=query.device)
-        visible = k_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            visible &= k_pos[None, :] > q_pos[:, None] - window
+        visible = causal_mask(q_pos[None], kv_len, window)[0, 0]  # [queries, keys]
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -76,7 +76,13 @@ def paged_attention_reference(
 
 def flash_paged_available(device: torch.device) -> bool:
     """Whether `varlen_attn` with a paged cache can run on `device` (CUDA, torch >= 2.12)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    return device.type == "cuda" and _varlen_takes_block_table()
+
+
+@functools.cache
+def _varlen_takes_block_table() -> bool:
+    """The installed torch's answer, looked up once (every attention call asks)."""
+    if not torch.cuda.is_available():
         return False
     try:
         from torch.nn.attention.varlen import varlen_attn

@@ -19,7 +19,8 @@ def detect_backend(facts: ModelFacts, pjrt_device: str | None = None) -> str:
     """The backend `auto` resolves to, most specific first.
 
     A Neuron-exported model can only run on neuron. Otherwise: a TPU runtime (torch-xla with
-    PJRT_DEVICE=TPU, which the validation core passes as `pjrt_device`), Gaudi (habana_frameworks), CUDA (torch.cuda.is_available()), else cpu.
+    PJRT_DEVICE=TPU, which the validation core passes as `pjrt_device`), Gaudi
+    (habana_frameworks), CUDA (torch.cuda.is_available()), else cpu.
     XLA on CPU is never chosen automatically: ask for it with --backend tpu.
     """
     if facts.neuron is not None:

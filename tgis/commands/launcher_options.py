@@ -266,10 +266,10 @@ def launcher_options(*names: str) -> Callable[[Command], Command]:
 
 
 def launcher_args(values: dict[str, Any]) -> LauncherArgs:
-    """The LauncherArgs named in a command's locals()."""
+    """The LauncherArgs of the launcher options a command received (`**launcher`)."""
     from tgis.config import parse_bool
 
-    picked = {k: v for k, v in values.items() if k in LauncherArgs.__dataclass_fields__}
+    picked = dict(values)
     if isinstance(picked.get("sharded"), str):
         picked["sharded"] = parse_bool("--sharded", picked["sharded"])
     return LauncherArgs(**picked)

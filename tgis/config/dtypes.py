@@ -38,11 +38,14 @@ def normalize_dtype(raw: str | None, source: str = "--dtype") -> str | None:
     return dtype
 
 
+def _known(name: object) -> str | None:
+    """The canonical name of a dtype name, alias or torch spelling ("torch.float16"), if any."""
+    return DTYPE_ALIASES.get(str(name).strip().lower().removeprefix("torch."))
+
+
 def cast_type(raw: object) -> object:
     """A Neuron cast name from a dtype name or alias (bfloat16 -> bf16); other values unchanged."""
-    if not isinstance(raw, str):
-        return raw
-    dtype = DTYPE_ALIASES.get(raw.strip().lower().removeprefix("torch."))
+    dtype = _known(raw) if isinstance(raw, str) else None
     if dtype is None:
         return raw
     return next(cast for cast, name in CAST_TO_DTYPE.items() if name == dtype)
@@ -50,5 +53,5 @@ def cast_type(raw: object) -> object:
 
 def dtype_bytes(name: object, default: int = 2) -> int:
     """Bytes per element of a dtype name or alias ("torch.float16" too); `default` if unknown."""
-    dtype = DTYPE_ALIASES.get(str(name).strip().lower().removeprefix("torch."))
+    dtype = _known(name)
     return DTYPE_BYTES[dtype] if dtype else default

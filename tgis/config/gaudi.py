@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tgis.config.env import env_value
-from tgis.config.parse import parse_bool, parse_int
+from tgis.config.env import env_int, env_value
+from tgis.config.parse import parse_bool
 from tgis.config.types import GaudiSettings, round_up
 from tgis.errors import ConfigError
 
@@ -62,30 +62,26 @@ def gaudi_settings(
 ) -> GaudiSettings:
     """Read seed 003's variables, derive the bucket sizes from the limits, and check them."""
     kw: dict[str, Any] = {}
-    for name, key in _INTS.items():
-        if env.get(name, "").strip():
-            kw[key] = parse_int(name, env[name], minimum=1)
-    for name, key in _COUNTS.items():
-        if env.get(name, "").strip():
-            kw[key] = parse_int(name, env[name], minimum=0)
+    for names, minimum in ((_INTS, 1), (_COUNTS, 0)):
+        for name, key in names.items():
+            if (number := env_int(env, name, minimum)) is not None:
+                kw[key] = number
     for name, key in _BOOLS.items():
-        if env.get(name, "").strip():
-            kw[key] = parse_bool(name, env[name])
-    if env.get("PROF_PATH", "").strip():
-        kw["prof_path"] = env["PROF_PATH"].strip()
-    if env.get("PROF_RANKS", "").strip():
+        if (raw := env_value(env, name)) is not None:
+            kw[key] = parse_bool(name, raw)
+    for name, key in (("PROF_PATH", "prof_path"), ("QUANT_CONFIG", "quant_config")):
+        if (raw := env_value(env, name)) is not None:
+            kw[key] = raw
+    if (ranks := env_value(env, "PROF_RANKS")) is not None:
         try:
-            kw["prof_ranks"] = tuple(int(x) for x in env["PROF_RANKS"].split(","))
+            kw["prof_ranks"] = tuple(int(x) for x in ranks.split(","))
         except ValueError:
             raise ConfigError(
-                f"PROF_RANKS={env['PROF_RANKS']!r} is not a comma-separated list of ranks",
+                f"PROF_RANKS={ranks!r} is not a comma-separated list of ranks",
                 "use e.g. PROF_RANKS=0,1",
             ) from None
-    if env.get("QUANT_CONFIG", "").strip():
-        kw["quant_config"] = env["QUANT_CONFIG"].strip()
     # The HPU runtime's own variables, read here so the backend gets them from the settings.
-    rank = env_value(env, "RANK")
-    kw["rank"] = 0 if rank is None else parse_int("RANK", rank, minimum=0)
+    kw["rank"] = env_int(env, "RANK", minimum=0) or 0
     kw["lazy_mode"] = (env_value(env, "PT_HPU_LAZY_MODE") or "1") != "0"
     base = GaudiSettings(**kw)
     if base.skip_tokenizer_in_tgi:

@@ -36,9 +36,7 @@ class _SeqBlocks:
     tokens: list[int]
     blocks: list[int]
     salt: bytes
-    # Tokens whose K/V are in the cache (marked after the step that wrote them).
-    computed: int = 0
-    # Keys of the leading full blocks that are registered in the cache, in order.
+    # Keys of the leading full blocks whose K/V are computed, in order.
     hashes: list[bytes] = field(default_factory=list)
 
 
@@ -89,9 +87,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Sequence[int], salt: bytes = b"", reserve: int = 0) -> bool:
         """Whether a sequence of these prompt tokens fits now, leaving `reserve` blocks free."""
-        hits = self._cached_prefix(token_ids, salt)
-        in_use = sum(1 for block in hits if self._refs[block] > 0)
-        return self.blocks_for(len(token_ids)) - in_use <= self.free_blocks - reserve
+        return self._fits(len(token_ids), self._cached_prefix(token_ids, salt), reserve)
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:
         """Whether every sequence in `seq_ids` can take one more token now."""
@@ -112,21 +108,21 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: an empty prompt needs no blocks")
-        if not self.can_allocate(token_ids, salt):
+        hits = self._cached_prefix(token_ids, salt)
+        if not self._fits(len(token_ids), hits):
             raise MemoryError(
                 f"sequence {seq_id} needs {self.blocks_for(len(token_ids))} blocks, "
                 f"{self.free_blocks} of {self.num_blocks} are free"
             )
-        hits = self._cached_prefix(token_ids, salt)
         for block in hits:
             self._take_cached(block)
         blocks = hits + [
             self._take_free() for _ in range(self.blocks_for(len(token_ids)) - len(hits))
         ]
         cached = len(hits) * self.block_size
-        state = _SeqBlocks(list(token_ids), blocks, salt, computed=cached)
-        state.hashes = [self._key_of[b] for b in hits]
-        self._seqs[seq_id] = state
+        self._seqs[seq_id] = _SeqBlocks(
+            list(token_ids), blocks, salt, [self._key_of[b] for b in hits]
+        )
         if self.prefix_caching:
             self.stats.queried_tokens += len(token_ids)
             self.stats.hit_tokens += cached
@@ -148,11 +144,10 @@ class BlockManager:
     def mark_computed(self, seq_id: int, num_tokens: int | None = None) -> None:
         """The K/V of the first `num_tokens` tokens (default: all) are now in the cache: their
         full blocks become reusable by other sequences."""
-        state = self._seqs[seq_id]
-        state.computed = len(state.tokens) if num_tokens is None else num_tokens
         if not self.prefix_caching:
             return
-        full = state.computed // self.block_size
+        state = self._seqs[seq_id]
+        full = (len(state.tokens) if num_tokens is None else num_tokens) // self.block_size
         while len(state.hashes) < full:
             index = len(state.hashes)
             parent = state.hashes[-1] if state.hashes else state.salt
@@ -209,6 +204,12 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def _fits(self, num_tokens: int, hits: list[int], reserve: int = 0) -> bool:
+        """Whether `num_tokens` positions fit, `hits` among them already cached: a hit some
+        sequence uses costs nothing, an unused one leaves the free count as a fresh block does."""
+        in_use = sum(1 for block in hits if self._refs[block] > 0)
+        return self.blocks_for(num_tokens) - in_use <= self.free_blocks - reserve
 
     def _take_cached(self, block: int) -> None:
         if self._refs[block] == 0:

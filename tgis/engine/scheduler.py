@@ -138,9 +138,11 @@ class Scheduler:
         threshold = self.limits.queue_threshold_ms
         if threshold is None:
             return list(self.waiting)
-        now = self.clock()
-        overdue = [s for s in self.waiting if (now - s.arrival) * 1000 >= threshold]
-        rest = [s for s in self.waiting if (now - s.arrival) * 1000 < threshold]
+        cutoff = self.clock() - threshold / 1000  # arrived at or before: overdue
+        overdue: list[Sequence] = []
+        rest: list[Sequence] = []
+        for seq in self.waiting:
+            (overdue if seq.arrival <= cutoff else rest).append(seq)
         # sorted() is stable: ties (and a request's candidates) keep their queue order.
         return sorted(overdue, key=lambda s: s.arrival) + sorted(rest, key=lambda s: s.prompt_len)
 
