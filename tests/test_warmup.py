@@ -86,10 +86,9 @@ def test_serve_warms_up_unless_disabled(demo_model_dir: Path) -> None:
         try:
             if enabled:
                 assert service.warmup is not None
-                # The cpu plan for 4 concurrent requests of up to 100 prompt tokens.
+                # The paged cpu plan for 4 concurrent requests of up to 100 prompt tokens.
                 assert [t.shape for t in service.warmup.timings] == [
                     Shape("prefill", 1, 100),
-                    Shape("prefill", 4, 8),
                     Shape("decode", 1, 1),
                     Shape("decode", 2, 1),
                     Shape("decode", 4, 1),

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tgis.config import ServeConfig, check_kv_budget
-from tgis.engine.backend import Backend, BackendCapacity
+from tgis.config import ServeConfig, check_kv_budget, use_inductor_cache
+from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import BackendUnavailableError, ConfigError
@@ -28,33 +28,21 @@ class Service:
 
     config: ServeConfig
     model_dir: Path
-    backend: Backend
+    backend: Backend | PagedBackend
     engine: Engine
     tokenizer: Any
     kv_tokens: int
     warmup: WarmupReport | None = None
 
 
-def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
+def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
     """The backend `config.backend` names, loaded with the config's limits."""
     if config.backend == "cuda" and config.cuda_graphs:
         from tgis.backends.cuda_graphs import load_cuda_graph_backend
 
         return load_cuda_graph_backend(config, model_dir)
     if config.backend in ("cpu", "cuda"):
-        from tgis.backends.torch_dynamic import TorchDynamicBackend
-
-        slots = config.max_batch_size or config.max_concurrent_requests
-        return TorchDynamicBackend.load(
-            model_dir,
-            device=config.backend,
-            dtype=config.dtype,
-            max_sequences=slots,
-            max_sequence_tokens=config.max_total_tokens,
-            kv_tokens=config.max_batch_total_tokens,
-            compile=config.compile,
-            compile_cache=Path(config.compile_cache) if config.compile_cache else None,
-        )
+        return load_torch_backend(config, model_dir)
     if config.backend == "tpu":
         from tgis.backends.tpu import load_tpu_backend
 
@@ -70,6 +58,47 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend:
     raise BackendUnavailableError(
         f"unknown backend {config.backend!r}",
         "serve with --backend cpu, cuda, tpu, neuron or gaudi",
+    )
+
+
+def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
+    """cpu / cuda: the paged engine for llama-family models, the slot engine (transformers'
+    forward) for the others and with --compile (which compiles the slot engine's decode)."""
+    import torch
+
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.torch_device import load_causal_lm
+    from tgis.backends.torch_dynamic import TorchDynamicBackend
+
+    model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
+    slots = config.max_batch_size or config.max_concurrent_requests
+    reason = "--compile runs the slot engine" if config.compile else None
+    reason = reason or native_unsupported_reason(model)
+    if reason is None:
+        return PagedTorchBackend(
+            model,
+            max_sequences=slots,
+            max_sequence_tokens=config.max_total_tokens,
+            max_prefill_tokens=config.max_batch_prefill_tokens,
+            kv_tokens=config.max_batch_total_tokens,
+            memory_fraction=config.cuda_memory_fraction,
+        )
+    if config.prefix_caching:
+        raise ConfigError(
+            f"--prefix-caching needs the paged engine, which cannot run here: {reason}",
+            f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model without --compile, or drop "
+            "--prefix-caching (PREFIX_CACHING)",
+        )
+    if config.compile and config.compile_cache:
+        use_inductor_cache(Path(config.compile_cache))
+    return TorchDynamicBackend(
+        model,
+        max_sequences=slots,
+        max_sequence_tokens=config.max_total_tokens,
+        kv_tokens=config.max_batch_total_tokens,
+        kv_memory_fraction=config.cuda_memory_fraction,
+        compile=config.compile,
     )
 
 
@@ -128,6 +157,7 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         config.max_concurrent_requests,
         eos_token_ids(model_dir, tokenizer),
         observer,
+        prefix_caching=config.prefix_caching is not False,
     )
     engine.start()
     log.info(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tgis.config import ServeConfig
-from tgis.engine.backend import Backend, Shape, ShapeTiming
+from tgis.engine.backend import Backend, PagedBackend, Shape, ShapeTiming
 
 log = logging.getLogger("tgis.warmup")
 
@@ -37,6 +37,8 @@ class WarmupReport:
     kv_budget_tokens: int | None  # what memory holds, when measured (dynamic backends)
     kv_bytes_per_token: int
     compile_cache: str | None
+    # Paged backends: tokens per KV block (kv_tokens is the pool); None: slots of full length.
+    block_size: int | None = None
 
     @property
     def compiled(self) -> int:
@@ -65,6 +67,7 @@ class WarmupReport:
             "max_sequence_tokens": self.max_sequence_tokens,
             "max_batch_total_tokens": self.kv_tokens,
             "kv_budget_tokens": self.kv_budget_tokens,
+            "block_size": self.block_size,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "compile_cache": self.compile_cache,
             "shapes": [
@@ -80,14 +83,14 @@ class WarmupReport:
         }
 
 
-def batch_limit(backend: Backend, config: ServeConfig) -> int:
+def batch_limit(backend: Backend | PagedBackend, config: ServeConfig) -> int:
     """The largest batch serving will run: the slots, capped by --max-batch-size."""
     slots = backend.capacity.max_sequences
     return min(slots, config.max_batch_size or slots)
 
 
 def run_warmup(
-    backend: Backend,
+    backend: Backend | PagedBackend,
     config: ServeConfig,
     on_plan: Callable[[list[Shape]], None] | None = None,
     on_shape: Callable[[ShapeTiming], None] | None = None,
@@ -122,4 +125,5 @@ def run_warmup(
         kv_budget_tokens=capacity.kv_budget_tokens,
         kv_bytes_per_token=capacity.kv_bytes_per_token,
         compile_cache=config.compile_cache,
+        block_size=capacity.block_size,
     )

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from tgis.backends.paged_attention import (
+    attend,
     flash_paged_available,
     paged_attention,
     paged_attention_reference,
+    step_metadata,
     write_kv,
 )
 
@@ -97,6 +99,36 @@ def test_reference_equals_plain_attention(
         ]
     )
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "heads", "kv_heads", "windows"),
+    [
+        ([7, 1, 5, 1], [7, 9, 5, 4], 4, 4, [None]),  # prefills and decodes mixed
+        ([1, 1, 1, 1], [3, 4, 8, 13], 4, 2, [None]),  # only decodes, ragged, GQA
+        ([3, 6, 1], [11, 6, 2], 6, 2, [None]),  # a chunk after earlier tokens
+        ([9, 1, 2], [9, 14, 10], 4, 1, [None, 4]),  # layers with and without a window
+    ],
+)
+def test_step_attention_equals_the_reference(
+    q_lens: list[int], k_lens: list[int], heads: int, kv_heads: int, windows: list[int | None]
+) -> None:
+    query, k_cache, v_cache, cu, used, table, *_ = packed_case(q_lens, k_lens, heads, kv_heads)
+    tables = [[int(b) for b in row[: -(-k // BLOCK)]] for row, k in zip(table, k_lens, strict=True)]
+    meta = step_metadata(q_lens, k_lens, tables, BLOCK, torch.device("cpu"), windows)
+    assert not meta.flash and meta.cu_seq_q.tolist() == cu.tolist()
+    # the new tokens' slots: the last q positions of each sequence
+    expected_slots = [
+        t[p // BLOCK] * BLOCK + p % BLOCK
+        for t, q, k in zip(tables, q_lens, k_lens, strict=True)
+        for p in range(k - q, k)
+    ]
+    assert meta.slot_mapping.tolist() == expected_slots
+    scale = HEAD_DIM**-0.5
+    for window in windows:
+        out = attend(query, k_cache, v_cache, meta, scale, window)
+        ref = paged_attention_reference(query, k_cache, v_cache, cu, used, table, scale, window)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_window_and_gqa_change_the_result() -> None:

@@ -17,15 +17,13 @@ def test_warmup_reports_every_shape_and_the_kv_budget(tmp_path: Path) -> None:
     assert "tgis warmup: cpu on cpu" in result.stdout
     data = json.loads(out.read_text())
     shapes = [(s["phase"], s["rows"], s["length"]) for s in data["shapes"]]
-    assert shapes == [
-        ("prefill", 1, 255),
-        ("prefill", 4, 8),
-        ("decode", 1, 1),
-        ("decode", 2, 1),
-        ("decode", 4, 1),
-    ]
+    # The demo model (llama) runs the paged engine: the largest prompt chunk the scheduler
+    # sends, then a decode step per batch bucket.
+    assert shapes == [("prefill", 1, 255), ("decode", 1, 1), ("decode", 2, 1), ("decode", 4, 1)]
+    assert data["block_size"] == 16
     assert data["max_batch_total_tokens"] == 4 * 256 == data["max_sequences"] * 256
     assert data["kv_budget_tokens"] > data["max_batch_total_tokens"]
+    assert "KV cache: 1024 tokens in 64 blocks of 16" in " ".join(result.stdout.split())
     assert "the largest --max-batch-total-tokens that fits is" in " ".join(result.stdout.split())
 
 

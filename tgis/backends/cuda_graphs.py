@@ -112,7 +112,8 @@ def load_cuda_graph_backend(config: ServeConfig, model_dir: Path) -> StaticBatch
     shape = native_kv_shape(model)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
     requested = config.max_batch_size or config.max_concurrent_requests
-    free = int(available_memory(device) * KV_MEMORY_FRACTION["cuda"])
+    fraction = config.cuda_memory_fraction or KV_MEMORY_FRACTION["cuda"]
+    free = int(available_memory(device) * fraction)
     slots = fit_slots(requested, config.max_total_tokens, per_token, free)
     forward = StaticLlamaForward(model, slots, config.max_total_tokens)
     graphed = GraphedStaticModel(forward, CudaGraphApi())

@@ -114,28 +114,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-class LlamaNativeForward:
-    """The native forward path; see the module docstring."""
-
-    name = "native"
+class LlamaWeights:
+    """A llama-family model's weights in the layouts the lean forwards run: fused QKV (and
+    gate/up where faster), norms' scales, rope tables. The forwards over a slot cache
+    (`LlamaNativeForward`), a paged pool (paged_llama.py) and a static cache (static_kv.py)
+    share it and differ only in how attention reads the cache."""
 
     @torch.no_grad()
     def __init__(
         self,
         model: PreTrainedModel,
-        cache: SlotKVCache,
+        device: torch.device,
+        max_positions: int,
         fuse_gate_up: bool | None = None,
         transposed: bool | None = None,
     ) -> None:
         """Take `model`'s weights (re-pointing its modules at the fused copies) and precompute
-        rope tables for `cache.max_tokens` positions. fuse_gate_up / transposed: weight
+        rope tables for `max_positions` positions. fuse_gate_up / transposed: weight
         layouts, by default the faster ones measured for the device and dtype (see _fuse)."""
         reason = native_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the native llama path cannot run this model: {reason}")
         config, base = model.config, model.model
-        self.cache = cache
-        self.device = cache.device
+        self.device = device
         attn = base.layers[0].self_attn
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -157,7 +158,7 @@ class LlamaNativeForward:
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = model.get_output_embeddings().weight
-        self.cos, self.sin = self._rope_tables(model, cache.max_tokens)
+        self.cos, self.sin = self._rope_tables(model, max_positions)
 
     def _layer(self, layer: nn.Module, window: int | None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -225,6 +226,22 @@ class LlamaNativeForward:
         """Final norm and lm_head: x [rows, hidden] -> float32 logits [rows, vocab]."""
         h = F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)
         return F.linear(h, self.lm_head).float()
+
+
+class LlamaNativeForward(LlamaWeights):
+    """The native forward path over a `SlotKVCache`; see the module docstring."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: SlotKVCache,
+        fuse_gate_up: bool | None = None,
+        transposed: bool | None = None,
+    ) -> None:
+        super().__init__(model, cache.device, cache.max_tokens, fuse_gate_up, transposed)
+        self.cache = cache
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         """See `ForwardPath.decode`."""

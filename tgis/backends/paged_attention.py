@@ -14,16 +14,25 @@ cached or earlier tokens (q < k) and decode (q = 1) in one call.
 reads the pages through `block_table` and `seqused_k`) on CUDA where the installed torch has it,
 and `paged_attention_reference` everywhere else: a plain-torch computation that is also what the
 CUDA kernel is tested against.
+
+A forward builds one `StepMetadata` per step (`step_metadata`, on the host, from the scheduler's
+block tables) and every layer reuses it: the flash path's tensors, and for the plain-torch path
+the gather indices and masks precomputed once (`attend`): the one-query rows of decodes as two
+batched matmuls over their gathered pages, each longer query run through SDPA. `attend` is what
+the cpu backend runs; it is tested against `paged_attention_reference`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from tgis.backends.forward import causal_mask
+from tgis.backends.forward import additive_mask, causal_mask
 
 
 def write_kv(
@@ -132,3 +141,178 @@ def paged_attention(
         seqused_k=seqused,
         block_table=block_table.int(),
     )  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _DecodeRows:
+    """The one-query sequences of a step, attended together: their rows in the packed
+    queries, the flat pool slots of their keys [rows, T] (padding points at slot 0) and an
+    additive mask [rows, 1, 1, T] per sliding window."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    masks: dict[int | None, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _PrefillRun:
+    """A sequence with several queries: rows q_start..q_end of the packed queries over the
+    keys at `slots` [kv_len]; a boolean mask [1, 1, q, kv_len] per window, or None where
+    plain causal attention over its own tokens is exact."""
+
+    q_start: int
+    q_end: int
+    slots: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What attention needs of one packed step, shared by every layer (see module doc)."""
+
+    slot_mapping: torch.Tensor  # [tokens] long: where each new token's K/V goes
+    cu_seq_q: torch.Tensor  # [n + 1] int32
+    seqused_k: torch.Tensor  # [n] int32
+    block_table: torch.Tensor  # [n, max_blocks] int32
+    max_q: int
+    max_k: int
+    flash: bool
+    decode: _DecodeRows | None = None
+    prefill: tuple[_PrefillRun, ...] = ()
+
+
+def step_metadata(
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+    windows: Sequence[int | None] = (None,),
+) -> StepMetadata:
+    """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
+    `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
+    model's layers use (None: full attention)."""
+    n = len(query_lens)
+    width = max(len(t) for t in block_tables)
+    table = torch.zeros(n, width, dtype=torch.int32)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    flat = [
+        [blocks[p // block_size] * block_size + p % block_size for p in range(kv)]
+        for blocks, kv in zip(block_tables, kv_lens, strict=True)
+    ]
+    slot_mapping = torch.tensor(
+        [s for f, q, kv in zip(flat, query_lens, kv_lens, strict=True) for s in f[kv - q :]]
+    )
+    flash = flash_paged_available(device)
+    decode, prefill = None, ()
+    if not flash:
+        decode = _decode_rows(query_lens, kv_lens, flat, starts, device, windows)
+        prefill = tuple(
+            _prefill_run(starts[i], starts[i + 1], flat[i], device, windows)
+            for i, q in enumerate(query_lens)
+            if q > 1
+        )
+    return StepMetadata(
+        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        cu_seq_q=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+        seqused_k=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_table=table.to(device, non_blocking=True),
+        max_q=max(query_lens),
+        max_k=max(kv_lens),
+        flash=flash,
+        decode=decode,
+        prefill=prefill,
+    )
+
+
+def _decode_rows(
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    flat: list[list[int]],
+    starts: list[int],
+    device: torch.device,
+    windows: Sequence[int | None],
+) -> _DecodeRows | None:
+    picked = [i for i, q in enumerate(query_lens) if q == 1]
+    if not picked:
+        return None
+    longest = max(kv_lens[i] for i in picked)
+    slots = torch.tensor([flat[i] + [0] * (longest - kv_lens[i]) for i in picked])
+    positions = torch.tensor([kv_lens[i] - 1 for i in picked])[:, None]
+    masks = {w: additive_mask(causal_mask(positions, longest, w)).to(device) for w in set(windows)}
+    rows = torch.tensor([starts[i] for i in picked])
+    return _DecodeRows(rows.to(device), slots.to(device), masks)
+
+
+def _prefill_run(
+    q_start: int,
+    q_end: int,
+    slots: list[int],
+    device: torch.device,
+    windows: Sequence[int | None],
+) -> _PrefillRun:
+    kv_len, q = len(slots), q_end - q_start
+    positions = torch.arange(kv_len - q, kv_len)[None]
+    masks = {
+        w: None
+        if q == kv_len and (w is None or q <= w)
+        else causal_mask(positions, kv_len, w).to(device)
+        for w in set(windows)
+    }
+    return _PrefillRun(q_start, q_end, torch.tensor(slots, device=device), masks)
+
+
+def attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Packed queries [tokens, heads, dim] over the pages (this step's K/V already written)
+    -> [tokens, heads, dim]: flash attention where `meta.flash`, else plain torch."""
+    if meta.flash:
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.cu_seq_q,
+            meta.seqused_k,
+            meta.block_table,
+            scale,
+            meta.max_q,
+            meta.max_k,
+            window,
+        )
+    heads, dim = query.shape[1], v_cache.shape[-1]
+    kv_heads = k_cache.shape[2]
+    keys_flat = k_cache.view(-1, kv_heads, k_cache.shape[-1])
+    values_flat = v_cache.view(-1, kv_heads, dim)
+    out = query.new_empty(query.shape[0], heads, dim)
+    if meta.decode is not None:
+        d = meta.decode
+        rows = d.rows.shape[0]
+        keys = keys_flat[d.slots]  # [rows, T, kv_heads, dim]
+        values = values_flat[d.slots]
+        q = query[d.rows].view(rows, kv_heads, heads // kv_heads, -1)
+        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float()  # [rows, kv_heads, g, T]
+        scores.mul_(scale).add_(d.masks[window])
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out[d.rows] = torch.matmul(probs, values.transpose(1, 2)).view(rows, heads, dim)
+    for run in meta.prefill:
+        mask = run.masks[window]
+        out[run.q_start : run.q_end] = F.scaled_dot_product_attention(
+            query[run.q_start : run.q_end].transpose(0, 1)[None],
+            keys_flat[run.slots].transpose(0, 1)[None],
+            values_flat[run.slots].transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        )[0].transpose(0, 1)
+    return out

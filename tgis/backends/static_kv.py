@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from tgis.backends.forward import additive_mask
-from tgis.backends.llama_native import LlamaNativeForward, native_kv_shape
+from tgis.backends.llama_native import LlamaWeights, native_kv_shape
 from tgis.backends.slot_cache import kv_bytes_per_token
 
 
@@ -65,7 +65,7 @@ class StaticKVCache:
         return self.batch_size
 
 
-class StaticLlamaForward(LlamaNativeForward):
+class StaticLlamaForward(LlamaWeights):
     """The native llama weights, run with fixed shapes over a `StaticKVCache`."""
 
     name = "static"
@@ -87,7 +87,7 @@ class StaticLlamaForward(LlamaNativeForward):
         )
         # One weight layout on every device: [out, in] (the CPU GEMM tuning of the dynamic
         # path is irrelevant for a compiled graph).
-        super().__init__(model, cache, fuse_gate_up=False, transposed=False)  # type: ignore[arg-type]
+        super().__init__(model, device, max_length, fuse_gate_up=False, transposed=False)
         self.static_cache = cache
         self.vocab_size = int(self.lm_head.shape[0])
         self.kv_bytes_per_token = kv_bytes_per_token(

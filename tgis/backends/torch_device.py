@@ -1,4 +1,5 @@
-"""What the torch backend needs to know of the machine: dtype, CPU threads, free memory.
+"""What the torch backends need to know of the machine: dtype, CPU threads, free memory; and
+loading a causal LM onto it.
 
 No environment variables are read here (tgis.config.env owns them); everything comes from
 torch, /proc and /sys.
@@ -6,13 +7,21 @@ torch, /proc and /sys.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tgis.config import DTYPES
+from tgis.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
 
 # Fraction of the memory free after loading the model that the KV cache may take. CPU memory
 # is shared with the OS, the server and prefill activations; a GPU's is the backend's own.
@@ -115,3 +124,24 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     raise RuntimeError("cannot measure free memory (no /proc/meminfo): pass kv_tokens")
+
+
+def load_causal_lm(
+    model_dir: Path, device: torch.device, dtype: str | None, num_threads: int | None = None
+) -> PreTrainedModel:
+    """The causal LM in `model_dir` on `device`, in eval mode, in the dtype `resolve_dtype`
+    picks (float32 on CPUs without native bf16). On CPU, torch's intra-op threads are set
+    process-wide to `num_threads`, by default the cores this process may use (affinity and
+    cgroup quota): one thread per core is fastest for the matmul-bound forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads or cpu_threads())
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
+    config = AutoConfig.from_pretrained(model_dir)
+    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None))
+    if dtype is not None and chosen != getattr(torch, dtype):
+        logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen)
+    return model.to(device).eval()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import CompileWatch, run_plan
@@ -28,12 +28,7 @@ from tgis.backends.llama_native import (
     native_unsupported_reason,
 )
 from tgis.backends.slot_cache import SlotKVCache, kv_bytes_per_token
-from tgis.backends.torch_device import (
-    KV_MEMORY_FRACTION,
-    available_memory,
-    cpu_threads,
-    resolve_dtype,
-)
+from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
 from tgis.config import use_inductor_cache
 from tgis.engine.backend import (
     BackendCapacity,
@@ -180,16 +175,7 @@ class TorchDynamicBackend:
         dev = torch.device(device)
         if compile and compile_cache is not None:
             use_inductor_cache(compile_cache)
-        if dev.type == "cpu":
-            torch.set_num_threads(num_threads or cpu_threads())
-        elif dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
-        config = AutoConfig.from_pretrained(model_dir)
-        torch_dtype = resolve_dtype(dev, dtype, getattr(config, "dtype", None))
-        if dtype is not None and torch_dtype != getattr(torch, dtype):
-            logger.warning("dtype %s is emulated on this CPU: using %s", dtype, torch_dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        model = model.to(dev).eval()
+        model = load_causal_lm(model_dir, dev, dtype, num_threads)
         return cls(
             model,
             max_sequences=max_sequences,

@@ -168,6 +168,25 @@ CudaGraphs = Annotated[
         "",
     ),
 ]
+PrefixCaching = Annotated[
+    bool | None,
+    _opt(
+        "prefix_caching",
+        DEVICE,
+        "cpu/cuda paged engine: reuse the KV blocks of prompt prefixes other requests computed.",
+        "on where the paged engine runs",
+    ),
+]
+CudaMemoryFraction = Annotated[
+    float | None,
+    _opt(
+        "cuda_memory_fraction",
+        DEVICE,
+        "cuda: share of the GPU's memory the server may use; the KV cache gets what the "
+        "weights and the largest prefill leave of it.",
+        "0.85",
+    ),
+]
 Port = Annotated[int | None, _opt("port", SERVER, "HTTP port.")]
 ApiKey = Annotated[
     str | None,
@@ -192,6 +211,8 @@ OPTIONS: dict[str, Any] = {
     "compile_cache": CompileCache,
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
+    "prefix_caching": PrefixCaching,
+    "cuda_memory_fraction": CudaMemoryFraction,
     "max_concurrent_requests": MaxConcurrentRequests,
     "max_best_of": MaxBestOf,
     "max_stop_sequences": MaxStopSequences,
@@ -221,6 +242,7 @@ WARMUP_OPTIONS = (
     "compile_cache",
     "compile",
     "cuda_graphs",
+    "cuda_memory_fraction",
     "max_concurrent_requests",
     "max_input_tokens",
     "max_input_length",

@@ -114,10 +114,18 @@ def report_table(report: WarmupReport) -> Table:
 
 def report_lines(report: WarmupReport) -> list[str]:
     """What to do with the result: the KV budget and where compiled programs went."""
-    lines = [
-        f"KV budget: {report.kv_tokens} tokens = {report.max_sequences} sequences x "
-        f"{report.max_sequence_tokens} tokens ({report.kv_bytes_per_token} bytes per token)"
-    ]
+    if report.block_size:
+        lines = [
+            f"KV cache: {report.kv_tokens} tokens in {report.kv_tokens // report.block_size} "
+            f"blocks of {report.block_size} ({report.kv_bytes_per_token} bytes per token), "
+            f"shared by up to {report.max_sequences} sequences of at most "
+            f"{report.max_sequence_tokens} tokens, each holding the blocks its tokens fill"
+        ]
+    else:
+        lines = [
+            f"KV budget: {report.kv_tokens} tokens = {report.max_sequences} sequences x "
+            f"{report.max_sequence_tokens} tokens ({report.kv_bytes_per_token} bytes per token)"
+        ]
     budget = report.kv_budget_tokens
     if budget is not None and budget > report.kv_tokens:
         lines.append(

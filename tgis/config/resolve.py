@@ -119,5 +119,7 @@ def build_serve_config(
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=bool(values["cuda_graphs"]),
+        prefix_caching=values["prefix_caching"],
+        cuda_memory_fraction=values["cuda_memory_fraction"],
         notes=tuple(notes),
     )

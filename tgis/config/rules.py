@@ -218,6 +218,25 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
                 "ways to compile decode",
                 "keep one of them",
             )
+    if values["prefix_caching"] and backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{r.label('prefix_caching', 'true')} needs the paged KV cache of the cpu and cuda "
+            f"backends; {backend} keeps a static cache",
+            "drop --prefix-caching (PREFIX_CACHING)",
+        )
+    fraction = values["cuda_memory_fraction"]
+    if fraction is not None:
+        if backend != "cuda":
+            raise ConfigError(
+                f"{r.label('cuda_memory_fraction', fraction)} applies to the cuda backend, "
+                f"not {backend}",
+                "drop --cuda-memory-fraction (CUDA_MEMORY_FRACTION)",
+            )
+        if not 0 < fraction <= 1:
+            raise ConfigError(
+                f"{r.label('cuda_memory_fraction', fraction)} must be in (0, 1]",
+                "use a share of the GPU's memory such as 0.9",
+            )
     if values["compile_cache"] and not (
         backend in STATIC_BACKENDS or (values["compile"] and not values["cuda_graphs"])
     ):

@@ -46,6 +46,8 @@ class LauncherArgs:
     compile_cache: str | None = None
     compile: bool | None = None
     cuda_graphs: bool | None = None
+    prefix_caching: bool | None = None
+    cuda_memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,12 @@ class ServeConfig:
     compile: bool = False
     # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup).
     cuda_graphs: bool = False
+    # Share KV blocks of common prompt prefixes (the paged engine). None: not set, on wherever
+    # the paged engine runs; True: required (an error where it cannot run); False: off.
+    prefix_caching: bool | None = None
+    # cuda: the share of the GPU's memory the server may use (weights, activations, KV cache);
+    # None: the backend's default.
+    cuda_memory_fraction: float | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> dict[str, Any]:

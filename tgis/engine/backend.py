@@ -32,6 +32,14 @@ class BackendCapacity:
     kv_budget_tokens: int | None = None
     # Whether prefill can return every prompt position's logits (decoder_input_details).
     prompt_logprobs: bool = True
+    # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
+    # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
+    block_size: int | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in a paged backend's pool (0 for a slot backend)."""
+        return self.kv_tokens // self.block_size if self.block_size else 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,30 @@ class PrefillItem:
 class PrefillOutput:
     """Logits after each prompt: `last` is [n_items, vocab]; `prompt[i]` is [len_i, vocab] or
     None (only for items that asked: row j predicts token j + 1)."""
+
+    last: torch.Tensor
+    prompt: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class PackedItem:
+    """One sequence's part of a packed step (paged backends): `token_ids` at positions
+    `start`.. computed, their K/V written through `block_table` (the sequence's blocks in
+    order; every position up to the last must have one). `sample`: return the last token's
+    logits; `prompt_logits`: return logits at every position of the chunk."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+    sample: bool = True
+    prompt_logits: bool = False
+
+
+@dataclass(frozen=True)
+class PackedOutput:
+    """`last` [items that sample, vocab] in item order; `prompt[i]` [len(token_ids), vocab] for
+    items that asked (row j predicts the token after position start + j), else None."""
 
     last: torch.Tensor
     prompt: tuple[torch.Tensor | None, ...]
@@ -113,6 +145,31 @@ class Backend(Protocol):
         """Run each shape of the plan once on dummy tokens (compiling or capturing it), leaving
         no sequence behind; `on_shape` hears of each as it finishes. Needs an idle backend."""
         ...
+
+
+class PagedBackend(Protocol):
+    """A model on a device over a paged KV pool. It keeps no per-sequence state: the engine's
+    scheduler owns the block tables, and every step says where each token's K/V goes."""
+
+    name: str
+    device: str
+    vocab_size: int
+
+    @property
+    def capacity(self) -> BackendCapacity: ...
+
+    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """Run one packed step (prefill chunks and decodes together)."""
+        ...
+
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]: ...
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]: ...
 
 
 def check_prefill_items(

@@ -85,9 +85,13 @@ class BlockManager:
         """Blocks that hold `num_tokens` positions."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, token_ids: Sequence[int], salt: bytes = b"", reserve: int = 0) -> bool:
-        """Whether a sequence of these prompt tokens fits now, leaving `reserve` blocks free."""
-        return self._fits(len(token_ids), self._cached_prefix(token_ids, salt), reserve)
+    def can_allocate(
+        self, token_ids: Sequence[int], salt: bytes = b"", reserve: int = 0, lookup: bool = True
+    ) -> bool:
+        """Whether a sequence of these prompt tokens fits now, leaving `reserve` blocks free
+        (`lookup` as in `allocate`)."""
+        hits = self._cached_prefix(token_ids, salt) if lookup else []
+        return self._fits(len(token_ids), hits, reserve)
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:
         """Whether every sequence in `seq_ids` can take one more token now."""
@@ -99,16 +103,20 @@ class BlockManager:
 
     # --- sequences ------------------------------------------------------------------------
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], salt: bytes = b"") -> int:
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], salt: bytes = b"", lookup: bool = True
+    ) -> int:
         """Give `seq_id` the blocks for its prompt; returns how many leading prompt tokens are
         already in the cache (a multiple of block_size, always fewer than the prompt: the last
-        token is computed to get its logits). Raises MemoryError when the pool is short (ask
-        `can_allocate` first) and ValueError for a known seq_id or an empty prompt."""
+        token is computed to get its logits). `lookup=False` takes no cached block (a request
+        that wants every prompt position's logits computes them all). Raises MemoryError when
+        the pool is short (ask `can_allocate` first) and ValueError for a known seq_id or an
+        empty prompt."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: an empty prompt needs no blocks")
-        hits = self._cached_prefix(token_ids, salt)
+        hits = self._cached_prefix(token_ids, salt) if lookup else []
         if not self._fits(len(token_ids), hits):
             raise MemoryError(
                 f"sequence {seq_id} needs {self.blocks_for(len(token_ids))} blocks, "
@@ -123,7 +131,7 @@ class BlockManager:
         self._seqs[seq_id] = _SeqBlocks(
             list(token_ids), blocks, salt, [self._key_of[b] for b in hits]
         )
-        if self.prefix_caching:
+        if self.prefix_caching and lookup:
             self.stats.queried_tokens += len(token_ids)
             self.stats.hit_tokens += cached
         return cached

@@ -3,6 +3,11 @@
 One dedicated thread runs the model; the server's event loop only submits requests and reads
 token events. Requests and cancellations reach the thread through a queue; events go back to
 each request's asyncio queue with one `call_soon_threadsafe` per request per step.
+
+Two kinds of backend: a paged one (`PagedBackend`, capacity.block_size set) runs packed steps
+that the `PagedScheduler` plans over its block pool (chunked prefill, preemption, prefix
+caching); a slot one (`Backend`: the static devices and the generic transformers path) runs
+prefill and decode steps that the `Scheduler` plans over worst-case reservations.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tgis.engine.backend import Backend, PrefillItem
+from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
+from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
 from tgis.engine.live import LiveSequence, RequestHandle
-from tgis.engine.sampling import SamplingBatch
+from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
+from tgis.engine.sampling import SampleOutput, SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
@@ -34,16 +41,24 @@ class Engine:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | PagedBackend,
         tokenizer: Any,
         limits: SchedulerLimits,
         max_concurrent_requests: int,
         eos_token_ids: Sequence[int],
         observer: EngineObserver | None = None,
+        prefix_caching: bool = False,
     ) -> None:
+        """prefix_caching: share the KV blocks of common prompt prefixes (paged backends)."""
         self.backend = backend
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(limits)
+        capacity = backend.capacity
+        self.scheduler: Scheduler | PagedScheduler
+        if capacity.block_size is not None:
+            blocks = BlockManager(capacity.num_blocks, capacity.block_size, prefix_caching)
+            self.scheduler = PagedScheduler(limits, blocks)
+        else:
+            self.scheduler = Scheduler(limits)
         self.max_concurrent_requests = max_concurrent_requests
         self.eos_token_ids = tuple(eos_token_ids)
         # Computed once: every sequence checks its tokens against it.
@@ -151,6 +166,9 @@ class Engine:
                 max_new,
                 request.arrival,
                 index,
+                token_ids=list(request.input_ids),
+                # Every prompt position's logits are computed: none may come from the cache.
+                cache_lookup=not request.params.decoder_input_details,
             )
             live = LiveSequence(seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids)
             self._live[seq.seq_id] = live
@@ -167,17 +185,20 @@ class Engine:
     def _drop(self, live: LiveSequence) -> None:
         """Forget a sequence (cancelled or failed), freeing its slot if it had one."""
         seq = live.seq
-        if seq.status is SeqStatus.RUNNING:
-            self.backend.release(seq.seq_id)
+        if seq.status is SeqStatus.RUNNING and isinstance(self.scheduler, Scheduler):
+            self.backend.release(seq.seq_id)  # type: ignore[union-attr]
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         self._live.pop(seq.seq_id, None)
 
-    def _run_step(self, step: Step) -> None:
+    def _run_step(self, step: Step | PackedStep) -> None:
         lives = [self._live[s.seq_id] for s in step.sequences]
         method = step.kind.value
         joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
         start = time.perf_counter()
+        if isinstance(step, PackedStep):
+            self._run_packed_step(step, lives, joined, start)
+            return
         try:
             if step.kind is StepKind.PREFILL:
                 for live in lives:
@@ -198,19 +219,71 @@ class Engine:
             forward = time.perf_counter() - start
             choice = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).choose(logits)
         except Exception as exc:
-            log.exception("%s step failed for %d sequences", method, len(lives))
-            if self.observer:
-                self.observer.on_step_failure(method, "oom" if _is_oom(exc) else "error")
-            error = GenerationError(f"{type(exc).__name__}: {exc}")
-            for live in lives:
-                live.handle.post([error])
-                self._drop(live)
+            self._fail_step(method, lives, exc)
             return
-        touched: dict[int, RequestHandle] = {}
-        now = time.monotonic()
         for i, live in enumerate(lives):
             if prompt_logits and prompt_logits[i] is not None:
                 live.record_prefill(prompt_logits[i])
+        self._emit(lives, choice, method, tokens, start, forward, joined)
+
+    def _run_packed_step(
+        self, step: PackedStep, lives: list[LiveSequence], joined: bool, start: float
+    ) -> None:
+        """One packed forward; the chunks that end at their last known token sample."""
+        assert isinstance(self.scheduler, PagedScheduler)
+        backend: PagedBackend = self.backend  # type: ignore[assignment]
+        now = time.monotonic()
+        items = []
+        for chunk, live in zip(step.chunks, lives, strict=True):
+            if not live.started:
+                live.begin(start_time=now)
+            wants = live.wants_prompt_logprobs and not live.prefill
+            items.append(
+                PackedItem(
+                    chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
+                    chunk.sample, wants,
+                )
+            )  # fmt: skip
+        sampled = [live for live, chunk in zip(lives, step.chunks, strict=True) if chunk.sample]
+        try:
+            out = backend.forward(items)
+            forward = time.perf_counter() - start
+            for live, item, part in zip(lives, items, out.prompt, strict=True):
+                if part is not None:
+                    live.add_prompt_logits(item.start, part)
+            choice = SamplingBatch([lv.row for lv in sampled], self.eos_token_ids).choose(out.last)
+            self.scheduler.complete(step)
+            for live in sampled:
+                live.record_prompt_parts()
+        except Exception as exc:
+            self._fail_step(step.kind.value, lives, exc)
+            return
+        self._emit(sampled, choice, step.kind.value, step.tokens, start, forward, joined)
+
+    def _fail_step(self, method: str, lives: list[LiveSequence], exc: Exception) -> None:
+        """The step's forward or sampling raised: its requests fail, the engine serves on."""
+        log.exception("%s step failed for %d sequences", method, len(lives))
+        if self.observer:
+            self.observer.on_step_failure(method, "oom" if _is_oom(exc) else "error")
+        error = GenerationError(f"{type(exc).__name__}: {exc}")
+        for live in lives:
+            live.handle.post([error])
+            self._drop(live)
+
+    def _emit(
+        self,
+        lives: list[LiveSequence],
+        choice: SampleOutput,
+        method: str,
+        tokens: int,
+        start: float,
+        forward: float,
+        joined: bool,
+    ) -> None:
+        """Turn each row's sampled token into an event, finish the completed, report."""
+        touched: dict[int, RequestHandle] = {}
+        now = time.monotonic()
+        for i, live in enumerate(lives):
             event = live.push(choice, i, now)
             live.handle.pending.append(event)
             touched[id(live.handle)] = live.handle
@@ -229,9 +302,20 @@ class Engine:
                 sum(s.total_tokens for s in running),
                 max((s.remaining_tokens for s in running), default=0),
             )
+            if isinstance(self.scheduler, PagedScheduler):
+                blocks = self.scheduler.blocks
+                self.observer.on_kv_state(
+                    blocks.used_blocks,
+                    blocks.num_blocks,
+                    blocks.stats.queried_tokens,
+                    blocks.stats.hit_tokens,
+                    blocks.stats.evicted_blocks,
+                    self.scheduler.preemptions,
+                )
 
     def _finish(self, live: LiveSequence) -> None:
-        self.backend.release(live.seq.seq_id)
+        if isinstance(self.scheduler, Scheduler):
+            self.backend.release(live.seq.seq_id)  # type: ignore[union-attr]
         self.scheduler.finish(live.seq)
         self._live.pop(live.seq.seq_id, None)
 

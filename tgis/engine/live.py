@@ -89,6 +89,8 @@ class LiveSequence:
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[tuple[TokenInfo, ...]] = []
         self.prefill: tuple[TokenInfo, ...] = ()
+        # Prompt logits of a chunked prefill so far (paged backends), in position order.
+        self.prompt_parts: list[torch.Tensor] = []
         self.started = 0.0
         self.first_token_at: float | None = None
         self.finish_reason = None
@@ -102,6 +104,21 @@ class LiveSequence:
         self.started = start_time
         self.seq.started = start_time
         self.text.start(start_time)
+
+    def add_prompt_logits(self, start: int, logits: torch.Tensor) -> None:
+        """Logits of prompt positions start.. from one prefill chunk; a chunk at 0 begins anew
+        (the sequence was preempted and is recomputed)."""
+        if start == 0:
+            self.prompt_parts.clear()
+        self.prompt_parts.append(logits)
+
+    def record_prompt_parts(self) -> None:
+        """The prefill is complete: record the chunks' logits (see `record_prefill`)."""
+        if self.prompt_parts:
+            import torch
+
+            self.record_prefill(torch.cat(self.prompt_parts))
+            self.prompt_parts.clear()
 
     def record_prefill(self, logits: torch.Tensor) -> None:
         """Prompt tokens with the logprob the model gave each ([len, vocab] logits)."""
@@ -120,6 +137,7 @@ class LiveSequence:
         token_id = choice.token_ids[row]
         pushed = self.text.push(token_id, now)
         self.seq.generated += 1
+        self.seq.token_ids.append(token_id)
         self.last_token = token_id
         if self.first_token_at is None:
             self.first_token_at = now

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -16,8 +16,11 @@ class SeqStatus(Enum):
 class Sequence:
     """One sequence the scheduler places: a request, or one of a best_of request's candidates.
 
-    The KV reservation is the worst case (prompt + max_new_tokens), taken at admission and
-    held until the sequence leaves, so the running batch can never outgrow the KV budget.
+    With a slot cache (`Scheduler`) the KV reservation is the worst case (prompt +
+    max_new_tokens), taken at admission and held until the sequence leaves. With a paged cache
+    (`PagedScheduler`) a sequence holds the blocks its tokens fill: `token_ids` are the prompt
+    and every token generated so far, `computed` how many of them have their K/V in the cache
+    (back to 0 when the sequence is preempted and will be recomputed).
     """
 
     seq_id: int
@@ -30,6 +33,12 @@ class Sequence:
     generated: int = 0
     # time.monotonic() when the sequence was first scheduled (end of its queue time).
     started: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    # Prefix-cache key seed: sequences with different salts never share blocks.
+    salt: bytes = b""
+    # False: never take cached blocks (the prompt's logits are wanted at every position).
+    cache_lookup: bool = True
 
     @property
     def reserved_tokens(self) -> int:
@@ -40,6 +49,11 @@ class Sequence:
     def total_tokens(self) -> int:
         """KV tokens it occupies now."""
         return self.prompt_len + self.generated
+
+    @property
+    def uncomputed(self) -> int:
+        """Known tokens whose K/V is not in the cache yet (paged: what the next chunk runs)."""
+        return len(self.token_ids) - self.computed
 
     @property
     def remaining_tokens(self) -> int:

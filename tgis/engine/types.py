@@ -125,6 +125,19 @@ class EngineObserver(Protocol):
         """The queue and batch after a step: waiting requests, running sequences, tokens held
         by the running batch, most tokens any running sequence may still generate."""
 
+    def on_kv_state(
+        self,
+        used_blocks: int,
+        num_blocks: int,
+        queried_tokens: int,
+        hit_tokens: int,
+        evicted_blocks: int,
+        preemptions: int,
+    ) -> None:
+        """A paged KV pool after a step: blocks in use of all; since start, prompt tokens
+        looked up in the prefix cache and found there, cached blocks evicted, sequences
+        preempted (running totals)."""
+
 
 class EngineClient(Protocol):
     """What the HTTP layer needs of the engine."""

@@ -8,6 +8,7 @@ buckets are TGIS's too: durations grow by 1.5x from 0.15 ms, token counts follow
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -154,8 +155,21 @@ class Metrics:
             "tgi_batch_input_tokens": "Tokens held by the current batch, including padding",
             "tgi_batch_max_remaining_tokens": "Most tokens a sequence of the batch may still generate",
             "tgi_queue_size": "Current number of queued requests",
+            "tgis_kv_cache_usage": "Share of the paged KV cache's blocks in use (0..1)",
         }
         self.gauges = {name: Gauge(name, doc, registry=r) for name, doc in gauges.items()}
+        kv_counters = {
+            "tgis_prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache",
+            "tgis_prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not "
+            "prefilled again)",
+            "tgis_prefix_cache_evicted_blocks": "Cached KV blocks evicted to make room",
+            "tgis_preemptions": "Sequences preempted when the KV cache ran out, to be recomputed",
+        }
+        self.kv_counters = {
+            name: Counter(name, doc, registry=r) for name, doc in kv_counters.items()
+        }
+        self._kv_totals: dict[str, int] = {}
+        self._kv_lock = threading.Lock()
         self.tokenize_request_count = Counter(
             "tgi_tokenize_request_count", "Count of tokenize requests", registry=r
         )
@@ -241,6 +255,30 @@ class Metrics:
         self.gauges["tgi_batch_current_size"].set(running)
         self.gauges["tgi_batch_input_tokens"].set(input_tokens)
         self.gauges["tgi_batch_max_remaining_tokens"].set(max_remaining)
+
+    def on_kv_state(
+        self,
+        used_blocks: int,
+        num_blocks: int,
+        queried_tokens: int,
+        hit_tokens: int,
+        evicted_blocks: int,
+        preemptions: int,
+    ) -> None:
+        """A paged KV pool after a step; the running totals become counter increments."""
+        self.gauges["tgis_kv_cache_usage"].set(used_blocks / num_blocks if num_blocks else 0.0)
+        totals = {
+            "tgis_prefix_cache_queried_tokens": queried_tokens,
+            "tgis_prefix_cache_hit_tokens": hit_tokens,
+            "tgis_prefix_cache_evicted_blocks": evicted_blocks,
+            "tgis_preemptions": preemptions,
+        }
+        with self._kv_lock:
+            for name, total in totals.items():
+                delta = total - self._kv_totals.get(name, 0)
+                if delta > 0:
+                    self.kv_counters[name].inc(delta)
+                self._kv_totals[name] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4) of every metric."""

@@ -1,0 +1,62 @@
+"""A greedy generation loop over a paged backend and the engine's pure-Python scheduler: the
+engine's step cycle without its threads and text, to test backends on exact token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tgis.engine.backend import PackedItem, PagedBackend
+from tgis.engine.block_manager import BlockManager
+from tgis.engine.paged_scheduler import PagedScheduler
+from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.sequence import Sequence as SchedSeq
+
+
+def scheduler_for(
+    backend: PagedBackend,
+    prefill_tokens: int = 512,
+    prefix_caching: bool = False,
+    max_batch: int | None = None,
+) -> PagedScheduler:
+    cap = backend.capacity
+    assert cap.block_size is not None
+    limits = SchedulerLimits(
+        max_batch_prefill_tokens=prefill_tokens,
+        max_batch_total_tokens=cap.kv_tokens,
+        max_sequences=max_batch or cap.max_sequences,
+        prefill_step_tokens=cap.prefill_step_tokens,
+    )
+    return PagedScheduler(limits, BlockManager(cap.num_blocks, cap.block_size, prefix_caching))
+
+
+def greedy(
+    backend: PagedBackend,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    scheduler: PagedScheduler | None = None,
+) -> list[list[int]]:
+    """Greedy tokens after each prompt, all requests submitted at once."""
+    sched = scheduler or scheduler_for(backend)
+    seqs = [
+        SchedSeq(i, f"r{i}", len(p), new_tokens, token_ids=list(p)) for i, p in enumerate(prompts)
+    ]
+    sched.add(seqs)
+    steps = 0
+    while sched.has_work:
+        step = sched.schedule()
+        assert step is not None and steps < 10_000
+        steps += 1
+        out = backend.forward(
+            [
+                PackedItem(c.seq.seq_id, c.token_ids, c.start, c.block_table, c.sample)
+                for c in step.chunks
+            ]
+        )
+        sched.complete(step)
+        sampled = [c.seq for c in step.chunks if c.sample]
+        for seq, token in zip(sampled, out.last.argmax(-1).tolist(), strict=True):
+            seq.token_ids.append(token)
+            seq.generated += 1
+            if seq.generated == new_tokens:
+                sched.finish(seq)
+    return [s.token_ids[s.prompt_len :] for s in seqs]

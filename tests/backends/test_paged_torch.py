@@ -1,0 +1,159 @@
+"""tgis.backends.paged_torch: packed steps over a paged pool equal HF's forward and generate,
+alone, in batches, chunked, preempted and with prefix-cache hits. Every test builds its own
+model: the backend takes the model's weights (fused views), so none is shared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
+from tests.backends.paged_driver import greedy, scheduler_for
+from tests.backends.test_llama_native import CONTINUATION, build, hf_logits
+from tests.factories import tiny_model
+from tgis.backends.paged_torch import PagedTorchBackend
+from tgis.engine.backend import PackedItem, Shape
+from tgis.errors import ConfigError
+
+NEW = 6
+
+
+def paged(
+    model: PreTrainedModel,
+    blocks: int = 32,
+    block_size: int = 4,
+    max_sequences: int = 16,
+    max_sequence_tokens: int = 64,
+    prefill: int = 64,
+) -> PagedTorchBackend:
+    return PagedTorchBackend(
+        model,
+        max_sequences=max_sequences,
+        max_sequence_tokens=max_sequence_tokens,
+        max_prefill_tokens=prefill,
+        kv_tokens=blocks * block_size,
+        block_size=block_size,
+    )
+
+
+def fresh(variant: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    arch, fields = VARIANTS[variant]
+    return tiny_model(arch, seed=seed, **{**fields, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "llama3-rope", "mistral", "qwen2-untied-biases"])
+def test_prompt_and_decode_logits_equal_hf(case: str) -> None:
+    """Prompts of three lengths prefilled in one packed step (every position's logits), then
+    decoded together: each row equals HF's full forward over the same tokens."""
+    model = build(case)
+    expected = [hf_logits(model, p + CONTINUATION) for p in PROMPTS]
+    backend = paged(model)
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    out = backend.forward(
+        [PackedItem(i, p, 0, tables[i], prompt_logits=True) for i, p in enumerate(PROMPTS)]
+    )
+    for i, prompt in enumerate(PROMPTS):
+        assert out.prompt[i] is not None
+        torch.testing.assert_close(out.prompt[i], expected[i][: len(prompt)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.last[i], expected[i][len(prompt) - 1], atol=1e-4, rtol=0)
+    for step, token in enumerate(CONTINUATION[:-1]):
+        out = backend.forward(
+            [PackedItem(i, (token,), len(p) + step, tables[i]) for i, p in enumerate(PROMPTS)]
+        )
+        for i, prompt in enumerate(PROMPTS):
+            torch.testing.assert_close(
+                out.last[i], expected[i][len(prompt) + step], atol=1e-4, rtol=0
+            )
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])
+def test_greedy_tokens_equal_generate_alone_and_batched(variant: str) -> None:
+    model = fresh(variant)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = paged(model)
+    assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(backend, PROMPTS, NEW) == reference
+
+
+def test_sliding_window_over_blocks_and_chunks() -> None:
+    """mistral with a 6-token window, block size 4, prompts chunked by 5 tokens."""
+    model = fresh("mistral", seed=2, sliding_window=6)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = paged(model)
+    assert greedy(backend, PROMPTS, NEW, scheduler_for(backend, prefill_tokens=5)) == reference
+
+
+def test_chunked_prefill_and_preemption_change_no_token() -> None:
+    """A pool of 7 blocks of 4 for three sequences of up to 19 tokens: prompts are chunked
+    by 3 tokens, sequences are preempted and recomputed, the tokens stay those of generate."""
+    model = fresh("llama", seed=4)
+    prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
+    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    backend = paged(model, blocks=7, max_sequence_tokens=24)
+    sched = scheduler_for(backend, prefill_tokens=3)
+    assert greedy(backend, prompts, NEW, sched) == reference
+    assert sched.preemptions > 0
+    assert sched.blocks.free_blocks == 7
+
+
+def test_prefix_cache_hits_change_no_token() -> None:
+    model = fresh("qwen2", seed=5)
+    shared = tuple(range(40, 52))  # 3 blocks of 4
+    prompts = [(*shared, 9, 10), (*shared, 99), (*shared, 5, 6, 7, 8)]
+    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    backend = paged(model)
+    sched = scheduler_for(backend, prefix_caching=True)
+    assert greedy(backend, prompts[:1], NEW, sched) == reference[:1]
+    assert greedy(backend, prompts[1:], NEW, sched) == reference[1:]
+    assert sched.blocks.stats.hit_tokens == 24  # 12 prompt tokens found, twice
+
+
+def test_bf16_logits_close_to_float32() -> None:
+    model = build("llama-tied")
+    expected = hf_logits(model, PROMPTS[0])
+    backend = paged(model.to(torch.bfloat16))
+    out = backend.forward([PackedItem(0, PROMPTS[0], 0, tuple(range(4)), prompt_logits=True)])
+    assert out.prompt[0] is not None and out.prompt[0].dtype == torch.float32
+    torch.testing.assert_close(out.prompt[0], expected, atol=0.05, rtol=0)
+
+
+def test_bad_items_are_refused_before_any_write() -> None:
+    backend = paged(fresh(), blocks=4, max_sequence_tokens=16)
+    before = [k.clone() for k in backend.path.pool.keys]
+    cases = [
+        (PackedItem(0, (1, 2), 15, (0, 1, 2, 3)), "positions 15..16 outside 0..15"),
+        (PackedItem(0, (1,) * 9, 0, (0, 1)), "2 blocks of 4 cannot hold 9 positions"),
+        (PackedItem(0, (1, 2), 0, (7,)), r"block ids outside \[0, 4\)"),
+        (PackedItem(0, (1, 999), 0, (0,)), r"token ids outside \[0, 256\)"),
+    ]
+    for item, message in cases:
+        with pytest.raises(ValueError, match=message):
+            backend.forward([PackedItem(1, (5,), 0, (3,)), item])
+    assert all(torch.equal(a, b) for a, b in zip(before, backend.path.pool.keys, strict=True))
+
+
+def test_pool_size_from_the_budget_and_from_memory() -> None:
+    backend = paged(fresh(), blocks=7, block_size=4, max_sequence_tokens=28)
+    cap = backend.capacity
+    assert (cap.block_size, cap.num_blocks, cap.kv_tokens) == (4, 7, 28)
+    # From memory on CPU: never more than max_sequences x max_sequence_tokens, whole blocks.
+    sized = PagedTorchBackend(
+        fresh(), max_sequences=3, max_sequence_tokens=30, max_prefill_tokens=30, block_size=8
+    )
+    assert sized.capacity.kv_tokens == 96
+    with pytest.raises(ConfigError, match="cannot hold one sequence of 64 tokens"):
+        paged(fresh(), blocks=3, block_size=4)
+
+
+def test_warmup_plan_follows_the_budgets() -> None:
+    backend = paged(fresh(), blocks=32, block_size=4, max_sequences=16, prefill=20)
+    plan = backend.warmup_plan(max_batch_size=16, max_input_tokens=50)
+    # the largest chunk the scheduler sends (prefill budget 20), then decode buckets up to
+    # what the pool holds at 3 blocks per warmup sequence (10)
+    assert plan == [
+        Shape("prefill", 1, 20),
+        *(Shape("decode", n, 1) for n in (1, 2, 4, 8, 10)),
+    ]
+    timings = backend.warmup(16, 50)
+    assert [t.shape for t in timings] == plan

@@ -1,0 +1,93 @@
+"""The llama-family forward (llama, mistral, qwen2) over packed tokens and a paged KV pool.
+
+One call runs any mix of prefill chunks and decodes: the step's tokens back to back
+([tokens, hidden], no padding), each with its own position; every layer writes the new keys
+and values at their slots of the pool and attends through `paged_attention.attend` with the
+step's metadata (flash attention on CUDA, plain torch elsewhere). Weights and rope tables come
+from `LlamaWeights` (fused QKV, Llama 3 / linear / yarn rope scaling, tied embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from tgis.backends.llama_native import LlamaWeights
+from tgis.backends.paged_attention import StepMetadata, attend, write_kv
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """Per layer one key and one value tensor [num_blocks, block_size, kv_heads, head_dim],
+    allocated once (zeroed: padded reads of the plain-torch path must stay finite)."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVPool:
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            tuple(make() for _ in range(num_layers)), tuple(make() for _ in range(num_layers))
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[1]
+
+
+class PagedLlamaForward(LlamaWeights):
+    """`forward` over a `KVPool`; see the module docstring."""
+
+    name = "paged"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pool: KVPool,
+        max_positions: int,
+        fuse_gate_up: bool | None = None,
+        transposed: bool | None = None,
+    ) -> None:
+        super().__init__(model, pool.keys[0].device, max_positions, fuse_gate_up, transposed)
+        self.pool = pool
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: StepMetadata,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids / positions [tokens] (long, on the device) -> float32 logits of the
+        token rows `logits_rows` [m] -> [m, vocab]."""
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)  # [tokens, hidden]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            keys, values = self.pool.keys[index], self.pool.values[index]
+            write_kv(keys, values, k, v, meta.slot_mapping)
+            out = attend(q, keys, values, meta, self.scaling, layer.window)
+            x = self._finish(layer, x, out.view(x.shape[0], -1))
+        return self._logits(x[logits_rows])

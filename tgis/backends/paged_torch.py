@@ -1,0 +1,319 @@
+"""The cpu / cuda backend for llama-family models: packed steps over a paged KV pool.
+
+Implements `PagedBackend`: it holds the model (`PagedLlamaForward`) and the pool, and keeps no
+per-sequence state. Each `forward` gets the step's chunks with their block tables (the
+engine's `PagedScheduler` owns them), packs the tokens, builds the attention metadata once and
+runs one forward for prefill chunks and decodes together.
+
+The pool's size is `kv_tokens` when given (`--max-batch-total-tokens`); otherwise it is what
+memory holds: on CUDA the share `--cuda-memory-fraction` allows of the device, less the weights
+and the measured peak of a forward at the largest prefill chunk (a profiling run, as TGI and
+vLLM do); on CPU half the available memory, capped at what `max_sequences` sequences of
+`max_sequence_tokens` could ever fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from tgis.backends.buckets import powers_of_two
+from tgis.backends.compile_watch import run_plan
+from tgis.backends.llama_native import native_kv_shape
+from tgis.backends.paged_attention import step_metadata
+from tgis.backends.paged_llama import KVPool, PagedLlamaForward
+from tgis.backends.slot_cache import kv_bytes_per_token
+from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
+from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Tokens per KV block. PyTorch's flash attention reads a paged cache in pages of 256 tokens;
+# the plain-torch path gathers any size, and small blocks share prompt prefixes more finely.
+BLOCK_SIZE = {"cuda": 256, "cpu": 16}
+# Tokens one CPU step prefills at most: a CPU prefill is compute-bound from a few hundred
+# tokens on, so larger chunks only delay the decodes sharing the step.
+CPU_PREFILL_STEP_TOKENS = 512
+# Prompt length of the short sequences warmup decodes with.
+WARMUP_PROMPT = 8
+
+
+class PagedTorchBackend:
+    """A llama-family causal LM on a torch CPU or CUDA device (implements `PagedBackend`)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_sequences: int,
+        max_sequence_tokens: int,
+        max_prefill_tokens: int,
+        kv_tokens: int | None = None,
+        block_size: int | None = None,
+        memory_fraction: float | None = None,
+    ) -> None:
+        """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
+        allocate the pool. max_sequences: the most sequences one step holds (the batch);
+        max_sequence_tokens: prompt + generated tokens of one sequence (rope tables);
+        max_prefill_tokens: the largest prefill chunk (profiling and warmup)."""
+        if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
+            raise ValueError(
+                "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
+            )
+        self.model = model.eval()
+        self.device_obj = next(model.parameters()).device
+        self.device = str(self.device_obj)
+        self.name = self.device_obj.type
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_sequence_tokens = max_sequence_tokens
+        cpu = self.name == "cpu"
+        self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
+        self.block_size = block_size or BLOCK_SIZE.get(self.name, 16)
+        shape = native_kv_shape(model)
+        self.kv_shape = shape
+        per_token = kv_bytes_per_token(
+            shape.num_layers, shape.num_heads, shape.head_dim, self.dtype
+        )
+        # Rope tables and weights first: the pool takes what memory is left.
+        probe = KVPool.allocate(
+            shape.num_layers, 1, self.block_size, shape.num_heads, shape.head_dim, self.dtype,
+            self.device_obj,
+        )  # fmt: skip
+        with torch.inference_mode():
+            self.path = PagedLlamaForward(model, probe, max_sequence_tokens)
+        num_blocks = self._size_pool(
+            kv_tokens, per_token, max_sequences * max_sequence_tokens, memory_fraction
+        )
+        with torch.inference_mode():
+            self.path.pool = KVPool.allocate(
+                shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
+                self.dtype, self.device_obj,
+            )  # fmt: skip
+        self._capacity = BackendCapacity(
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            kv_tokens=num_blocks * self.block_size,
+            kv_bytes_per_token=per_token,
+            prefill_step_tokens=self.prefill_chunk if cpu else None,
+            kv_budget_tokens=self._memory_tokens,
+            block_size=self.block_size,
+        )
+        logger.info(
+            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
+            self.device,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            per_token,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: str | None = None,
+        *,
+        max_sequences: int,
+        max_sequence_tokens: int,
+        max_prefill_tokens: int,
+        kv_tokens: int | None = None,
+        memory_fraction: float | None = None,
+        num_threads: int | None = None,
+    ) -> PagedTorchBackend:
+        """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1")."""
+        model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
+        return cls(
+            model,
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            max_prefill_tokens=max_prefill_tokens,
+            kv_tokens=kv_tokens,
+            memory_fraction=memory_fraction,
+        )
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return self._capacity
+
+    # --- the pool's size ---------------------------------------------------------------------
+
+    def _size_pool(
+        self, kv_tokens: int | None, per_token: int, most: int, fraction: float | None
+    ) -> int:
+        """Blocks of the pool: `kv_tokens` when given, else what memory holds (module doc)."""
+        self._memory_tokens: int | None = None
+        if kv_tokens is not None:
+            source = f"--max-batch-total-tokens {kv_tokens}"
+            budget = kv_tokens
+        elif self.name == "cuda":
+            fraction = KV_MEMORY_FRACTION["cuda"] if fraction is None else fraction
+            free = self._cuda_free_after_peak(fraction)
+            source = f"{fraction:.0%} of the GPU less weights and the prefill peak"
+            budget = free // per_token
+        else:
+            fraction = KV_MEMORY_FRACTION.get(self.name, 0.5) if fraction is None else fraction
+            free = available_memory(self.device_obj)
+            source = f"{fraction:.0%} of {free / 2**30:.1f} GiB available"
+            # Never more than the sequences could fill (whole blocks each).
+            whole = -(-most // self.block_size) * self.block_size
+            self._memory_tokens = int(free * fraction) // per_token
+            budget = min(self._memory_tokens, whole)
+        blocks = budget // self.block_size
+        if blocks * self.block_size < self.max_sequence_tokens:
+            raise ConfigError(
+                f"the KV cache ({source}: {budget} tokens at {per_token} bytes each) cannot "
+                f"hold one sequence of {self.max_sequence_tokens} tokens",
+                "lower --max-total-tokens, raise --max-batch-total-tokens or free memory",
+            )
+        return blocks
+
+    def _cuda_free_after_peak(self, fraction: float) -> int:
+        """Bytes of the device the pool may take: `fraction` of its memory, less what the
+        process holds now (weights) and the peak of one forward over the largest chunk."""
+        torch.cuda.synchronize(self.device_obj)
+        torch.cuda.reset_peak_memory_stats(self.device_obj)
+        tokens = self.prefill_chunk
+        item = PackedItem(-1, tuple(i % self.vocab_size for i in range(tokens)), 0, (0,) * -(
+            -tokens // self.block_size
+        ))  # fmt: skip
+        saved = self.path.pool
+        self.path.pool = KVPool.allocate(
+            self.kv_shape.num_layers, len(item.block_table), self.block_size,
+            self.kv_shape.num_heads, self.kv_shape.head_dim, self.dtype, self.device_obj,
+        )  # fmt: skip
+        try:
+            self.forward([item])
+            torch.cuda.synchronize(self.device_obj)
+            peak = torch.cuda.max_memory_allocated(self.device_obj)
+        finally:
+            self.path.pool = saved
+            torch.cuda.empty_cache()
+        _free, total = torch.cuda.mem_get_info(self.device_obj)
+        return max(0, int(total * fraction) - peak)
+
+    # --- steps -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """Run one packed step. Raises ValueError (before any write) for token ids outside the
+        vocabulary, positions beyond max_sequence_tokens or block tables too short."""
+        if not items:
+            return PackedOutput(torch.empty((0, self.vocab_size), device=self.device_obj), ())
+        self._check(items)
+        query_lens = [len(item.token_ids) for item in items]
+        kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
+        windows = self.path.windows
+        meta = step_metadata(
+            query_lens,
+            kv_lens,
+            [item.block_table for item in items],
+            self.block_size,
+            self.device_obj,
+            windows,
+        )
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for item, n in zip(items, query_lens, strict=True):
+            offset = len(ids)
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + n))
+            if item.prompt_logits:
+                rows.extend(range(offset, offset + n))
+            elif item.sample:
+                rows.append(offset + n - 1)
+        device = self.device_obj
+        logits = self.path.forward(
+            torch.tensor(ids).to(device, non_blocking=True),
+            torch.tensor(positions).to(device, non_blocking=True),
+            meta,
+            torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+        )
+        last: list[int] = []
+        prompt: list[torch.Tensor | None] = []
+        row = 0
+        for item, n in zip(items, query_lens, strict=True):
+            taken = n if item.prompt_logits else int(item.sample)
+            if item.sample:
+                last.append(row + taken - 1)
+            prompt.append(logits[row : row + n] if item.prompt_logits else None)
+            row += taken
+        chosen = logits[torch.tensor(last, device=device)] if last else logits[:0]
+        return PackedOutput(chosen, tuple(prompt))
+
+    def _check(self, items: Sequence[PackedItem]) -> None:
+        limit, size = self.max_sequence_tokens, self.block_size
+        blocks = self._capacity.num_blocks
+        for item in items:
+            end = item.start + len(item.token_ids)
+            if not item.token_ids or item.start < 0 or end > limit:
+                raise ValueError(
+                    f"sequence {item.seq_id}: positions {item.start}..{end - 1} outside "
+                    f"0..{limit - 1} (max_sequence_tokens)"
+                )
+            if len(item.block_table) * size < end:
+                raise ValueError(
+                    f"sequence {item.seq_id}: {len(item.block_table)} blocks of {size} "
+                    f"cannot hold {end} positions"
+                )
+            if min(item.block_table) < 0 or max(item.block_table) >= blocks:
+                raise ValueError(f"sequence {item.seq_id}: block ids outside [0, {blocks})")
+            if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+                raise ValueError(
+                    f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
+                )
+
+    # --- warmup ------------------------------------------------------------------------------
+
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        """The shapes the scheduler can send: the largest prefill chunk it allows (the
+        longest prompt, capped by the chunk budget), then a decode step per power-of-two
+        batch size up to the largest batch the pool holds."""
+        longest = max(1, min(max_input_tokens, self.prefill_chunk, self.max_sequence_tokens - 1))
+        per_seq = -(-(WARMUP_PROMPT + 1) // self.block_size)
+        rows = max(1, min(max_batch_size, self._capacity.max_sequences))
+        rows = min(rows, max(1, self._capacity.num_blocks // per_seq))
+        plan = [Shape("prefill", 1, longest)]
+        return plan + [Shape("decode", n, 1) for n in powers_of_two(1, rows)]
+
+    def run_shape(self, shape: Shape) -> ShapeTiming:
+        """Run one step of `shape` on dummy tokens in blocks of the pool (serving has not
+        started: nothing else owns them)."""
+        per_seq = -(-max(shape.length, WARMUP_PROMPT + 1) // self.block_size)
+        blocks = iter(range(self._capacity.num_blocks))
+        tables = [tuple(next(blocks) for _ in range(per_seq)) for _ in range(shape.rows)]
+
+        def tokens(n: int) -> tuple[int, ...]:
+            return tuple(j % self.vocab_size for j in range(n))
+
+        if shape.phase == "prefill":
+            items = [PackedItem(-1 - i, tokens(shape.length), 0, t) for i, t in enumerate(tables)]
+        else:
+            items = [
+                PackedItem(-1 - i, (1 % self.vocab_size,), WARMUP_PROMPT, t)
+                for i, t in enumerate(tables)
+            ]
+        start = time.perf_counter()
+        out = self.forward(items)
+        out.last.sum().item()  # wait for the device
+        return ShapeTiming(shape, time.perf_counter() - start, 0)
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        """Run the plan once: pays the one-off costs (allocator growth, kernel selection,
+        thread pools) before serving."""
+        return run_plan(
+            self.warmup_plan(max_batch_size, max_input_tokens), self.run_shape, on_shape
+        )

@@ -1,0 +1,194 @@
+"""Continuous batching over a paged KV cache: packed steps, chunked prefill, preemption.
+
+Pure Python: no torch, no devices. The `BlockManager` it owns mirrors the backend's pool of
+KV blocks; the scheduler decides which tokens of which sequences one forward computes.
+
+Every sequence is a list of known tokens (`Sequence.token_ids`: the prompt, then each sampled
+token) of which the first `computed` have their K/V in the cache. A step is a list of chunks,
+one per sequence, each the next uncomputed tokens of that sequence; a chunk that reaches the
+last known token yields logits and a sampled token. So one packed forward mixes decodes (one
+token each) with prefill chunks of new prompts, of any lengths, without padding:
+
+1. Blocks for the tokens sampled last step: each running sequence gets a block when its new
+   token starts one. When the pool has none left, the newest running sequence is preempted: its
+   blocks go back, it returns to the head of the queue, and it is recomputed (prompt and the
+   tokens it has generated) when blocks are free again. Nothing is lost and nothing runs out of
+   memory; with prefix caching most of the recomputation is a cache hit.
+2. Every running sequence is scheduled: a decode (one token) always; a prompt still being
+   prefilled takes its next chunk from the step's prefill budget.
+3. Waiting sequences are admitted in order while the step has prefill budget, the batch has
+   room (`max_batch_size`) and the pool has blocks for the whole prompt (less the blocks the
+   prefix cache already holds) beyond the blocks the running decodes need next. The last one
+   admitted may get only a first chunk of its prompt; the rest follows in the next steps while
+   the others keep decoding.
+
+The prefill budget of a step is `max_batch_prefill_tokens`, capped by the backend's
+`prefill_step_tokens` where prefill is compute-bound. A request is refused at `add` only when
+it could never fit the pool even alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tgis.engine.block_manager import BlockManager
+from tgis.engine.scheduler import SchedulerLimits, StepKind
+from tgis.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens `start`..`start + count - 1` of `seq` computed in one step, with the sequence's
+    block table at that time. `sample`: the chunk ends at the last known token, so its logits
+    give the next token."""
+
+    seq: Sequence
+    start: int
+    count: int
+    block_table: tuple[int, ...]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.count == len(self.seq.token_ids)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self.seq.token_ids[self.start : self.start + self.count])
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """One packed forward. `kind` is PREFILL when any chunk is a prompt chunk (for metrics)."""
+
+    kind: StepKind
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def sequences(self) -> tuple[Sequence, ...]:
+        return tuple(c.seq for c in self.chunks)
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.count for c in self.chunks)
+
+
+class PagedScheduler:
+    """Decides the next packed step; the engine runs it, then reports back (`complete`,
+    `finish`). `limits.max_batch_total_tokens` is informational here: the pool is the limit."""
+
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.preemptions = 0
+        soft = limits.prefill_step_tokens
+        self.prefill_budget = min(limits.max_batch_prefill_tokens, soft or math.inf)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, sequences: Iterable[Sequence]) -> None:
+        """Queue sequences (a request's candidates together). Raises ValueError for one whose
+        prompt plus max_new_tokens exceeds the whole pool: it could never finish."""
+        sequences = list(sequences)
+        pool = self.blocks.num_blocks * self.blocks.block_size
+        for seq in sequences:
+            if not seq.token_ids:
+                raise ValueError(f"sequence {seq.seq_id} has no prompt tokens")
+            if seq.reserved_tokens > pool:
+                raise ValueError(
+                    f"sequence {seq.seq_id} ({seq.prompt_len} prompt + {seq.max_new_tokens} new "
+                    f"tokens) can never fit the KV cache of {pool} tokens "
+                    f"(max_batch_total_tokens)"
+                )
+        for seq in sequences:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
+
+    def schedule(self) -> PackedStep | None:
+        """The next step, or None when nothing can run."""
+        self._extend_blocks()
+        budget = self.prefill_budget
+        chunks: list[Chunk] = []
+        for seq in self.running:
+            need = seq.uncomputed
+            if need == 1:
+                chunks.append(self._chunk(seq, 1))
+            elif need > 1 and budget > 0:
+                take = int(min(need, budget))
+                budget -= take
+                chunks.append(self._chunk(seq, take))
+        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit:
+            seq = self.waiting[0]
+            reserve = self.blocks.blocks_to_append([s.seq_id for s in self.running])
+            if not self.blocks.can_allocate(
+                seq.token_ids, seq.salt, reserve=reserve, lookup=seq.cache_lookup
+            ):
+                break  # in order: a large request is not overtaken by smaller ones
+            self.waiting.popleft()
+            seq.computed = self.blocks.allocate(
+                seq.seq_id, seq.token_ids, seq.salt, lookup=seq.cache_lookup
+            )
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            take = int(min(seq.uncomputed, budget))
+            budget -= take
+            chunks.append(self._chunk(seq, take))
+        if not chunks:
+            return None
+        prefill = any(c.seq.computed < c.seq.prompt_len or c.count > 1 for c in chunks)
+        return PackedStep(StepKind.PREFILL if prefill else StepKind.DECODE, tuple(chunks))
+
+    def complete(self, step: PackedStep) -> None:
+        """The step's K/V are in the cache: advance each chunk's sequence (full blocks become
+        prefix-cache entries). Call before the sampled tokens are appended."""
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.computed = chunk.start + chunk.count
+            self.blocks.mark_computed(seq.seq_id, seq.computed)
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence left (finished, cancelled, failed): its blocks go back."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+
+    def _chunk(self, seq: Sequence, count: int) -> Chunk:
+        return Chunk(seq, seq.computed, count, tuple(self.blocks.block_table(seq.seq_id)))
+
+    def _extend_blocks(self) -> None:
+        """Give each running sequence slots for its sampled tokens, preempting the newest
+        sequences while the pool is short."""
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            known = self.blocks.num_tokens(seq.seq_id)
+            while known < len(seq.token_ids):
+                if self.blocks.can_append([seq.seq_id]):
+                    self.blocks.append(seq.seq_id, seq.token_ids[known])
+                    known += 1
+                    continue
+                self._preempt(self.running[-1])
+                if seq.status is not SeqStatus.RUNNING:
+                    return  # it was the newest: everything after it is gone too
+            index += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Send `seq` back to the head of the queue; it will be recomputed from its tokens."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
