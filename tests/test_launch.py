@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.factories import make_model_dir
 from tests.server.conftest import make_config
+from tgis.backends.paged_torch import PagedTorchBackend
+from tgis.backends.torch_dynamic import TorchDynamicBackend
 from tgis.config import GaudiSettings, check_kv_budget
 from tgis.engine.backend import BackendCapacity
 from tgis.errors import ConfigError
-from tgis.launch import scheduler_limits
+from tgis.launch import load_torch_backend, scheduler_limits
 
 CAPACITY = BackendCapacity(
     max_sequences=6, max_sequence_tokens=128, kv_tokens=768, kv_bytes_per_token=64,
@@ -42,3 +47,17 @@ def test_kv_budget_is_the_smaller_of_flag_and_capacity() -> None:
         "full-length request could never fit in the batch (lower --max-total-tokens to 100, or "
         "raise the KV cache (free device memory, or --max-batch-total-tokens) to at least 128)"
     )
+
+
+def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
+    tmp_path: Path,
+) -> None:
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
+    paged = load_torch_backend(make_config(max_batch_total_tokens=512), llama)
+    assert isinstance(paged, PagedTorchBackend) and paged.capacity.kv_tokens == 512
+    assert isinstance(load_torch_backend(make_config(), gpt2), TorchDynamicBackend)
+    # --compile compiles the slot engine's decode: the llama model runs there.
+    assert isinstance(load_torch_backend(make_config(compile=True), llama), TorchDynamicBackend)
+    with pytest.raises(ConfigError, match="--prefix-caching needs the paged engine"):
+        load_torch_backend(make_config(prefix_caching=True), gpt2)

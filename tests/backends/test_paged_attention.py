@@ -115,7 +115,9 @@ def test_step_attention_equals_the_reference(
 ) -> None:
     query, k_cache, v_cache, cu, used, table, *_ = packed_case(q_lens, k_lens, heads, kv_heads)
     tables = [[int(b) for b in row[: -(-k // BLOCK)]] for row, k in zip(table, k_lens, strict=True)]
-    meta = step_metadata(q_lens, k_lens, tables, BLOCK, torch.device("cpu"), windows)
+    meta = step_metadata(
+        q_lens, k_lens, tables, BLOCK, torch.device("cpu"), windows, k_cache.shape[0], kv_heads
+    )
     assert not meta.flash and meta.cu_seq_q.tolist() == cu.tolist()
     # the new tokens' slots: the last q positions of each sequence
     expected_slots = [
@@ -125,8 +127,10 @@ def test_step_attention_equals_the_reference(
     ]
     assert meta.slot_mapping.tolist() == expected_slots
     scale = HEAD_DIM**-0.5
+    # the plain-torch path keeps each KV head's pages together
+    k_heads, v_heads = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
     for window in windows:
-        out = attend(query, k_cache, v_cache, meta, scale, window)
+        out = attend(query, k_heads, v_heads, meta, scale, window)
         ref = paged_attention_reference(query, k_cache, v_cache, cu, used, table, scale, window)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
@@ -153,6 +157,17 @@ def test_write_kv_touches_only_its_slots() -> None:
     write_kv(k_cache, v_cache, key, key * 2, torch.tensor([5, 11]))
     assert k_cache.flatten(0, 1)[:, 0, 0].nonzero().flatten().tolist() == [5, 11]
     assert v_cache[2, 3, 0].tolist() == [2.0, 2.0]
+
+
+def test_write_kv_head_major_equals_pages_transposed() -> None:
+    pages = [torch.zeros(3, BLOCK, 2, 4) for _ in range(2)]
+    heads = [torch.zeros(2, 3, BLOCK, 4) for _ in range(2)]
+    key, value = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    slots = torch.tensor([1, 6, 11])
+    write_kv(*pages, key, value, slots)
+    write_kv(*heads, key, value, slots, heads_first=True)
+    for page, head in zip(pages, heads, strict=True):
+        assert torch.equal(page.permute(2, 0, 1, 3), head)
 
 
 def test_dispatch_uses_the_reference_off_cuda() -> None:

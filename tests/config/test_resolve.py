@@ -577,6 +577,25 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     )
 
 
+def test_paged_engine_options() -> None:
+    assert build(backend="cpu").prefix_caching is None  # on wherever the paged engine runs
+    assert build(backend="cpu", env={"PREFIX_CACHING": "false"}).prefix_caching is False
+    assert build(backend="cuda", prefix_caching=True).prefix_caching is True
+    assert "PREFIX_CACHING=true needs the paged KV cache of the cpu and cuda backends; " in (
+        error_of(env={"PREFIX_CACHING": "true"}, backend="gaudi")
+    )
+    assert build(backend="cuda", env={"CUDA_MEMORY_FRACTION": "0.5"}).cuda_memory_fraction == 0.5
+    assert "--cuda-memory-fraction 0.9 applies to the cuda backend, not cpu" in error_of(
+        backend="cpu", cuda_memory_fraction=0.9
+    )
+    assert "CUDA_MEMORY_FRACTION=1.5 must be in (0, 1]" in error_of(
+        backend="cuda", env={"CUDA_MEMORY_FRACTION": "1.5"}
+    )
+    assert "--cuda-memory-fraction 0.0 must be in (0, 1]" in error_of(
+        backend="cuda", cuda_memory_fraction=0.0
+    )
+
+
 def test_neuron_export_at_start_up_defaults_within_the_model_positions() -> None:
     """A model not compiled yet gets optimum-neuron's 4096 default, capped at its positions."""
     small = ModelFacts("llama", 1024)

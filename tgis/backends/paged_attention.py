@@ -20,6 +20,12 @@ block tables) and every layer reuses it: the flash path's tensors, and for the p
 the gather indices and masks precomputed once (`attend`): the one-query rows of decodes as two
 batched matmuls over their gathered pages, each longer query run through SDPA. `attend` is what
 the cpu backend runs; it is tested against `paged_attention_reference`.
+
+Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
+[num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
+together, [kv_heads, num_blocks, block_size, head_dim], so that gathering a batch's pages
+(`index_select` of whole blocks) yields keys already laid out for one batched matmul per step
+with no further copy: three times faster than gathering per token on a CPU.
 """
 
 from __future__ import annotations
@@ -35,14 +41,31 @@ import torch.nn.functional as F
 from tgis.backends.forward import additive_mask, causal_mask
 
 
+def pool_shape(
+    flash: bool, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """The shape of one layer's key (or value) pool: pages for flash attention, head-major
+    for the plain-torch path (module doc)."""
+    if flash:
+        return (num_blocks, block_size, kv_heads, head_dim)
+    return (kv_heads, num_blocks, block_size, head_dim)
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    heads_first: bool = False,
 ) -> None:
-    """Store new keys/values [tokens, kv_heads, head_dim] at flat slots (block * size + offset)."""
+    """Store new keys/values [tokens, kv_heads, head_dim] at flat slots (block * size +
+    offset) of a pages pool, or of a head-major one (`heads_first`)."""
+    if heads_first:
+        kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
+        k_cache.view(kv_heads, -1, dim)[:, slot_mapping] = key.transpose(0, 1).to(k_cache.dtype)
+        v_cache.view(kv_heads, -1, dim)[:, slot_mapping] = value.transpose(0, 1).to(v_cache.dtype)
+        return
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
@@ -146,11 +169,12 @@ def paged_attention(
 @dataclass(frozen=True)
 class _DecodeRows:
     """The one-query sequences of a step, attended together: their rows in the packed
-    queries, the flat pool slots of their keys [rows, T] (padding points at slot 0) and an
-    additive mask [rows, 1, 1, T] per sliding window."""
+    queries; `blocks` [kv_heads * rows * pages] the head-major pool's blocks to gather
+    (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
+    and an additive mask [1, rows, 1, pages * block_size] per sliding window."""
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    blocks: torch.Tensor
     masks: dict[int | None, torch.Tensor]
 
 
@@ -188,31 +212,42 @@ def step_metadata(
     block_size: int,
     device: torch.device,
     windows: Sequence[int | None] = (None,),
+    num_blocks: int = 0,
+    kv_heads: int = 1,
 ) -> StepMetadata:
     """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
     `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
-    model's layers use (None: full attention)."""
-    n = len(query_lens)
+    model's layers use (None: full attention); `num_blocks` / `kv_heads`: the pool's, which
+    the plain-torch path's gather indices need."""
     width = max(len(t) for t in block_tables)
-    table = torch.zeros(n, width, dtype=torch.int32)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    table = torch.tensor(
+        [list(blocks) + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.int32
+    )
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    flat = [
-        [blocks[p // block_size] * block_size + p % block_size for p in range(kv)]
-        for blocks, kv in zip(block_tables, kv_lens, strict=True)
-    ]
+
+    def slots(blocks: Sequence[int], start: int, end: int) -> list[int]:
+        return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
     slot_mapping = torch.tensor(
-        [s for f, q, kv in zip(flat, query_lens, kv_lens, strict=True) for s in f[kv - q :]]
+        [
+            s
+            for blocks, q, kv in zip(block_tables, query_lens, kv_lens, strict=True)
+            for s in slots(blocks, kv - q, kv)
+        ]
     )
     flash = flash_paged_available(device)
     decode, prefill = None, ()
     if not flash:
-        decode = _decode_rows(query_lens, kv_lens, flat, starts, device, windows)
+        decode = _decode_rows(
+            query_lens, kv_lens, block_tables, block_size, starts, device, windows,
+            num_blocks, kv_heads,
+        )  # fmt: skip
         prefill = tuple(
-            _prefill_run(starts[i], starts[i + 1], flat[i], device, windows)
+            _prefill_run(
+                starts[i], starts[i + 1], slots(block_tables[i], 0, kv_lens[i]), device, windows
+            )
             for i, q in enumerate(query_lens)
             if q > 1
         )
@@ -232,20 +267,35 @@ def step_metadata(
 def _decode_rows(
     query_lens: Sequence[int],
     kv_lens: Sequence[int],
-    flat: list[list[int]],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
     starts: list[int],
     device: torch.device,
     windows: Sequence[int | None],
+    num_blocks: int,
+    kv_heads: int,
 ) -> _DecodeRows | None:
     picked = [i for i, q in enumerate(query_lens) if q == 1]
     if not picked:
         return None
-    longest = max(kv_lens[i] for i in picked)
-    slots = torch.tensor([flat[i] + [0] * (longest - kv_lens[i]) for i in picked])
+    pages = max(-(-kv_lens[i] // block_size) for i in picked)
+    padded = []
+    for i in picked:
+        used = list(block_tables[i][: -(-kv_lens[i] // block_size)])
+        padded.append(used + [0] * (pages - len(used)))
+    table = torch.tensor(padded, dtype=torch.long)
+    heads = torch.arange(kv_heads)[:, None, None] * num_blocks
+    blocks = (heads + table[None]).flatten()
     positions = torch.tensor([kv_lens[i] - 1 for i in picked])[:, None]
-    masks = {w: additive_mask(causal_mask(positions, longest, w)).to(device) for w in set(windows)}
+    length = pages * block_size
+    masks = {
+        w: additive_mask(causal_mask(positions, length, w)).view(1, len(picked), 1, length)
+        for w in set(windows)
+    }
     rows = torch.tensor([starts[i] for i in picked])
-    return _DecodeRows(rows.to(device), slots.to(device), masks)
+    return _DecodeRows(
+        rows.to(device), blocks.to(device), {w: m.to(device) for w, m in masks.items()}
+    )
 
 
 def _prefill_run(
@@ -274,8 +324,9 @@ def attend(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Packed queries [tokens, heads, dim] over the pages (this step's K/V already written)
-    -> [tokens, heads, dim]: flash attention where `meta.flash`, else plain torch."""
+    """Packed queries [tokens, heads, dim] over the pool (this step's K/V already written)
+    -> [tokens, heads, dim]: flash attention over a pages pool where `meta.flash`, else plain
+    torch over a head-major pool (`pool_shape`)."""
     if meta.flash:
         return paged_attention(
             query,
@@ -289,27 +340,33 @@ def attend(
             meta.max_k,
             window,
         )
+    # Head-major pools: [kv_heads, num_blocks, block_size, dim].
     heads, dim = query.shape[1], v_cache.shape[-1]
-    kv_heads = k_cache.shape[2]
-    keys_flat = k_cache.view(-1, kv_heads, k_cache.shape[-1])
-    values_flat = v_cache.view(-1, kv_heads, dim)
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
     out = query.new_empty(query.shape[0], heads, dim)
     if meta.decode is not None:
         d = meta.decode
         rows = d.rows.shape[0]
-        keys = keys_flat[d.slots]  # [rows, T, kv_heads, dim]
-        values = values_flat[d.slots]
-        q = query[d.rows].view(rows, kv_heads, heads // kv_heads, -1)
-        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float()  # [rows, kv_heads, g, T]
+        block_elems = k_cache.shape[2] * dim
+        # [kv_heads, rows, T, dim]: whole blocks, already in matmul layout.
+        keys = k_cache.view(-1, block_elems).index_select(0, d.blocks).view(kv_heads, rows, -1, dim)
+        values = v_cache.view(-1, block_elems).index_select(0, d.blocks)
+        values = values.view(kv_heads, rows, -1, dim)
+        q = query[d.rows].view(rows, kv_heads, group, dim).transpose(0, 1)  # [kvh, rows, g, d]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [kvh, rows, g, T]
         scores.mul_(scale).add_(d.masks[window])
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out[d.rows] = torch.matmul(probs, values.transpose(1, 2)).view(rows, heads, dim)
+        attended = torch.matmul(probs, values)  # [kvh, rows, g, d]
+        out[d.rows] = attended.transpose(0, 1).reshape(rows, heads, dim)
+    keys_flat = k_cache.view(kv_heads, -1, dim)
+    values_flat = v_cache.view(kv_heads, -1, dim)
     for run in meta.prefill:
         mask = run.masks[window]
         out[run.q_start : run.q_end] = F.scaled_dot_product_attention(
             query[run.q_start : run.q_end].transpose(0, 1)[None],
-            keys_flat[run.slots].transpose(0, 1)[None],
-            values_flat[run.slots].transpose(0, 1)[None],
+            keys_flat[:, run.slots][None],
+            values_flat[:, run.slots][None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

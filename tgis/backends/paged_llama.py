@@ -16,16 +16,25 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from tgis.backends.llama_native import LlamaWeights
-from tgis.backends.paged_attention import StepMetadata, attend, write_kv
+from tgis.backends.paged_attention import (
+    StepMetadata,
+    attend,
+    flash_paged_available,
+    pool_shape,
+    write_kv,
+)
 
 
 @dataclass(frozen=True)
 class KVPool:
-    """Per layer one key and one value tensor [num_blocks, block_size, kv_heads, head_dim],
-    allocated once (zeroed: padded reads of the plain-torch path must stay finite)."""
+    """Per layer one key and one value tensor, allocated once (zeroed: padded reads of the
+    plain-torch path must stay finite): pages [num_blocks, block_size, kv_heads, head_dim]
+    for flash attention, head-major [kv_heads, num_blocks, block_size, head_dim] otherwise
+    (`paged_attention.pool_shape`)."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    flash: bool
 
     @classmethod
     def allocate(
@@ -38,22 +47,25 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVPool:
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        flash = flash_paged_available(device)
+        shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
 
         def make() -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(
-            tuple(make() for _ in range(num_layers)), tuple(make() for _ in range(num_layers))
+            tuple(make() for _ in range(num_layers)),
+            tuple(make() for _ in range(num_layers)),
+            flash,
         )
 
     @property
     def num_blocks(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[0 if self.flash else 1]
 
     @property
-    def block_size(self) -> int:
-        return self.keys[0].shape[1]
+    def kv_heads(self) -> int:
+        return self.keys[0].shape[2 if self.flash else 0]
 
 
 class PagedLlamaForward(LlamaWeights):
@@ -87,7 +99,7 @@ class PagedLlamaForward(LlamaWeights):
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]
-            write_kv(keys, values, k, v, meta.slot_mapping)
+            write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not self.pool.flash)
             out = attend(q, keys, values, meta, self.scaling, layer.window)
             x = self._finish(layer, x, out.view(x.shape[0], -1))
         return self._logits(x[logits_rows])

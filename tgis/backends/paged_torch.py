@@ -211,6 +211,7 @@ class PagedTorchBackend:
         query_lens = [len(item.token_ids) for item in items]
         kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
         windows = self.path.windows
+        pool = self.path.pool
         meta = step_metadata(
             query_lens,
             kv_lens,
@@ -218,6 +219,8 @@ class PagedTorchBackend:
             self.block_size,
             self.device_obj,
             windows,
+            pool.num_blocks,
+            pool.kv_heads,
         )
         ids: list[int] = []
         positions: list[int] = []
