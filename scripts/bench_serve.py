@@ -7,7 +7,9 @@
    the OpenAI chat route (the peer batches only that route): N concurrent streaming clients,
    R requests, ~100-token prompts, 64 new tokens, greedy.
 3. Prints output tokens/s, TTFT p50/p99, inter-token latency p50/p99, peak RSS, and the ratios;
-   plus tgis at 1 and 32 streams, and a bare in-process decode loop over the same model.
+   plus tgis at 1 and 32 streams, a bare in-process decode loop over the same model, and
+   prefix caching: TTFT of the second of two 200-token prompts sharing 150 tokens over the
+   first's (5 pairs, one request at a time).
 
     python scripts/bench_serve.py --workdir /tmp/tgis-bench
 """
@@ -27,10 +29,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFIX_PAIRS = 5
 SMOLLM2_135M = {
     "vocab_size": 49152,
     "hidden_size": 576,
@@ -44,6 +48,22 @@ SMOLLM2_135M = {
 }
 
 
+def build_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of exactly `vocab_size` ids trained on the Python standard
+    library (no download)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_demo_model import corpus_files, train_tokenizer
+
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files()]
+    tokenizer = train_tokenizer(texts, vocab_size)
+    # The corpus may not yield every merge: fill the vocabulary with inert tokens so ids
+    # the random model emits always decode.
+    missing = vocab_size - len(tokenizer)
+    if missing > 0:
+        tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(missing)])
+    return tokenizer
+
+
 def build_model(workdir: Path) -> Path:
     """The random SmolLM2-135M-shaped Llama and a 49152-token tokenizer (cached in workdir)."""
     out = workdir / "smollm2-135m-random"
@@ -52,16 +72,7 @@ def build_model(workdir: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from train_demo_model import corpus_files, train_tokenizer
-
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files()]
-    tokenizer = train_tokenizer(texts, SMOLLM2_135M["vocab_size"])
-    # The corpus may not yield every merge: fill the vocabulary with inert tokens so ids
-    # the random model emits always decode.
-    missing = SMOLLM2_135M["vocab_size"] - len(tokenizer)
-    if missing > 0:
-        tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(missing)])
+    tokenizer = build_tokenizer(SMOLLM2_135M["vocab_size"])
     torch.manual_seed(0)
     config = LlamaConfig(
         **SMOLLM2_135M,
@@ -93,6 +104,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
 
 
@@ -114,6 +126,8 @@ async def closed_loop(
             record = await client.send(Turn(queue.pop(0), 0, new_tokens))
             if not record.ok or record.ttft is None:
                 res.errors += 1
+                kind = f"{record.error}: {record.error_message[:80]}"
+                res.error_kinds[kind] = res.error_kinds.get(kind, 0) + 1
                 continue
             res.ttft.append(record.ttft)
             times = record.token_times
@@ -200,24 +214,27 @@ def run_server(
 
 
 def bare_decode_ms(model_dir: Path, dtype: str = "float32", steps: int = 64) -> tuple[float, float]:
-    """ms per token of in-process greedy decode at batch 1: tgis's backend, and HF's forward."""
+    """ms per token of in-process greedy decode at batch 1: tgis's backend (the paged one
+    `tgis serve` runs for this Llama), and HF's forward."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from tgis.backends.torch_dynamic import TorchDynamicBackend
-    from tgis.engine.backend import PrefillItem
+    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.engine.backend import PackedItem
 
     prompt = tuple(range(10, 110))
-    backend = TorchDynamicBackend.load(
-        model_dir, device="cpu", max_sequences=1, max_sequence_tokens=256
-    )
-    out = backend.prefill([PrefillItem(0, prompt)])
+    backend = PagedTorchBackend.load(
+        model_dir, device="cpu", dtype=dtype, max_sequences=1, max_sequence_tokens=256,
+        max_prefill_tokens=256,
+    )  # fmt: skip
+    table = tuple(range(backend.capacity.num_blocks))
+    out = backend.forward([PackedItem(0, prompt, 0, table)])
     token = int(out.last[0].argmax())
     start = time.perf_counter()
-    for _ in range(steps):
-        token = int(backend.decode([0], [token])[0].argmax())
+    for step in range(steps):
+        out = backend.forward([PackedItem(0, (token,), len(prompt) + step, table)])
+        token = int(out.last[0].argmax())
     ours = (time.perf_counter() - start) * 1000 / steps
-    backend.release(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         cache = DynamicCache()
@@ -241,6 +258,7 @@ def row(name: str, res: Result, rss: float) -> dict[str, float | str]:
         "itl_p99_ms": pct(res.itl, 99) * 1000,
         "peak_rss_mb": rss,
         "errors": res.errors,
+        "error_kinds": res.error_kinds,
         "output_tokens": res.output_tokens,
         "wall_s": res.wall,
     }
@@ -280,6 +298,11 @@ def main() -> None:
         texts[args.requests : 2 * args.requests],
         texts[-8:],
     )
+    # Prefix caching: pairs of 200-token prompts sharing their first 150 tokens, sent one at a
+    # time (a cold first request, then the second, which finds the shared blocks cached).
+    heads = prompts(model_dir, PREFIX_PAIRS, 150, seed=1)
+    tails = prompts(model_dir, 2 * PREFIX_PAIRS, 50, seed=2)
+    prefix_load = [head + tail for i, head in enumerate(heads) for tail in tails[2 * i : 2 * i + 2]]
     port = 18080
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
@@ -287,9 +310,10 @@ def main() -> None:
                 "--max-total-tokens", "1024", "--max-batch-size", "32", "--dtype", args.dtype]  # fmt: skip
     rows = []
     solo = main_load[:8]
-    (res16, rss16), (res1, rss1), (res32, rss32) = run_server(
+    (res16, rss16), (res1, rss1), (res32, rss32), (prefix, _) = run_server(
         tgis_cmd, url, "/health", args.workdir / "tgis.log",
-        [(args.streams, main_load), (1, solo), (32, big_load)], "tgis", args.new_tokens, warm,
+        [(args.streams, main_load), (1, solo), (32, big_load), (1, prefix_load)], "tgis",
+        args.new_tokens, warm,
     )  # fmt: skip
     rows += [
         row(f"tgis x{args.streams}", res16, rss16),
@@ -314,11 +338,15 @@ def main() -> None:
     print(
         f"\nbare in-process decode, batch 1: tgis backend {ours_ms:.1f} ms/token, HF forward {hf_ms:.1f} ms/token"
     )
+    firsts, seconds = prefix.ttft[0::2], prefix.ttft[1::2]
+    print(f"prefix pairs: TTFT first {[round(t, 3) for t in firsts]} s, second "
+          f"{[round(t, 3) for t in seconds]} s")  # fmt: skip
     ratios = {
         "itl_x1_over_bare_backend": rows[1]["itl_p50_ms"] / ours_ms,
         "tok_s_x32_over_x16": rows[2]["output_tok_s"] / rows[0]["output_tok_s"],
+        "ttft_prefix_second_over_first": pct(seconds, 50) / pct(firsts, 50),
     }
-    if not args.skip_peer:
+    if not args.skip_peer and rows[3]["output_tok_s"]:
         ratios["tok_s_tgis_over_peer"] = rows[0]["output_tok_s"] / rows[3]["output_tok_s"]
         ratios["ttft_p50_peer_over_tgis"] = rows[3]["ttft_p50_s"] / rows[0]["ttft_p50_s"]
     for k, v in ratios.items():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tgis.config import ServeConfig, check_kv_budget, use_inductor_cache
+from tgis.config import ENV_NAMES, ServeConfig, check_kv_budget, use_inductor_cache
 from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
@@ -37,10 +37,6 @@ class Service:
 
 def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
     """The backend `config.backend` names, loaded with the config's limits."""
-    if config.backend == "cuda" and config.cuda_graphs:
-        from tgis.backends.cuda_graphs import load_cuda_graph_backend
-
-        return load_cuda_graph_backend(config, model_dir)
     if config.backend in ("cpu", "cuda"):
         return load_torch_backend(config, model_dir)
     if config.backend == "tpu":
@@ -62,8 +58,9 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend
 
 
 def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
-    """cpu / cuda: the paged engine for llama-family models, the slot engine (transformers'
-    forward) for the others and with --compile (which compiles the slot engine's decode)."""
+    """cpu / cuda: the paged engine for llama-family models (with CUDA graphs for decode on
+    cuda, unless --cuda-graphs false), the slot engine (transformers' forward) for the others
+    and with --compile (which compiles the slot engine's decode)."""
     import torch
 
     from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
@@ -83,13 +80,15 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
             max_prefill_tokens=config.max_batch_prefill_tokens,
             kv_tokens=config.max_batch_total_tokens,
             memory_fraction=config.cuda_memory_fraction,
+            cuda_graphs=config.cuda_graphs if config.backend == "cuda" else False,
         )
-    if config.prefix_caching:
-        raise ConfigError(
-            f"--prefix-caching needs the paged engine, which cannot run here: {reason}",
-            f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model without --compile, or drop "
-            "--prefix-caching (PREFIX_CACHING)",
-        )
+    for name, flag in (("prefix_caching", "--prefix-caching"), ("cuda_graphs", "--cuda-graphs")):
+        if getattr(config, name):
+            raise ConfigError(
+                f"{flag} needs the paged engine, which cannot run here: {reason}",
+                f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model without --compile, or drop "
+                f"{flag} ({ENV_NAMES[name]})",
+            )
     if config.compile and config.compile_cache:
         use_inductor_cache(Path(config.compile_cache))
     return TorchDynamicBackend(

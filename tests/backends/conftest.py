@@ -1,12 +1,13 @@
 """Tiny random causal LMs of every architecture the torch backend supports, built once.
 
-Shapes: hidden 64, 2 layers, vocab 256, float32. Models are shared by the whole session: the
-backend only re-points weights at fused copies with the same values (native path) and adds an
-inactive lm_head hook (HF path), so a model stays a valid reference for `generate`.
+Shapes: hidden 64, 2 layers, vocab 256, float32. Models are built once per session and never
+changed: `make_backend` gives the backend a copy (backends re-point weights at fused tensors
+and hook lm_head), so the shared model stays the untouched reference for `generate`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -60,9 +61,9 @@ def make_backend(
     native: bool | None = None,
     **kwargs: object,
 ) -> TorchDynamicBackend:
-    """A backend over `model` with an explicit KV budget (no memory probing in tests)."""
+    """A backend over a copy of `model` with an explicit KV budget (no memory probing)."""
     return TorchDynamicBackend(
-        model,
+        copy.deepcopy(model),
         max_sequences=max_sequences,
         max_sequence_tokens=max_sequence_tokens,
         kv_tokens=max_sequences * max_sequence_tokens,

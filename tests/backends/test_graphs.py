@@ -1,32 +1,35 @@
-"""Device graphs over the static batch (GraphedStaticModel) with a CPU stand-in of a graph API,
-and the cuda backend's --cuda-graphs mode (for real only where CUDA is available)."""
+"""Device graphs over the static batch (GraphedStaticModel, gaudi's HPU graphs) with a CPU
+stand-in of a graph API. The cuda backend's graphs are the paged engine's (test_paged_torch)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from transformers import PreTrainedModel
 
-from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
+from tests.backends.conftest import PROMPTS, greedy_reference
 from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
-from tests.factories import make_model_dir, tiny_model
-from tests.server.conftest import make_config
-from tgis.backends.cuda_graphs import (
-    CudaGraphApi,
-    fit_slots,
-    graph_policy,
-    load_cuda_graph_backend,
-)
+from tgis.backends.buckets import MIN_LENGTH_BUCKET, ShapePolicy, powers_of_two
 from tgis.backends.graphs import GraphedStaticModel, GraphOps
-from tgis.backends.static_batch import EagerOps, StaticBatchBackend
+from tgis.backends.static_batch import StaticBatchBackend
 from tgis.backends.static_kv import StaticLlamaForward
-from tgis.errors import ConfigError
 
 MAX_LENGTH = 64
+
+
+def graph_policy(slots: int, max_length: int, max_input_tokens: int) -> ShapePolicy:
+    """Decode over power-of-two row buckets up to `slots`; prefill padded to power-of-two rows
+    and lengths."""
+    return ShapePolicy(
+        slots,
+        max_length,
+        "insert",
+        powers_of_two(MIN_LENGTH_BUCKET, max_input_tokens),
+        powers_of_two(1, slots),
+        powers_of_two(1, slots),
+    )
 
 
 class RecordingGraphs:
@@ -103,45 +106,3 @@ def test_prefill_graphs_per_rows_and_length(tiny_lm: Callable[..., PreTrainedMod
     before = graphed.captures
     backend.prefill([PrefillItem(5, PROMPTS[0], prompt_logprobs=True)])
     assert graphed.captures == before
-
-
-def test_graph_policy_and_slot_fitting() -> None:
-    policy = graph_policy(12, 128, 100)
-    assert policy.decode_batches == (1, 2, 4, 8, 12)
-    assert policy.prefill_lengths == (16, 32, 64, 100)
-    assert fit_slots(16, 1000, 10, 60_000) == 5  # six rows: five slots and the scratch row
-    assert fit_slots(4, 1000, 10, 60_000) == 4
-    with pytest.raises(ConfigError, match="cannot hold one sequence of 1000 tokens"):
-        fit_slots(4, 1000, 10, 19_999)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_cuda_graphs_without_cuda_is_one_clear_error(tmp_path: Path) -> None:
-    model_dir = make_model_dir(tmp_path / "m", arch="llama")
-    with pytest.raises(ConfigError, match="CUDA is not available"):
-        load_cuda_graph_backend(make_config(backend="cuda", cuda_graphs=True), model_dir)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_real_cuda_graphs_equal_eager_static() -> None:
-    # A model of its own: `.to` moves a module in place, and the session's shared CPU model
-    # must stay on the CPU for the tests after this one.
-    arch, fields = VARIANTS["llama"]
-    model = tiny_model(arch, seed=0, **fields).to("cuda")  # type: ignore[arg-type]
-    prompts, budgets = random_prompts(5, seed=4, vocab=256)
-    joins = {0: range(0, 2), 3: range(2, 5)}
-    eager = StaticBatchBackend(
-        StaticLlamaForward(model, 8, MAX_LENGTH),
-        graph_policy(8, MAX_LENGTH, 40),
-        EagerOps("cuda"),
-        "eager",
-        pad_token_id=3,
-    )
-    expected, _ = staggered_greedy(eager, prompts, budgets, joins, subsets=False)
-    graphed = GraphedStaticModel(StaticLlamaForward(model, 8, MAX_LENGTH), CudaGraphApi())
-    backend = StaticBatchBackend(
-        graphed, graph_policy(8, MAX_LENGTH, 40), GraphOps("cuda", graphed), "cuda", pad_token_id=3
-    )
-    backend.warmup(8, 40)
-    tokens, _ = staggered_greedy(backend, prompts, budgets, joins, subsets=False)
-    assert tokens == expected and graphed.replays > 0

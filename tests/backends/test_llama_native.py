@@ -89,9 +89,11 @@ def test_native_logits_equal_hf_logits(case: str) -> None:
 def test_fused_weights_are_shared_with_the_hf_modules(
     tiny_lm: Callable[..., PreTrainedModel],
 ) -> None:
-    model = build("qwen2-untied-biases")
+    model = build("qwen2-untied-biases")  # this test's own model: the backend takes it
     before = sum(p.numel() for p in model.parameters())
-    path = make_backend(model, native=True).path
+    path = TorchDynamicBackend(
+        model, max_sequences=2, max_sequence_tokens=32, kv_tokens=64, native=True
+    ).path
     assert isinstance(path, LlamaNativeForward)
     attn = model.model.layers[1].self_attn
     fused = path.layers[1].qkv_w

@@ -157,3 +157,73 @@ def test_warmup_plan_follows_the_budgets() -> None:
     ]
     timings = backend.warmup(16, 50)
     assert [t.shape for t in timings] == plan
+
+
+class ReplayingApi:
+    """A stand-in GraphApi that re-runs the step on replay, into the output tensor recorded at
+    capture (as a CUDA graph writes into its captured memory). It checks the buffers, buckets
+    and padding around the graphs on a CPU; the capture itself is the CUDA test's."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.outputs: dict[object, torch.Tensor] = {}
+
+    def capture(self, step):  # type: ignore[no-untyped-def]
+        out = step()
+        self.outputs[step] = out
+        return step, out
+
+    def replay(self, graph) -> None:  # type: ignore[no-untyped-def]
+        self.replays += 1
+        self.outputs[graph].copy_(graph())
+
+
+def test_decode_graph_bookkeeping_on_cpu() -> None:
+    """Decode steps go through the bucket's buffers (padding rows into the scratch block) and
+    give the eager tokens; prefill stays eager."""
+    model = fresh("llama", seed=6)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    api = ReplayingApi()
+    backend = PagedTorchBackend(
+        model, max_sequences=4, max_sequence_tokens=64, max_prefill_tokens=64,
+        kv_tokens=32 * 4, block_size=4, graph_api=api,
+    )  # fmt: skip
+    graphs = backend.graphs
+    assert graphs is not None and backend.capacity.num_blocks == 32
+    assert graphs.scratch_block == 32 and backend.path.pool.num_blocks == 33
+    timings = backend.warmup(4, 20)
+    assert graphs.captured == (1, 2, 4)
+    assert [t.shape for t in timings if t.compiled] == [Shape("decode", b, 1) for b in (4, 2, 1)]
+    before = api.replays
+    assert greedy(backend, PROMPTS, NEW) == reference
+    assert api.replays - before == NEW - 1  # every decode step replayed, prefills eager
+    # 3 sequences in the bucket of 4: the padding row wrote the scratch block only
+    assert graphs.slot_mapping[3].item() == 32 * 4 and graphs.seqused_k[3].item() == 1
+
+
+def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="--cuda-graphs needs flash attention over the paged"):
+        PagedTorchBackend(
+            fresh(), max_sequences=2, max_sequence_tokens=16, max_prefill_tokens=16,
+            kv_tokens=64, cuda_graphs=True,
+        )  # fmt: skip
+    assert paged(fresh()).graphs is None  # the default on a CPU: eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graphs_equal_eager_on_cuda() -> None:
+    """Recorded CUDA graphs (not a stand-in) give the eager backend's greedy tokens, in bf16,
+    for batches that fill a bucket and batches that pad one."""
+    from tgis.backends.paged_attention import flash_paged_available
+
+    if not flash_paged_available(torch.device("cuda")):
+        pytest.skip("this torch's varlen_attn has no block_table")
+    prompts = [*PROMPTS, (9, 9, 9), (1, 2, 3, 4, 5)]
+    models = [fresh("llama", seed=7).to("cuda", torch.bfloat16) for _ in range(2)]
+    kw = {"max_sequences": 8, "max_sequence_tokens": 512, "max_prefill_tokens": 512}
+    eager = PagedTorchBackend(models[0], kv_tokens=4096, cuda_graphs=False, **kw)
+    graphed = PagedTorchBackend(models[1], kv_tokens=4096, cuda_graphs=True, **kw)
+    graphed.warmup(8, 64)
+    assert graphed.graphs is not None and graphed.graphs.captured == (1, 2, 4, 8)
+    for batch in (prompts[:1], prompts[:3], prompts):
+        assert greedy(graphed, batch, NEW) == greedy(eager, batch, NEW)

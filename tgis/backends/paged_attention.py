@@ -79,12 +79,16 @@ def paged_attention_reference(
     block_table: torch.Tensor,
     scale: float,
     window: int | None = None,
+    heads_first: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' pages; [tokens, heads, dim].
 
     Scores and softmax in float32; the output has the query's dtype. `window` keeps the last
     `window` positions up to and including the query's own (Mistral's sliding window).
+    `heads_first`: the pools are head-major (`pool_shape`).
     """
+    if heads_first:
+        k_cache, v_cache = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)
     heads, block_size = query.shape[1], k_cache.shape[1]
     group = heads // k_cache.shape[2]
     out = torch.empty(query.shape[:2] + v_cache.shape[3:], dtype=query.dtype, device=query.device)
@@ -135,14 +139,16 @@ def paged_attention(
     max_k: int,
     window: int | None = None,
 ) -> torch.Tensor:
-    """As `paged_attention_reference`, through flash attention where `flash_paged_available`.
+    """As `paged_attention_reference`, through flash attention where `flash_paged_available`
+    (pools laid out as `pool_shape` says for that: pages with flash, head-major without).
 
     `max_q` / `max_k` are the longest query run and KV length of the step, known on the host
     (passing them avoids a device sync).
     """
     if not flash_paged_available(query.device):
+        # Without flash attention the pools are head-major (`pool_shape`).
         return paged_attention_reference(
-            query, k_cache, v_cache, cu_seq_q, seqused_k, block_table, scale, window
+            query, k_cache, v_cache, cu_seq_q, seqused_k, block_table, scale, window, True
         )
     from torch.nn.attention.varlen import varlen_attn
 
@@ -323,10 +329,14 @@ def attend(
     meta: StepMetadata,
     scale: float,
     window: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed queries [tokens, heads, dim] over the pool (this step's K/V already written)
     -> [tokens, heads, dim]: flash attention over a pages pool where `meta.flash`, else plain
-    torch over a head-major pool (`pool_shape`)."""
+    torch over a head-major pool (`pool_shape`). `key` / `value`: this step's new keys and
+    values [tokens, kv_heads, dim], which a prompt computed whole in this step attends to
+    directly instead of gathering them back from the pool."""
     if meta.flash:
         return paged_attention(
             query,
@@ -363,10 +373,15 @@ def attend(
     values_flat = v_cache.view(kv_heads, -1, dim)
     for run in meta.prefill:
         mask = run.masks[window]
-        out[run.q_start : run.q_end] = F.scaled_dot_product_attention(
-            query[run.q_start : run.q_end].transpose(0, 1)[None],
-            keys_flat[:, run.slots][None],
-            values_flat[:, run.slots][None],
+        rows = slice(run.q_start, run.q_end)
+        if key is not None and value is not None and run.slots.shape[0] == run.q_end - run.q_start:
+            keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+        else:
+            keys, values = keys_flat[:, run.slots], values_flat[:, run.slots]
+        out[rows] = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None],
+            keys[None],
+            values[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

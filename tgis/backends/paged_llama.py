@@ -64,6 +64,10 @@ class KVPool:
         return self.keys[0].shape[0 if self.flash else 1]
 
     @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[1 if self.flash else 2]
+
+    @property
     def kv_heads(self) -> int:
         return self.keys[0].shape[2 if self.flash else 0]
 
@@ -100,6 +104,6 @@ class PagedLlamaForward(LlamaWeights):
             q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]
             write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not self.pool.flash)
-            out = attend(q, keys, values, meta, self.scaling, layer.window)
+            out = attend(q, keys, values, meta, self.scaling, layer.window, k, v)
             x = self._finish(layer, x, out.view(x.shape[0], -1))
         return self._logits(x[logits_rows])

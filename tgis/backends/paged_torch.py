@@ -24,8 +24,10 @@ from transformers import PreTrainedModel
 
 from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
+from tgis.backends.graphs import GraphApi
 from tgis.backends.llama_native import native_kv_shape
-from tgis.backends.paged_attention import step_metadata
+from tgis.backends.paged_attention import flash_paged_available, step_metadata
+from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
 from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
@@ -57,11 +59,16 @@ class PagedTorchBackend:
         kv_tokens: int | None = None,
         block_size: int | None = None,
         memory_fraction: float | None = None,
+        cuda_graphs: bool | None = None,
+        graph_api: GraphApi | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
         max_sequence_tokens: prompt + generated tokens of one sequence (rope tables);
-        max_prefill_tokens: the largest prefill chunk (profiling and warmup)."""
+        max_prefill_tokens: the largest prefill chunk (profiling and warmup). cuda_graphs:
+        decode through CUDA graphs recorded at warmup (paged_graphs.py); None: wherever
+        flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
+        are recorded (CUDA graphs by default)."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -88,14 +95,26 @@ class PagedTorchBackend:
         )  # fmt: skip
         with torch.inference_mode():
             self.path = PagedLlamaForward(model, probe, max_sequence_tokens)
+        graphs = self._use_graphs(cuda_graphs, graph_api)
         num_blocks = self._size_pool(
             kv_tokens, per_token, max_sequences * max_sequence_tokens, memory_fraction
         )
         with torch.inference_mode():
+            # With graphs, one more block than the scheduler knows: padding rows write there.
             self.path.pool = KVPool.allocate(
-                shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
-                self.dtype, self.device_obj,
+                shape.num_layers, num_blocks + int(graphs), self.block_size, shape.num_heads,
+                shape.head_dim, self.dtype, self.device_obj,
             )  # fmt: skip
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.path,
+                graph_api or CudaGraphApi(),
+                max_sequences,
+                max_blocks=-(-max_sequence_tokens // self.block_size),
+                max_kv_len=max_sequence_tokens,
+                scratch_block=num_blocks,
+            )
         self._capacity = BackendCapacity(
             max_sequences=max_sequences,
             max_sequence_tokens=max_sequence_tokens,
@@ -142,6 +161,18 @@ class PagedTorchBackend:
     @property
     def capacity(self) -> BackendCapacity:
         return self._capacity
+
+    def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
+        """Whether decode runs through recorded graphs (see __init__)."""
+        possible = api is not None or flash_paged_available(self.device_obj)
+        if requested and not possible:
+            raise ConfigError(
+                f"--cuda-graphs needs flash attention over the paged cache (CUDA and torch >= "
+                f"2.12 with varlen_attn's block_table); this is {self.device} with torch "
+                f"{torch.__version__}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or install torch >= 2.12 on a GPU",
+            )
+        return possible if requested is None else requested
 
     # --- the pool's size ---------------------------------------------------------------------
 
@@ -208,6 +239,9 @@ class PagedTorchBackend:
         if not items:
             return PackedOutput(torch.empty((0, self.vocab_size), device=self.device_obj), ())
         self._check(items)
+        graphed = self._graphed(items)
+        if graphed is not None:
+            return PackedOutput(graphed, (None,) * len(items))
         query_lens = [len(item.token_ids) for item in items]
         kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
         windows = self.path.windows
@@ -251,6 +285,25 @@ class PagedTorchBackend:
             row += taken
         chosen = logits[torch.tensor(last, device=device)] if last else logits[:0]
         return PackedOutput(chosen, tuple(prompt))
+
+    def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:
+        """Logits of a decode step replayed from its graph; None when the step runs eagerly
+        (no graphs, a prefill chunk, prompt logits, or more rows than the largest bucket)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.captured:
+            return None
+        if any(len(i.token_ids) != 1 or not i.sample or i.prompt_logits for i in items):
+            return None
+        bucket = graphs.bucket_for(len(items))
+        if bucket is None or bucket not in graphs.captured:
+            return None
+        size = self.block_size
+        return graphs.run(
+            [item.token_ids[0] for item in items],
+            [item.start for item in items],
+            [item.block_table[item.start // size] * size + item.start % size for item in items],
+            [item.block_table for item in items],
+        )
 
     def _check(self, items: Sequence[PackedItem]) -> None:
         limit, size = self.max_sequence_tokens, self.block_size
@@ -316,7 +369,16 @@ class PagedTorchBackend:
         on_shape: Callable[[ShapeTiming], None] | None = None,
     ) -> list[ShapeTiming]:
         """Run the plan once: pays the one-off costs (allocator growth, kernel selection,
-        thread pools) before serving."""
-        return run_plan(
-            self.warmup_plan(max_batch_size, max_input_tokens), self.run_shape, on_shape
-        )
+        thread pools) before serving; then records the decode graphs, one shape each, largest
+        first (they share one memory pool)."""
+        plan = self.warmup_plan(max_batch_size, max_input_tokens)
+        timings = run_plan(plan, self.run_shape, on_shape)
+        if self.graphs is not None:
+            for bucket in sorted(self.graphs.buckets, reverse=True):
+                start = time.perf_counter()
+                self.graphs.capture(bucket)
+                seconds = time.perf_counter() - start
+                timings.append(ShapeTiming(Shape("decode", bucket, 1), seconds, 1))
+                if on_shape is not None:
+                    on_shape(timings[-1])
+        return timings

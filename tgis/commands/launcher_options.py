@@ -164,8 +164,9 @@ CudaGraphs = Annotated[
     _opt(
         "cuda_graphs",
         DEVICE,
-        "cuda: replay decode steps from CUDA graphs per batch bucket (recorded during warmup).",
-        "",
+        "cuda: replay the paged engine's decode steps from CUDA graphs, one per batch bucket "
+        "(recorded during warmup); --no-cuda-graphs runs them eagerly.",
+        "on where flash attention runs",
     ),
 ]
 PrefixCaching = Annotated[

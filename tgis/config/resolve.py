@@ -118,7 +118,7 @@ def build_serve_config(
         prefill_mode=prefill_mode,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
-        cuda_graphs=bool(values["cuda_graphs"]),
+        cuda_graphs=values["cuda_graphs"],
         prefix_caching=values["prefix_caching"],
         cuda_memory_fraction=values["cuda_memory_fraction"],
         notes=tuple(notes),

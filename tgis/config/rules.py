@@ -237,9 +237,7 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
                 f"{r.label('cuda_memory_fraction', fraction)} must be in (0, 1]",
                 "use a share of the GPU's memory such as 0.9",
             )
-    if values["compile_cache"] and not (
-        backend in STATIC_BACKENDS or (values["compile"] and not values["cuda_graphs"])
-    ):
+    if values["compile_cache"] and not (backend in STATIC_BACKENDS or values["compile"]):
         raise ConfigError(
             f"{r.label('compile_cache', values['compile_cache'])} has nothing to keep on "
             f"{backend}{' with --cuda-graphs' if values['cuda_graphs'] else ''}: it holds XLA "

@@ -172,8 +172,9 @@ class ServeConfig:
     compile_cache: str | None = None
     # cpu/cuda: decode steps through torch.compile (compiled at warmup).
     compile: bool = False
-    # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup).
-    cuda_graphs: bool = False
+    # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup). None: not
+    # set, on wherever the paged engine has flash attention; True: required; False: eager.
+    cuda_graphs: bool | None = None
     # Share KV blocks of common prompt prefixes (the paged engine). None: not set, on wherever
     # the paged engine runs; True: required (an error where it cannot run); False: off.
     prefix_caching: bool | None = None

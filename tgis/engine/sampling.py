@@ -254,10 +254,12 @@ class SamplingBatch:
             better = torch.count_nonzero(of_sampled(logprobs) > of_sampled(chosen), dim=-1)
             ranks[sampled] += better
         top_ids, top_lps = self._top_tokens(logprobs)
-        token_ids = next_ids.tolist()
+        # One device-to-host copy for the three (float64 holds every token id and rank exactly).
+        host = torch.stack([next_ids.double(), chosen.squeeze(1).double(), ranks.double()]).tolist()
+        token_ids = [int(t) for t in host[0]]
         for row, token in zip(self.rows, token_ids, strict=True):
             row.append(token)
-        return SampleOutput(token_ids, chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_lps)
+        return SampleOutput(token_ids, host[1], [int(r) for r in host[2]], top_ids, top_lps)
 
     def _top_tokens(self, logprobs: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """TGI's batch_top_tokens: the n best per row, plus any tie with the n-th; never -inf."""

@@ -1,0 +1,177 @@
+"""`make bench-gpu`: tgis serve on one GPU with Llama-3.2-1B's and Llama-3.1-8B's shapes.
+
+1. Writes random-weight bf16 models from the configs in scripts/bench_models/ (no download)
+   with a byte-level BPE tokenizer of the same vocabulary size trained on the Python standard
+   library, under --workdir (kept: a second run reuses them).
+2. Serves each with `tgis serve --backend cuda --dtype bfloat16` and default flags (the KV pool
+   sized from the GPU's memory, CUDA-graph decode), and again with --no-cuda-graphs (eager),
+   and drives it with `tgis benchmark` at 1, 16 and 64 closed-loop streams: 150-token prompts,
+   128 new tokens, through the TGI streaming route.
+3. Writes the JSON of every run under --workdir and the table to docs/performance.md between
+   the `bench-gpu` markers, with the GPU's name and torch's version.
+
+    python scripts/bench_gpu.py --workdir /data/tgis-bench-gpu [--models 1b,8b] [--modes graphs,eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}
+STREAMS = (1, 16, 64)
+PROMPT_TOKENS, NEW_TOKENS = 150, 128
+START, END = "<!-- bench-gpu:start -->", "<!-- bench-gpu:end -->"
+
+
+def write_model(workdir: Path, name: str) -> Path:
+    """The random bf16 model of scripts/bench_models/NAME.json, written once."""
+    out = workdir / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_serve import build_tokenizer
+
+    fields = json.loads((ROOT / "scripts" / "bench_models" / f"{name}.json").read_text())
+    tokenizer = build_tokenizer(fields["vocab_size"])
+    config = LlamaConfig(
+        **fields,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tgis serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"tgis serve at {url} not ready after {timeout}s")
+
+
+def run_mode(model_dir: Path, mode: str, workdir: Path, duration: float) -> list[dict]:
+    """Serve `model_dir` in `mode` (graphs / eager) and measure each stream count."""
+    port = 18081
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--backend",
+           "cuda", "--dtype", "bfloat16", "--port", str(port), "--hostname", "127.0.0.1",
+           "--max-total-tokens", "2048", "--max-batch-size", str(max(STREAMS))]  # fmt: skip
+    if mode == "eager":
+        cmd.append("--no-cuda-graphs")
+    log = workdir / f"{model_dir.name}-{mode}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    rows = []
+    try:
+        wait_ready(url, proc, 1200)
+        for streams in STREAMS:
+            result = workdir / f"{model_dir.name}-{mode}-x{streams}.json"
+            subprocess.run(
+                [sys.executable, "-m", "tgis", "benchmark", "--url", url, "--api", "tgi",
+                 "--tokenizer", str(model_dir), "--prompt-tokens", str(PROMPT_TOKENS),
+                 "--decode-tokens", str(NEW_TOKENS), "--kind", "throughput", "--max-vus",
+                 str(streams), "--duration", str(duration), "--warmup", "5", "--output",
+                 str(result)],
+                check=True, cwd=ROOT, env=env,
+            )  # fmt: skip
+            step = json.loads(result.read_text())["steps"][-1]
+            rows.append(
+                {
+                    "model": model_dir.name,
+                    "mode": mode,
+                    "streams": streams,
+                    "output_tok_s": step["output_tokens_per_s"],
+                    "itl_p50_ms": (step["itl_s"] or {}).get("p50", float("nan")) * 1000,
+                    "ttft_p50_ms": (step["ttft_s"] or {}).get("p50", float("nan")) * 1000,
+                    "failed": step["requests"]["failed"],
+                }
+            )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return rows
+
+
+def table(rows: list[dict], device: str, torch_version: str) -> str:
+    lines = [
+        f"GPU: {device}; torch {torch_version}; `python scripts/bench_gpu.py` "
+        f"({PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, TGI streaming route).",
+        "",
+        "| model shape | mode | streams | output tok/s | ITL p50 | TTFT p50 | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['streams']} | {r['output_tok_s']:,.0f} | "
+            f"{r['itl_p50_ms']:.2f} ms | {r['ttft_p50_ms']:.0f} ms | {r['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_docs(text: str, path: Path = ROOT / "docs" / "performance.md") -> None:
+    doc = path.read_text()
+    start, end = doc.index(START) + len(START), doc.index(END)
+    path.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench-gpu"))
+    parser.add_argument("--models", default="1b,8b", help="comma-separated: 1b, 8b")
+    parser.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
+    parser.add_argument("--duration", type=float, default=30.0, help="measured seconds per step")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/performance.md")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench-gpu needs a CUDA device; none is visible")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for key in args.models.split(","):
+        model_dir = write_model(args.workdir, MODELS[key.strip()])
+        for mode in args.modes.split(","):
+            rows += run_mode(model_dir, mode.strip(), args.workdir, args.duration)
+    device = torch.cuda.get_device_name(0)
+    text = table(rows, device, torch.__version__)
+    print(text)
+    (args.workdir / "bench-gpu.json").write_text(
+        json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=2)
+    )
+    if not args.no_docs:
+        write_docs(text)
+
+
+if __name__ == "__main__":
+    main()
