@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.factories import make_model_dir
 from tgis.benchmark.engine_mode import EngineBenchmark, load_backend, parse_batch_sizes
 from tgis.benchmark.results import validate_results
 from tgis.cli import app
@@ -49,13 +50,17 @@ def test_engine_mode_prints_the_table_and_writes_valid_results_and_a_png(
     assert png.read_bytes().startswith(PNG)
 
 
-def test_runs_release_their_sequences_and_count_one_sample_per_decode_step(
-    demo_model_dir: Path,
-) -> None:
-    backend = load_backend(demo_model_dir, "cpu", None, 3, 8, 3)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_each_engine_counts_one_sample_per_decode_step(tmp_path: Path, arch: str) -> None:
+    """A llama model runs the paged backend, as `tgis serve` does; gpt2 the slot one, whose
+    runs release their sequences."""
+    model_dir = make_model_dir(tmp_path / arch, arch)  # type: ignore[arg-type]
+    backend = load_backend(model_dir, "cpu", None, 3, 8, 3)
+    assert (backend.capacity.block_size is None) == (arch == "gpt2")
     bench = EngineBenchmark(backend, [3], 8, 3, runs=2, warmups=1, avoid_ids={0, 1, 2})
     bench.execute()
-    assert backend.running == 0  # type: ignore[attr-defined]
+    if arch == "gpt2":
+        assert backend.running == 0  # type: ignore[union-attr]
     measure = bench.measures[0]
     assert len(measure.prefill) == 2 and len(measure.decode) == 2 * 3
     assert not {0, 1, 2} & set(bench.token_pool)

@@ -29,8 +29,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from tgis.benchmark.metrics import distribution
-from tgis.engine.backend import Backend, PrefillItem
+from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
 from tgis.errors import ConfigError
+
+# The largest KV block of any device (cuda's): pools sized in whole blocks of it fit every device.
+MAX_BLOCK = 256
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -61,17 +64,35 @@ def load_backend(
     prompt_tokens: int,
     decode_tokens: int,
     compile: bool = False,
-) -> Backend:
-    """The TorchDynamicBackend of `model_dir` sized for `max_batch` sequences of the run; with
-    `compile`, decode goes through torch.compile, compiled here by the backend's warmup."""
+) -> Backend | PagedBackend:
+    """The backend `tgis serve` would run for `model_dir`, sized for `max_batch` sequences of
+    the run: the paged one for llama-family models (its CUDA graphs recorded here), the slot
+    one for the others and with `compile` (decode through torch.compile, compiled here)."""
+    import torch
+
+    from tgis.backends.llama_native import native_unsupported_reason
+    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
-    backend = TorchDynamicBackend.load(
-        model_dir,
-        device=device,
-        dtype=dtype,
+    model = load_causal_lm(model_dir, torch.device(device), dtype)
+    total = prompt_tokens + decode_tokens + 1
+    if not compile and native_unsupported_reason(model) is None:
+        paged = PagedTorchBackend(
+            model,
+            max_sequences=max_batch,
+            max_sequence_tokens=total,
+            max_prefill_tokens=max_batch * prompt_tokens,
+            kv_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
+        )
+        if paged.graphs is not None:
+            paged.warmup(max_batch, prompt_tokens)
+        return paged
+    backend = TorchDynamicBackend(
+        model,
         max_sequences=max_batch,
-        max_sequence_tokens=prompt_tokens + decode_tokens + 1,
+        max_sequence_tokens=total,
+        kv_tokens=max_batch * total,
         compile=compile,
     )
     if compile:
@@ -124,7 +145,7 @@ class EngineBenchmark:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | PagedBackend,
         batch_sizes: Sequence[int],
         prompt_tokens: int,
         decode_tokens: int,
@@ -175,6 +196,9 @@ class EngineBenchmark:
             PrefillItem(seq_id, tuple(self.rng.choices(self.token_pool, k=self.prompt_tokens)))
             for seq_id in ids
         ]
+        if self.backend.capacity.block_size is not None:
+            self._run_paged(items, measure)
+            return
         started: list[int] = []
         prefill_s, decode_s = 0.0, []
         try:
@@ -190,6 +214,30 @@ class EngineBenchmark:
         finally:
             for seq_id in started:
                 self.backend.release(seq_id)
+        if measure is not None:
+            measure.prefill.append(prefill_s)
+            measure.decode.extend(decode_s)
+
+    def _run_paged(self, items: list[PrefillItem], measure: BatchMeasure | None) -> None:
+        """`run_once` on a paged backend: each sequence gets its own run of blocks."""
+        backend: PagedBackend = self.backend  # type: ignore[assignment]
+        size = backend.capacity.block_size or 1
+        per_seq = -(-(self.prompt_tokens + self.decode_tokens + 1) // size)
+        tables = [tuple(range(r * per_seq, (r + 1) * per_seq)) for r in range(len(items))]
+        start = time.perf_counter()
+        out = backend.forward(
+            [PackedItem(i.seq_id, i.input_ids, 0, t) for i, t in zip(items, tables, strict=True)]
+        )
+        tokens = out.last.argmax(dim=-1).tolist()  # .tolist() waits for the device
+        prefill_s, decode_s = time.perf_counter() - start, []
+        for step in range(self.decode_tokens):
+            start = time.perf_counter()
+            packed = [
+                PackedItem(i.seq_id, (token,), self.prompt_tokens + step, t)
+                for i, token, t in zip(items, tokens, tables, strict=True)
+            ]
+            tokens = backend.forward(packed).last.argmax(dim=-1).tolist()
+            decode_s.append(time.perf_counter() - start)
         if measure is not None:
             measure.prefill.append(prefill_s)
             measure.decode.extend(decode_s)
