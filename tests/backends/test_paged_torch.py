@@ -227,3 +227,21 @@ def test_real_cuda_graphs_equal_eager_on_cuda() -> None:
     assert graphed.graphs is not None and graphed.graphs.captured == (1, 2, 4, 8)
     for batch in (prompts[:1], prompts[:3], prompts):
         assert greedy(graphed, batch, NEW) == greedy(eager, batch, NEW)
+
+
+class FailingApi(ReplayingApi):
+    def capture(self, step):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_graph_that_cannot_be_recorded_leaves_decode_eager_unless_required() -> None:
+    kw = {"max_sequences": 2, "max_sequence_tokens": 32, "max_prefill_tokens": 32}
+    backend = PagedTorchBackend(fresh(), kv_tokens=64, block_size=4, graph_api=FailingApi(), **kw)
+    timings = backend.warmup(2, 8)
+    assert backend.graphs is None and not any(t.compiled for t in timings)
+    assert greedy(backend, PROMPTS[:2], 2)  # serves eagerly
+    required = PagedTorchBackend(
+        fresh(), kv_tokens=64, block_size=4, graph_api=FailingApi(), cuda_graphs=True, **kw
+    )
+    with pytest.raises(ConfigError, match="recording the decode graph of batch 2 failed"):
+        required.warmup(2, 8)

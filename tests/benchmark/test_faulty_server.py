@@ -66,6 +66,9 @@ async def faulty_stream(mode: str, request: Request) -> AsyncIterator[str]:
         raise RuntimeError("the server dies mid-stream")  # uvicorn drops the connection
     elif mode == "ok":
         yield "data: [DONE]\n\n" if openai else tgi_event(final=True)
+    elif mode == "finish_no_done":  # transformers serve 5.x: a finish reason, then the end
+        choice = {"index": 0, "finish_reason": "length", "delta": {}}
+        yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
     # "close": the stream ends without its final event
 
 
@@ -133,6 +136,17 @@ def test_each_fault_is_one_error_kind(
     assert record.end >= record.start
     if mode == "500":
         assert "boom" in record.error_message
+
+
+def test_an_openai_stream_that_ends_after_its_finish_reason_is_complete(
+    faulty: tuple[str, dict[str, str]],
+) -> None:
+    """No `[DONE]` after the chunk with the finish reason: complete, as the openai client
+    reads it; a stream that ends before any finish reason stays `stream_closed` (above)."""
+    url, state = faulty
+    state["value"] = "finish_no_done"
+    record = one_request(url, "openai-chat")
+    assert record.error is None and record.finish_reason == "length"
 
 
 @pytest.mark.parametrize("api", ["tgi", "openai-completions"])

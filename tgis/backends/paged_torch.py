@@ -172,6 +172,7 @@ class PagedTorchBackend:
                 f"{torch.__version__}",
                 "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or install torch >= 2.12 on a GPU",
             )
+        self._graphs_required = bool(requested)
         return possible if requested is None else requested
 
     # --- the pool's size ---------------------------------------------------------------------
@@ -221,7 +222,7 @@ class PagedTorchBackend:
             self.kv_shape.num_heads, self.kv_shape.head_dim, self.dtype, self.device_obj,
         )  # fmt: skip
         try:
-            self.forward([item])
+            self._forward_eager([item])
             torch.cuda.synchronize(self.device_obj)
             peak = torch.cuda.max_memory_allocated(self.device_obj)
         finally:
@@ -242,6 +243,10 @@ class PagedTorchBackend:
         graphed = self._graphed(items)
         if graphed is not None:
             return PackedOutput(graphed, (None,) * len(items))
+        return self._forward_eager(items)
+
+    def _forward_eager(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """`forward` without checks or graphs (also the profiling run, before capacity)."""
         query_lens = [len(item.token_ids) for item in items]
         kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
         windows = self.path.windows
@@ -376,9 +381,26 @@ class PagedTorchBackend:
         if self.graphs is not None:
             for bucket in sorted(self.graphs.buckets, reverse=True):
                 start = time.perf_counter()
-                self.graphs.capture(bucket)
+                try:
+                    self.graphs.capture(bucket)
+                except RuntimeError as exc:
+                    self._graph_capture_failed(bucket, exc)
+                    break
                 seconds = time.perf_counter() - start
                 timings.append(ShapeTiming(Shape("decode", bucket, 1), seconds, 1))
                 if on_shape is not None:
                     on_shape(timings[-1])
         return timings
+
+    def _graph_capture_failed(self, bucket: int, exc: RuntimeError) -> None:
+        """Recording a graph failed: an error when --cuda-graphs asked for them, else decode
+        runs eagerly (correct, slower) and the log says why."""
+        if self._graphs_required:
+            raise ConfigError(
+                f"--cuda-graphs: recording the decode graph of batch {bucket} failed: {exc}",
+                "serve with --no-cuda-graphs (TGIS_CUDA_GRAPHS=false)",
+            ) from exc
+        logger.warning(
+            "recording the decode graph of batch %d failed (%s): decode runs eagerly", bucket, exc
+        )
+        self.graphs = None

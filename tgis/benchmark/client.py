@@ -7,7 +7,8 @@ marker or an event that is not the JSON the API promises becomes the record's `e
     http_<status>  the server answered with that status
     timeout        no byte for `stall_timeout` seconds, or the request ran past `request_timeout`
     stream_closed  the connection or stream ended before the final event (TGI: the event with
-                   `generated_text`; OpenAI: `[DONE]`)
+                   `generated_text`; OpenAI: `[DONE]`, or a chunk with `finish_reason` followed
+                   by the end of the stream, as the openai client accepts)
     connection     the server could not be reached
     malformed      an event that is not the API's JSON
     server_error   the server sent an error event inside the stream
@@ -192,6 +193,10 @@ class BenchmarkClient:
                     raise MalformedEvent(f"{exc}: {data[:200]!r}") from exc
                 if finished or record.error:
                     return
+            if self.api != "tgi" and record.finish_reason is not None:
+                # The server closed the stream after the chunk with the finish reason but sent
+                # no `[DONE]` (transformers serve 5.x): complete, as the openai client reads it.
+                return
             record.error = "stream_closed"
             record.error_message = "the stream ended before its final event"
 
