@@ -4,6 +4,8 @@ model: the backend takes the model's weights (fused views), so none is shared.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -12,6 +14,7 @@ from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
 from tests.backends.paged_driver import greedy, scheduler_for
 from tests.backends.test_llama_native import CONTINUATION, build, hf_logits
 from tests.factories import tiny_model
+from tgis.backends.paged_attention import flash_paged_available
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.engine.backend import PackedItem, Shape
 from tgis.errors import ConfigError
@@ -214,8 +217,6 @@ def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
 def test_real_cuda_graphs_equal_eager_on_cuda() -> None:
     """Recorded CUDA graphs (not a stand-in) give the eager backend's greedy tokens, in bf16,
     for batches that fill a bucket and batches that pad one."""
-    from tgis.backends.paged_attention import flash_paged_available
-
     if not flash_paged_available(torch.device("cuda")):
         pytest.skip("this torch's varlen_attn has no block_table")
     prompts = [*PROMPTS, (9, 9, 9), (1, 2, 3, 4, 5)]
@@ -245,3 +246,20 @@ def test_a_graph_that_cannot_be_recorded_leaves_decode_eager_unless_required() -
     )
     with pytest.raises(ConfigError, match="recording the decode graph of batch 2 failed"):
         required.warmup(2, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_tokens_same_alone_and_batched() -> None:
+    """On the GPU (flash attention over pages, float32 so rounding cannot flip a token):
+    greedy tokens equal generate's, alone and in a batch, chunked and from cached blocks."""
+    model = fresh("llama", seed=8)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = PagedTorchBackend(
+        copy.deepcopy(model).to("cuda"), max_sequences=8, max_sequence_tokens=512,
+        max_prefill_tokens=512, kv_tokens=4096, cuda_graphs=False,
+    )  # fmt: skip
+    assert backend.path.pool.flash == flash_paged_available(torch.device("cuda"))
+    assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(backend, PROMPTS, NEW) == reference
+    sched = scheduler_for(backend, prefill_tokens=5, prefix_caching=True)
+    assert greedy(backend, PROMPTS, NEW, sched) == reference

@@ -112,19 +112,20 @@ def paged_attention_reference(
 
 def flash_paged_available(device: torch.device) -> bool:
     """Whether `varlen_attn` with a paged cache can run on `device` (CUDA, torch >= 2.12)."""
-    return device.type == "cuda" and _varlen_takes_block_table()
+    return device.type == "cuda" and "block_table" in _varlen_parameters()
 
 
 @functools.cache
-def _varlen_takes_block_table() -> bool:
-    """The installed torch's answer, looked up once (every attention call asks)."""
+def _varlen_parameters() -> frozenset[str]:
+    """The installed torch's `varlen_attn` parameters (none without CUDA or the function),
+    looked up once: every attention call asks."""
     if not torch.cuda.is_available():
-        return False
+        return frozenset()
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return "block_table" in inspect.signature(varlen_attn).parameters
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def paged_attention(
@@ -156,6 +157,10 @@ def paged_attention(
     left = -1 if window is None else window - 1
     seqused = seqused_k.int()
     cu_seq_k = torch.nn.functional.pad(seqused.cumsum(0, dtype=torch.int32), (1, 0))
+    # One split of the KV length per sequence: the result of a sequence then does not depend
+    # on the rest of the batch (the kernel's split-KV choice does), so greedy tokens are the
+    # same alone and in any batch. Older torch has no choice to make.
+    splits = {"num_splits": 1} if "num_splits" in _varlen_parameters() else {}
     return varlen_attn(
         query,
         k_cache,
@@ -169,6 +174,7 @@ def paged_attention(
         enable_gqa=query.shape[1] != k_cache.shape[2],
         seqused_k=seqused,
         block_table=block_table.int(),
+        **splits,
     )  # type: ignore[return-value]
 
 
