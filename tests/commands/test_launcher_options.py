@@ -46,3 +46,23 @@ def test_values_reach_the_command_as_keywords() -> None:
 def test_unknown_option_names_are_refused() -> None:
     with pytest.raises(ValueError, match="not launcher options: max_speed"):
         launcher_options("max_batch_size", "max_speed")
+
+
+def test_paged_engine_switches_take_a_no_form_and_stay_unset_by_default() -> None:
+    seen: dict[str, Any] = {}
+
+    @launcher_options("cuda_graphs", "prefix_caching")
+    def command(**launcher: Any) -> None:
+        seen.update(launcher)
+
+    app = typer.Typer()
+    app.command()(command)
+    for args, expected in (
+        ([], {"cuda_graphs": None, "prefix_caching": None}),
+        (["--no-cuda-graphs", "--prefix-caching"], {"cuda_graphs": False, "prefix_caching": True}),
+        (["--cuda-graphs", "--no-prefix-caching"], {"cuda_graphs": True, "prefix_caching": False}),
+    ):
+        seen.clear()
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert seen == expected

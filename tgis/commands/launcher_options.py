@@ -24,11 +24,20 @@ DEVICE = "Backend and device"
 SERVER = "Server"
 
 
-def _opt(name: str, panel: str, help_text: str, default: str | None = None, **kw: Any) -> Any:
+def _opt(
+    name: str,
+    panel: str,
+    help_text: str,
+    default: str | None = None,
+    negatable: bool = False,
+    **kw: Any,
+) -> Any:
+    """A launcher option; `negatable` bools get a `--no-` form too (unset: the default)."""
     env = ENV_NAMES[name]
     shown = default if default is not None else str(DEFAULTS.get(name, "derived"))
+    flag = "--" + name.replace("_", "-")
     return typer.Option(
-        "--" + name.replace("_", "-"),
+        f"{flag}/--no-{flag[2:]}" if negatable else flag,
         help=f"{help_text} \\[env: {env}]",
         rich_help_panel=panel,
         show_default=shown if shown else False,
@@ -146,7 +155,7 @@ CompileCache = Annotated[
     _opt(
         "compile_cache",
         DEVICE,
-        "Directory that keeps compiled programs across runs: XLA's cache (tpu), inductor's (--compile), the start-up export (neuron).",
+        "Where compiled programs persist: XLA's cache (tpu), inductor's (--compile), the neuron export.",
         "none",
     ),
 ]
@@ -167,6 +176,7 @@ CudaGraphs = Annotated[
         "cuda: replay the paged engine's decode steps from CUDA graphs, one per batch bucket "
         "(recorded during warmup); --no-cuda-graphs runs them eagerly.",
         "on where flash attention runs",
+        negatable=True,
     ),
 ]
 PrefixCaching = Annotated[
@@ -176,6 +186,7 @@ PrefixCaching = Annotated[
         DEVICE,
         "cpu/cuda paged engine: reuse the KV blocks of prompt prefixes other requests computed.",
         "on where the paged engine runs",
+        negatable=True,
     ),
 ]
 CudaMemoryFraction = Annotated[
