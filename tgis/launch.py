@@ -63,15 +63,14 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
     and with --compile (which compiles the slot engine's decode)."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
-    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
+    from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
     model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
     slots = config.max_batch_size or config.max_concurrent_requests
-    reason = "--compile runs the slot engine" if config.compile else None
-    reason = reason or native_unsupported_reason(model)
+    reason = paged_unsupported_reason(model, config.compile)
     if reason is None:
         return PagedTorchBackend(
             model,

@@ -237,10 +237,12 @@ class FailingApi(ReplayingApi):
 
 def test_a_graph_that_cannot_be_recorded_leaves_decode_eager_unless_required() -> None:
     kw = {"max_sequences": 2, "max_sequence_tokens": 32, "max_prefill_tokens": 32}
-    backend = PagedTorchBackend(fresh(), kv_tokens=64, block_size=4, graph_api=FailingApi(), **kw)
+    model = fresh()
+    reference = [greedy_reference(model, p, 2) for p in PROMPTS[:2]]
+    backend = PagedTorchBackend(model, kv_tokens=64, block_size=4, graph_api=FailingApi(), **kw)
     timings = backend.warmup(2, 8)
     assert backend.graphs is None and not any(t.compiled for t in timings)
-    assert greedy(backend, PROMPTS[:2], 2)  # serves eagerly
+    assert greedy(backend, PROMPTS[:2], 2) == reference  # serves eagerly
     required = PagedTorchBackend(
         fresh(), kv_tokens=64, block_size=4, graph_api=FailingApi(), cuda_graphs=True, **kw
     )

@@ -217,6 +217,12 @@ class StepMetadata:
     prefill: tuple[_PrefillRun, ...] = ()
 
 
+def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat pool slots (block * block_size + offset) of positions start..end-1 of a sequence
+    whose block table is `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def step_metadata(
     query_lens: Sequence[int],
     kv_lens: Sequence[int],
@@ -238,15 +244,11 @@ def step_metadata(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-
-    def slots(blocks: Sequence[int], start: int, end: int) -> list[int]:
-        return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
     slot_mapping = torch.tensor(
         [
             s
             for blocks, q, kv in zip(block_tables, query_lens, kv_lens, strict=True)
-            for s in slots(blocks, kv - q, kv)
+            for s in slots_of(blocks, kv - q, kv, block_size)
         ]
     )
     flash = flash_paged_available(device)
@@ -258,7 +260,11 @@ def step_metadata(
         )  # fmt: skip
         prefill = tuple(
             _prefill_run(
-                starts[i], starts[i + 1], slots(block_tables[i], 0, kv_lens[i]), device, windows
+                starts[i],
+                starts[i + 1],
+                slots_of(block_tables[i], 0, kv_lens[i], block_size),
+                device,
+                windows,
             )
             for i, q in enumerate(query_lens)
             if q > 1

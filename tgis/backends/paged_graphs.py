@@ -79,6 +79,11 @@ class DecodeGraphs:
         """The smallest bucket holding `batch` rows (None: larger than every bucket)."""
         return next((b for b in self.buckets if b >= batch), None)
 
+    def graph_for(self, batch: int) -> int | None:
+        """The recorded bucket a decode step of `batch` rows replays (None: it runs eagerly)."""
+        bucket = self.bucket_for(batch)
+        return bucket if bucket in self._graphs else None
+
     @torch.inference_mode()
     def capture(self, bucket: int) -> None:
         """Record the decode step of `bucket` rows (all padding while recording)."""
@@ -117,8 +122,8 @@ class DecodeGraphs:
         """One decode step of n = len(token_ids) sequences through the bucket's graph:
         logits [n, vocab] (float32). The caller checked that n fits a captured bucket."""
         n = len(token_ids)
-        bucket = self.bucket_for(n)
-        if bucket is None or bucket not in self._graphs:
+        bucket = self.graph_for(n)
+        if bucket is None:
             raise ValueError(f"no CUDA graph holds a decode batch of {n}")
         width = self.block_table.shape[1]
         pad = bucket - n

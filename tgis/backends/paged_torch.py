@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
-from tgis.backends.llama_native import native_kv_shape
-from tgis.backends.paged_attention import flash_paged_available, step_metadata
+from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
+from tgis.backends.paged_attention import flash_paged_available, slots_of, step_metadata
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
@@ -44,6 +44,13 @@ BLOCK_SIZE = {"cuda": 256, "cpu": 16}
 CPU_PREFILL_STEP_TOKENS = 512
 # Prompt length of the short sequences warmup decodes with.
 WARMUP_PROMPT = 8
+
+
+def paged_unsupported_reason(model: PreTrainedModel, compile: bool = False) -> str | None:
+    """Why `model` runs on the slot engine rather than this one (None: it runs here)."""
+    if compile:
+        return "--compile runs the slot engine"
+    return native_unsupported_reason(model)
 
 
 class PagedTorchBackend:
@@ -89,22 +96,15 @@ class PagedTorchBackend:
             shape.num_layers, shape.num_heads, shape.head_dim, self.dtype
         )
         # Rope tables and weights first: the pool takes what memory is left.
-        probe = KVPool.allocate(
-            shape.num_layers, 1, self.block_size, shape.num_heads, shape.head_dim, self.dtype,
-            self.device_obj,
-        )  # fmt: skip
         with torch.inference_mode():
-            self.path = PagedLlamaForward(model, probe, max_sequence_tokens)
+            self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
         graphs = self._use_graphs(cuda_graphs, graph_api)
         num_blocks = self._size_pool(
             kv_tokens, per_token, max_sequences * max_sequence_tokens, memory_fraction
         )
         with torch.inference_mode():
             # With graphs, one more block than the scheduler knows: padding rows write there.
-            self.path.pool = KVPool.allocate(
-                shape.num_layers, num_blocks + int(graphs), self.block_size, shape.num_heads,
-                shape.head_dim, self.dtype, self.device_obj,
-            )  # fmt: skip
+            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -162,6 +162,13 @@ class PagedTorchBackend:
     def capacity(self) -> BackendCapacity:
         return self._capacity
 
+    def _allocate_pool(self, num_blocks: int) -> KVPool:
+        shape = self.kv_shape
+        return KVPool.allocate(
+            shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
+            self.dtype, self.device_obj,
+        )  # fmt: skip
+
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
         """Whether decode runs through recorded graphs (see __init__)."""
         possible = api is not None or flash_paged_available(self.device_obj)
@@ -217,10 +224,7 @@ class PagedTorchBackend:
             -tokens // self.block_size
         ))  # fmt: skip
         saved = self.path.pool
-        self.path.pool = KVPool.allocate(
-            self.kv_shape.num_layers, len(item.block_table), self.block_size,
-            self.kv_shape.num_heads, self.kv_shape.head_dim, self.dtype, self.device_obj,
-        )  # fmt: skip
+        self.path.pool = self._allocate_pool(len(item.block_table))
         try:
             self._forward_eager([item])
             torch.cuda.synchronize(self.device_obj)
@@ -245,6 +249,7 @@ class PagedTorchBackend:
             return PackedOutput(graphed, (None,) * len(items))
         return self._forward_eager(items)
 
+    @torch.inference_mode()
     def _forward_eager(self, items: Sequence[PackedItem]) -> PackedOutput:
         """`forward` without checks or graphs (also the profiling run, before capacity)."""
         query_lens = [len(item.token_ids) for item in items]
@@ -295,18 +300,17 @@ class PagedTorchBackend:
         """Logits of a decode step replayed from its graph; None when the step runs eagerly
         (no graphs, a prefill chunk, prompt logits, or more rows than the largest bucket)."""
         graphs = self.graphs
-        if graphs is None or not graphs.captured:
+        if graphs is None:
             return None
         if any(len(i.token_ids) != 1 or not i.sample or i.prompt_logits for i in items):
             return None
-        bucket = graphs.bucket_for(len(items))
-        if bucket is None or bucket not in graphs.captured:
+        if graphs.graph_for(len(items)) is None:
             return None
         size = self.block_size
         return graphs.run(
             [item.token_ids[0] for item in items],
             [item.start for item in items],
-            [item.block_table[item.start // size] * size + item.start % size for item in items],
+            [slots_of(item.block_table, item.start, item.start + 1, size)[0] for item in items],
             [item.block_table for item in items],
         )
 

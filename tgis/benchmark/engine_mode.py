@@ -70,14 +70,13 @@ def load_backend(
     one for the others and with `compile` (decode through torch.compile, compiled here)."""
     import torch
 
-    from tgis.backends.llama_native import native_unsupported_reason
-    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
     model = load_causal_lm(model_dir, torch.device(device), dtype)
     total = prompt_tokens + decode_tokens + 1
-    if not compile and native_unsupported_reason(model) is None:
+    if paged_unsupported_reason(model, compile) is None:
         paged = PagedTorchBackend(
             model,
             max_sequences=max_batch,

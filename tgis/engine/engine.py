@@ -185,8 +185,8 @@ class Engine:
     def _drop(self, live: LiveSequence) -> None:
         """Forget a sequence (cancelled or failed), freeing its slot if it had one."""
         seq = live.seq
-        if seq.status is SeqStatus.RUNNING and isinstance(self.scheduler, Scheduler):
-            self.backend.release(seq.seq_id)  # type: ignore[union-attr]
+        if seq.status is SeqStatus.RUNNING:
+            self._release_slot(seq.seq_id)
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         self._live.pop(seq.seq_id, None)
@@ -314,10 +314,15 @@ class Engine:
                 )
 
     def _finish(self, live: LiveSequence) -> None:
-        if isinstance(self.scheduler, Scheduler):
-            self.backend.release(live.seq.seq_id)  # type: ignore[union-attr]
+        self._release_slot(live.seq.seq_id)
         self.scheduler.finish(live.seq)
         self._live.pop(live.seq.seq_id, None)
+
+    def _release_slot(self, seq_id: int) -> None:
+        """A slot backend frees the sequence's KV slot; a paged one keeps no per-sequence
+        state (the scheduler's `finish` gives the blocks back)."""
+        if isinstance(self.scheduler, Scheduler):
+            self.backend.release(seq_id)  # type: ignore[union-attr]
 
     def _fail_all(self, error: TgisError) -> None:
         for live in list(self._live.values()):
