@@ -99,7 +99,9 @@ def faulty() -> Iterator[tuple[str, dict[str, str]]]:
 
 def one_request(url: str, api: str) -> Any:
     async def go() -> Any:
-        client = BenchmarkClient(url, api=api, request_timeout=1.0, stall_timeout=0.3)  # type: ignore[arg-type]
+        # Generous enough for a loaded machine to connect and answer (a stall is 1 s of
+        # silence), short enough that every case ends within a few seconds.
+        client = BenchmarkClient(url, api=api, request_timeout=2.0, stall_timeout=1.0)  # type: ignore[arg-type]
         try:
             return await client.send(Turn("hello", 1, 4))
         finally:
@@ -129,7 +131,7 @@ def test_each_fault_is_one_error_kind(
     state["value"] = mode
     began = time.perf_counter()
     record = one_request(url, api)
-    assert time.perf_counter() - began < 2.0
+    assert time.perf_counter() - began < 4.0
     assert record.error == error, record.error_message
     expected = 1 if api == "openai-chat" and mode == "ok" else tokens  # [DONE] carries no token
     assert len(record.token_times) == expected
@@ -155,9 +157,9 @@ def test_a_request_past_its_total_timeout(faulty: tuple[str, dict[str, str]], ap
     state["value"] = "trickle"  # never stalls long enough for stall_timeout
     began = time.perf_counter()
     record = one_request(url, api)
-    assert 1.0 <= time.perf_counter() - began < 2.0
+    assert 2.0 <= time.perf_counter() - began < 4.0
     assert record.error == "timeout"
-    assert len(record.token_times) >= 5
+    assert len(record.token_times) >= 10
 
 
 def test_unreachable_server() -> None:
