@@ -17,7 +17,9 @@ from tgis.engine.sampling import (
     SamplingBatch,
     SamplingRow,
     derive_seed,
+    draw_state,
     prompt_logprobs,
+    uniforms,
 )
 from tgis.params import GenerateParameters as P
 
@@ -70,7 +72,12 @@ def test_temperature_scales_the_reported_logprobs() -> None:
         assert out.ranks[i] == int((scaled[i] > scaled[i, token]).sum()) + 1
 
 
-def test_processors_match_huggingface_in_a_mixed_batch() -> None:
+# queued=True is the accelerator's way (whole batch, whole-vocabulary sorts), run on the CPU.
+QUEUED = pytest.mark.parametrize("queued", [False, True], ids=["rows", "queued"])
+
+
+@QUEUED
+def test_processors_match_huggingface_in_a_mixed_batch(queued: bool) -> None:
     logits = logits_for(3, rows=6)
     histories = [[5, 9, 9, 40], [1], [7, 3], [2, 60, 61], [8], [4, 4]]
     params = [
@@ -82,7 +89,7 @@ def test_processors_match_huggingface_in_a_mixed_batch() -> None:
         P(repetition_penalty=0.6),
     ]
     scores = SamplingBatch(
-        [SamplingRow(p, h) for p, h in zip(params, histories, strict=True)]
+        [SamplingRow(p, h) for p, h in zip(params, histories, strict=True)], queued=queued
     ).process(logits)
     expected = [
         RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([histories[0]]), logits[0:1].clone()),
@@ -106,7 +113,9 @@ def test_repetition_penalty_uses_generated_tokens_too() -> None:
     logits[0, 5] = 4.0
     assert batch.choose(logits).token_ids == [5]  # penalised next step
     scores = SamplingBatch([row]).process(logits)
-    assert scores[0, 5].item() == 2.0 and row.history().tolist() == [1, 5]
+    assert scores[0, 5].item() == 2.0
+    seen, counts = row.penalty_state(8, torch.device("cpu"))
+    assert seen.nonzero().flatten().tolist() == [1, 5] and counts.tolist()[5] == 1.0
 
 
 def test_frequency_and_presence_penalties_count_generated_tokens_only() -> None:
@@ -132,19 +141,22 @@ def test_min_new_tokens_suppresses_eos() -> None:
 
 
 def sample_run(
-    row: SamplingRow, steps: int, batch_with: list[SamplingRow] | None = None
+    row: SamplingRow,
+    steps: int,
+    batch_with: list[SamplingRow] | None = None,
+    queued: bool | None = None,
 ) -> list[int]:
     """Tokens of `row` over `steps`, alone or as row 5 of a batch with `batch_with`."""
     tokens = []
     for step in range(steps):
         own = logits_for(step)
         if batch_with is None:
-            tokens.append(SamplingBatch([row], [EOS]).choose(own).token_ids[0])
+            tokens.append(SamplingBatch([row], [EOS], queued=queued).choose(own).token_ids[0])
             continue
         others = logits_for(step + 500, rows=len(batch_with))
         rows = [*batch_with[:5], row, *batch_with[5:]]
         logits = torch.cat([others[:5], own, others[5:]])
-        tokens.append(SamplingBatch(rows, [EOS]).choose(logits).token_ids[5])
+        tokens.append(SamplingBatch(rows, [EOS], queued=queued).choose(logits).token_ids[5])
     return tokens
 
 
@@ -176,9 +188,12 @@ def mixed_rows() -> list[SamplingRow]:
         P(temperature=1.5, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=7, top_n_tokens=3),
     ],
 )
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(params: P) -> None:
+@QUEUED
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(params: P, queued: bool) -> None:
     alone = sample_run(SamplingRow(params, [1, 2]), steps=12)
-    batched = sample_run(SamplingRow(params, [1, 2]), steps=12, batch_with=mixed_rows())
+    batched = sample_run(
+        SamplingRow(params, [1, 2]), steps=12, batch_with=mixed_rows(), queued=queued
+    )
     assert alone == batched
     assert len(set(alone)) > 3  # really sampling, not stuck on one token
 
@@ -249,21 +264,53 @@ def test_prompt_logprobs_are_raw_next_token_logprobs() -> None:
     assert prompt_logprobs(logits[:1], [4]) == []
 
 
-def test_row_history_grows_past_its_first_capacity() -> None:
-    row = SamplingRow(P(repetition_penalty=1.1, max_new_tokens=2), [1, 2])
-    for token in range(10):
+def test_penalty_state_holds_tokens_recorded_before_and_after_it_is_built() -> None:
+    row = SamplingRow(P(frequency_penalty=0.5), [1, 2])
+    for token in (3, 3):
+        row.append(token)  # host ids, before the device state exists
+    seen, counts = row.penalty_state(16, torch.device("cpu"))
+    for token in (3, 9):
         row.append(token)
-    assert row.history().tolist() == [1, 2, *range(10)]
-    assert row.generated_ids().tolist() == list(range(10))
+    assert seen.nonzero().flatten().tolist() == [1, 2, 3, 9]
+    assert counts.nonzero().flatten().tolist() == [3, 9]
+    assert counts[3].item() == 3.0 and counts[1].item() == 0.0  # prompt ids are not counted
+    assert row.generated == 4
+
+
+def test_uniform_draws_are_splitmix64_on_the_device() -> None:
+    """The vectorised draws equal SplitMix64 in Python integers: int64 products wrap as
+    uint64's and right shifts are logical, for seeds across the whole 64-bit range."""
+    seeds = [0, 1, 2**63 - 1, 2**63, 2**64 - 1, *(derive_seed(12345, i) for i in range(1, 60))]
+    draws = [0, 1, 7, 2**20]
+    states = torch.tensor([draw_state(s, d) for s in seeds for d in draws])
+    expected = [(derive_seed(s, d + 1) >> 40) / 2**24 for s in seeds for d in draws]
+    got = uniforms(states)
+    assert got.dtype == torch.float32
+    assert got.tolist() == expected
+    assert min(expected) >= 0.0 and max(expected) < 1.0
+
+
+def test_sampling_follows_the_distribution() -> None:
+    """4,000 rows with distinct seeds sample a 4-token distribution within a chi-square bound
+    (p = 0.001 at 3 degrees of freedom is 16.27)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = [SamplingRow(P(do_sample=True, seed=s), [1]) for s in range(4000)]
+    out = SamplingBatch(rows).choose(probs.log().expand(4000, 4))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float()
+    expected = probs * 4000
+    assert float(((counts - expected) ** 2 / expected).sum()) < 16.27
 
 
 # Kept sets of ~1-20 tokens (64 candidates suffice), ~100-2500 (1024 or all), ~4000 (all).
+@QUEUED
 @pytest.mark.parametrize("scale", [4.0, 2.0, 0.3])
-def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(scale: float) -> None:
+def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(
+    scale: float, queued: bool
+) -> None:
     vocab = 5000
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(7)) * scale
     params = [P(top_p=0.9), P(top_p=0.5), P(typical_p=0.9), P(typical_p=0.3)]
-    scores = SamplingBatch([SamplingRow(p, [1]) for p in params]).process(logits)
+    scores = SamplingBatch([SamplingRow(p, [1]) for p in params], queued=queued).process(logits)
     expected = torch.cat(
         [
             TopPLogitsWarper(0.9)(None, logits[0:1].clone()),
@@ -276,3 +323,20 @@ def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(scale: floa
     assert torch.equal(scores, expected)
     kept = torch.isfinite(scores).sum(-1)
     assert kept.max() > 1 and (kept < vocab).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_choice_equals_the_cpu_choice() -> None:
+    """The queued CUDA step picks the CPU's tokens for a mixed batch over several steps, and the
+    device's SplitMix64 draws equal Python's."""
+    states = torch.tensor([draw_state(s, d) for s in (0, 2**64 - 1, 77) for d in (0, 5)])
+    assert uniforms(states.cuda()).cpu().tolist() == uniforms(states).tolist()
+    on_cpu = mixed_rows()
+    on_cuda = [SamplingRow(r.params, [1, 2, 3, i], seed=r.seed) for i, r in enumerate(on_cpu)]
+    for step in range(6):
+        logits = logits_for(step, rows=len(on_cpu), vocab=512)
+        want = SamplingBatch(on_cpu, [EOS]).choose(logits)
+        got = SamplingBatch(on_cuda, [EOS]).choose(logits.cuda())
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert got.ranks == want.ranks and got.top_ids == want.top_ids

@@ -284,6 +284,9 @@ class PagedTorchBackend:
             meta,
             torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
         )
+        if not any(item.prompt_logits for item in items):
+            # One row per sampling chunk, in order: the logits are the sampled rows already.
+            return PackedOutput(logits, (None,) * len(items))
         last: list[int] = []
         prompt: list[torch.Tensor | None] = []
         row = 0
@@ -293,7 +296,7 @@ class PagedTorchBackend:
                 last.append(row + taken - 1)
             prompt.append(logits[row : row + n] if item.prompt_logits else None)
             row += taken
-        chosen = logits[torch.tensor(last, device=device)] if last else logits[:0]
+        chosen = logits[torch.tensor(last).to(device, non_blocking=True)] if last else logits[:0]
         return PackedOutput(chosen, tuple(prompt))
 
     def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:

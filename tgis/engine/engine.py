@@ -251,8 +251,9 @@ class Engine:
             for live, item, part in zip(lives, items, out.prompt, strict=True):
                 if part is not None:
                     live.add_prompt_logits(item.start, part)
-            choice = SamplingBatch([lv.row for lv in sampled], self.eos_token_ids).choose(out.last)
-            self.scheduler.complete(step)
+            pending = SamplingBatch([lv.row for lv in sampled], self.eos_token_ids).launch(out.last)
+            self.scheduler.complete(step)  # host bookkeeping while the device samples
+            choice = pending.result()
             for live in sampled:
                 live.record_prompt_parts()
         except Exception as exc:

@@ -1,17 +1,27 @@
 """Batched logits processing and token choice: one call per step for the whole batch.
 
-Per-request options become per-row tensors built at each step from the rows' cached state,
-so the engine adds and drops rows freely between steps. Each processor runs only on the rows
-that use it, and a row's result never depends on the other rows of the batch.
+Per-request options become one per-row parameter table uploaded at each step, so the engine
+adds and drops rows freely between steps. A row's result never depends on the other rows of
+the batch.
 
 Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor):
 min_new_tokens EOS mask -> repetition_penalty -> frequency/presence penalties -> temperature
 -> top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
 `log_softmax` of the processed scores, as TGI reports them.
 
+On an accelerator a step is queued without waiting for the device: the step's host values
+(parameters, random states, EOS ids) go up in two non-blocking copies from pinned memory, the
+token history of penalised rows stays on the device (a seen-token mask and generated-token
+counts per row, updated there with each chosen token), processors run over the whole batch with
+neutral values for rows that do not use them, top_p / typical_p sort the whole vocabulary
+instead of trying a few candidates first, and the chosen ids, logprobs and ranks come back in
+one copy. Only top-n alternatives, when a row asks for them, wait for the device mid-step.
+
 Choice: argmax for greedy rows; for sampled rows, inverse-CDF sampling with one uniform draw
-from the row's own `torch.Generator` (TGI draws a vocabulary-sized exponential vector per row
-instead; one scalar is far cheaper, and seeded runs replay exactly whatever the batch).
+per row from a counter-based generator: draw n of a row is SplitMix64 of (seed + (n + 1) *
+golden gamma), computed on the device for the whole batch at once, so seeded runs replay
+exactly whatever the batch, with no per-row generator (TGI keeps a `torch.Generator` per row
+and draws a vocabulary-sized exponential vector from each).
 
 Frequency and presence penalties follow OpenAI: `logit -= frequency * count + presence *
 (count > 0)`, counting the *generated* tokens only. (TGI instead subtracts `frequency * count /
@@ -31,24 +41,69 @@ from tgis.params import MAX_SEED, GenerateParameters
 _NEG_INF = float("-inf")
 # Rows of prompt logits handled at once by prompt_logprobs ([rows, vocab] float32 temporaries).
 _PROMPT_CHUNK = 256
-# Candidates top_p / typical_p look at first (then x16, then the whole vocabulary): sorting a
-# 50k vocabulary costs ~5 ms a row on a CPU core, a top-64 a tenth of a millisecond.
+# Candidates top_p / typical_p look at first on a CPU (then x16, then the whole vocabulary):
+# sorting a 50k vocabulary costs ~5 ms a row on a CPU core, a top-64 a tenth of a millisecond.
+# Accelerators sort the whole vocabulary at once (checking for a shortfall would wait for them).
 _CANDIDATES = 64
+
+# SplitMix64 (Steele, Lea, Flood 2014): the golden gamma and the two mixing multipliers.
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+# Columns of the per-row parameter table (neutral values make a processor a no-op on a row).
+_TEMPERATURE, _TOP_P, _TYPICAL_P, _REPETITION, _FREQUENCY, _PRESENCE, _TOP_K, _NO_EOS = range(8)
 
 
 def _active(value: float | None, neutral: float) -> float | None:
     return None if value is None or value == neutral else value
 
 
+def _splitmix64(z: int) -> int:
+    z &= MAX_SEED
+    z = ((z ^ (z >> 30)) * _MIX1) & MAX_SEED
+    z = ((z ^ (z >> 27)) * _MIX2) & MAX_SEED
+    return z ^ (z >> 31)
+
+
 def derive_seed(seed: int, index: int) -> int:
     """The seed of candidate `index` of a best_of request whose seed is `seed` (0 keeps it)."""
-    if index == 0:
-        return seed
-    # splitmix64: well-mixed, distinct seeds for neighbouring indices.
-    z = (seed + index * 0x9E3779B97F4A7C15) & MAX_SEED
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MAX_SEED
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MAX_SEED
-    return z ^ (z >> 31)
+    return seed if index == 0 else _splitmix64(seed + index * _GAMMA)
+
+
+def _int64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 that has its bits."""
+    value &= MAX_SEED
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch shifts signed values arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def draw_state(seed: int, draw: int) -> int:
+    """The int64 state behind draw `draw` (0-based) of the stream of `seed`."""
+    return _int64(seed + (draw + 1) * _GAMMA)
+
+
+def uniforms(states: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 values in [0, 1), 24 random bits each, from int64 `draw_state`s, on the
+    states' device: the top 24 bits of SplitMix64's output (int64 products wrap as uint64's)."""
+    z = states
+    z = (z ^ _shift_right(z, 30)) * _int64(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _int64(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) * 2.0**-24
+
+
+def to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`; on an accelerator through pinned memory with a
+    non-blocking copy, so the host does not wait for the work queued before it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class SamplingRow:
@@ -63,7 +118,7 @@ class SamplingRow:
         self, params: GenerateParameters, prompt_ids: Sequence[int], seed: int | None = None
     ) -> None:
         self.params = params
-        self.do_sample = params.do_sample or params.sampling_warpers
+        self.do_sample = bool(params.do_sample or params.sampling_warpers)
         if seed is None:
             seed = params.seed
         if self.do_sample and seed is None:
@@ -80,39 +135,62 @@ class SamplingRow:
         self.top_n = params.top_n_tokens or 0
         self.prompt_len = len(prompt_ids)
         self.generated = 0
-        self._generator: torch.Generator | None = None
-        # Prompt + generated ids, only for rows with penalties: [capacity] int64, grown by doubling.
-        self._history: torch.Tensor | None = None
-        if self.repetition_penalty or self.frequency_penalty or self.presence_penalty:
-            capacity = self.prompt_len + (params.max_new_tokens or 16)
-            self._history = torch.empty(max(capacity, 1), dtype=torch.long)
-            self._history[: self.prompt_len] = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        self.penalized = bool(
+            self.repetition_penalty or self.frequency_penalty or self.presence_penalty
+        )
+        # Penalised rows: prompt + generated ids on the host until the device state is made,
+        # then a seen-token mask [V] bool and generated-token counts [V] float32 there.
+        self._ids: list[int] | None = list(prompt_ids) if self.penalized else None
+        self._seen: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This row's random generator, seeded once on first use (on the logits' device)."""
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed if self.seed is not None else 0)
-        return self._generator
+    def params_row(self, vocab: int) -> list[float]:
+        """This row's line of the parameter table (neutral values for unused processors)."""
+        return [
+            self.temperature or 1.0,
+            self.top_p or 1.0,
+            self.typical_p or 1.0,
+            self.repetition_penalty or 1.0,
+            self.frequency_penalty,
+            self.presence_penalty,
+            float(min(self.top_k, vocab)),
+            float(self.generated < self.params.min_new_tokens),
+        ]
 
-    def append(self, token_id: int) -> None:
-        """Record a generated token (SamplingBatch.choose does it for the chosen tokens)."""
-        if self._history is not None:
-            n = self.prompt_len + self.generated
-            if n == self._history.numel():
-                self._history = torch.cat([self._history, torch.empty_like(self._history)])
-            self._history[n] = token_id
+    def draw_state(self) -> int:
+        """The random state of this row's next draw (greedy rows: 0, never used)."""
+        return draw_state(self.seed, self.generated) if self.seed is not None else 0
+
+    def penalty_state(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [V] bool: prompt and generated ids, counts [V] float32: generated ids) on
+        `device`, built from the host ids on first use (penalised rows only)."""
+        if self._seen is None or self._counts is None:
+            if self._ids is None:
+                raise RuntimeError("token history is only kept for rows with penalties")
+            ids = to_device(self._ids, torch.long, device)
+            generated = ids[self.prompt_len :]
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._seen[ids] = True
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._counts.index_add_(0, generated, torch.ones_like(generated, dtype=torch.float32))
+            self._ids = None
+        return self._seen, self._counts
+
+    def record(self, token: torch.Tensor) -> None:
+        """Record the chosen token, a [1] int64 tensor on the logits' device."""
+        if self.penalized:
+            if self._seen is None or self._counts is None:
+                assert self._ids is not None
+                self._ids.append(int(token.item()))
+            else:
+                self._seen.index_fill_(0, token, True)
+                self._counts.index_put_((token,), torch.ones_like(token, dtype=torch.float32), True)
         self.generated += 1
 
-    def history(self) -> torch.Tensor:
-        """Prompt + generated ids [prompt_len + generated] (rows with penalties only)."""
-        if self._history is None:
-            raise RuntimeError("token history is only kept for rows with penalties")
-        return self._history[: self.prompt_len + self.generated]
-
-    def generated_ids(self) -> torch.Tensor:
-        """Generated ids [generated] (rows with penalties only)."""
-        return self.history()[self.prompt_len :]
+    def append(self, token_id: int) -> None:
+        """Record a generated token given on the host (SamplingBatch.choose records its own)."""
+        device = self._seen.device if self._seen is not None else torch.device("cpu")
+        self.record(torch.tensor([token_id], device=device))
 
 
 @dataclass(frozen=True)
@@ -129,48 +207,24 @@ class SampleOutput:
     top_logprobs: list[list[float]]
 
 
-def _padded(seqs: list[torch.Tensor], repeat_first: bool = True) -> torch.Tensor:
-    """Stack 1-D tensors into [rows, max_len], padding with each row's first value (re-penalising
-    a token already in the row is idempotent for gather/scatter) or with zeros."""
-    out = torch.zeros(len(seqs), max(1, max(s.numel() for s in seqs)), dtype=seqs[0].dtype)
-    for i, s in enumerate(seqs):
-        out[i, : s.numel()] = s
-        if repeat_first and s.numel():
-            out[i, s.numel() :] = s[0]
-    return out
-
-
-class _Scores:
-    """Scores [B, V] float32 under processing; the caller's logits are copied only before the
-    first in-place update of some of the rows."""
-
-    def __init__(self, logits: torch.Tensor, rows: int) -> None:
-        self.scores = logits.float()
-        self._owned = self.scores is not logits
-        self._rows = rows
-
-    def column(self, values: Sequence[float | None]) -> torch.Tensor:
-        """Per-row values as a [n, 1] float32 tensor on the scores' device (None -> 0)."""
-        data = [v or 0.0 for v in values]
-        return torch.tensor(data, dtype=torch.float32, device=self.scores.device).unsqueeze(1)
-
-    def apply(self, idx: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace rows `idx` by fn(those rows); fn returns a new tensor."""
-        if len(idx) == self._rows:
-            self.scores, self._owned = fn(self.scores), True
-            return
-        if not self._owned:
-            self.scores, self._owned = self.scores.clone(), True
-        at = torch.tensor(idx, device=self.scores.device)
-        self.scores[at] = fn(self.scores[at])
-
-
 class SamplingBatch:
     """The sampling work of one step over `rows`, in the order of the logits' rows."""
 
-    def __init__(self, rows: Sequence[SamplingRow], eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        rows: Sequence[SamplingRow],
+        eos_token_ids: Sequence[int] = (),
+        *,
+        queued: bool | None = None,
+    ) -> None:
         self.rows = list(rows)
         self.eos_token_ids = list(eos_token_ids)
+        # Queued: processors over the whole batch and whole-vocabulary sorts, nothing that
+        # waits for the device (None: on accelerators). The same results either way.
+        self.queued = queued
+
+    def _queued(self, device: torch.device) -> bool:
+        return self.queued if self.queued is not None else device.type != "cpu"
 
     def _select(self, keep: Callable[[SamplingRow], object]) -> list[int]:
         return [i for i, r in enumerate(self.rows) if keep(r)]
@@ -178,88 +232,83 @@ class SamplingBatch:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed scores [B, V] float32 from raw logits [B, V] (never modified in place;
         returned as is when no row needs processing)."""
-        work = _Scores(logits, len(self.rows))
-        self._penalize(work)
-        self._warp(work)
-        return work.scores
-
-    def _penalize(self, work: _Scores) -> None:
-        rows, dev, vocab = self.rows, work.scores.device, work.scores.shape[-1]
-        eos = [e for e in self.eos_token_ids if 0 <= e < vocab]
-        idx = self._select(lambda r: r.generated < r.params.min_new_tokens)
-        if eos and idx:
-            eos_t = torch.tensor(eos, device=dev)
-            work.apply(idx, lambda s: s.index_fill(1, eos_t, _NEG_INF))
-        idx = self._select(lambda r: r.repetition_penalty and r.prompt_len + r.generated)
-        if idx:
-            ids = _padded([rows[i].history() for i in idx]).to(dev)
-            pen = work.column([rows[i].repetition_penalty for i in idx])
-            work.apply(idx, lambda s: _repetition(s, ids, pen))
-        idx = self._select(lambda r: r.generated and (r.frequency_penalty or r.presence_penalty))
-        if idx:
-            ids = _padded([rows[i].generated_ids() for i in idx]).to(dev)
-            valid = _padded([torch.ones(rows[i].generated) for i in idx], False).to(dev)
-            freq = work.column([rows[i].frequency_penalty for i in idx])
-            pres = work.column([rows[i].presence_penalty for i in idx])
-            work.apply(idx, lambda s: _frequency_presence(s, ids, valid, freq, pres))
-
-    def _warp(self, work: _Scores) -> None:
+        scores = logits.float()
+        vocab, device = scores.shape[-1], scores.device
         rows = self.rows
-        idx = self._select(lambda r: r.temperature)
-        if idx:
-            temp = work.column([rows[i].temperature for i in idx])
-            work.apply(idx, lambda s: s / temp)
-        idx = self._select(lambda r: r.top_k)
-        if idx:
-            k = torch.tensor([rows[i].top_k for i in idx], device=work.scores.device)
-            work.apply(idx, lambda s: _top_k(s, k))
-        idx = self._select(lambda r: r.top_p)
-        if idx:
-            top_p = work.column([rows[i].top_p for i in idx])
-            work.apply(idx, lambda s: _top_p(s, top_p))
-        idx = self._select(lambda r: r.typical_p)
-        if idx:
-            mass = work.column([rows[i].typical_p for i in idx])
-            work.apply(idx, lambda s: _typical_p(s, mass))
+        table = to_device([r.params_row(vocab) for r in rows], torch.float32, device)
+
+        def column(index: int) -> torch.Tensor:
+            return table[:, index : index + 1]  # [B, 1]
+
+        eos = [e for e in self.eos_token_ids if 0 <= e < vocab]
+        if eos and any(r.generated < r.params.min_new_tokens for r in rows):
+            eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            eos_mask[to_device(eos, torch.long, device)] = True
+            scores = scores.masked_fill((column(_NO_EOS) > 0) & eos_mask, _NEG_INF)
+        penalized = [r.penalized for r in rows]
+        if any(penalized):
+            blank = torch.zeros(vocab, dtype=torch.float32, device=device)
+            unseen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            states = [
+                r.penalty_state(vocab, device) if p else (unseen, blank)
+                for r, p in zip(rows, penalized, strict=True)
+            ]
+            if any(r.repetition_penalty for r in rows):
+                seen = torch.stack([state[0] for state in states])
+                scores = _repetition(scores, seen, column(_REPETITION))
+            if any(r.frequency_penalty or r.presence_penalty for r in rows):
+                counts = torch.stack([state[1] for state in states])
+                scores = _frequency_presence(scores, counts, column(_FREQUENCY), column(_PRESENCE))
+        if any(r.temperature for r in rows):
+            scores = scores / column(_TEMPERATURE)
+        if any(r.top_k for r in rows):
+            largest = max(min(r.top_k, vocab) for r in rows)
+            scores = _top_k(scores, column(_TOP_K).squeeze(1).long(), largest)
+        queued = self._queued(device)
+        candidates = vocab if queued else _CANDIDATES
+        for index, warper, kind in (
+            (_TOP_P, _top_p, "top_p"),
+            (_TYPICAL_P, _typical_p, "typical_p"),
+        ):
+            using = [i for i, r in enumerate(rows) if getattr(r, kind)]
+            if using:
+                scores = _on_rows(scores, using, column(index), warper, candidates, queued)
+        return scores
 
     def choose(self, logits: torch.Tensor) -> SampleOutput:
         """Pick one token per row from raw logits [B, V] and record it in the row."""
+        return self.launch(logits).result()
+
+    def launch(self, logits: torch.Tensor) -> PendingSample:
+        """Queue the step's choice; `result()` waits for it. On an accelerator the host is free
+        in between (for the scheduler's bookkeeping of the step)."""
         scores = self.process(logits)
-        dev = scores.device
+        device, vocab = scores.device, scores.shape[-1]
         logprobs = torch.log_softmax(scores, dim=-1)  # [B, V]
-        sampled = self._select(lambda r: r.do_sample)
-        every = len(sampled) == len(self.rows)
-
-        def of_sampled(t: torch.Tensor) -> torch.Tensor:  # [S, ...]; no copy when S == B
-            return t if every else t[sampled]
-
-        if every:
-            next_ids = torch.empty(len(self.rows), dtype=torch.long, device=dev)
-        else:
-            next_ids = scores.argmax(dim=-1)  # greedy rows (sampled ones overwritten below)
-        if sampled:
-            # Inverse-CDF sampling with one uniform draw per row from the row's own generator:
-            # a row's token never depends on the other rows, and a step costs one cumsum.
-            cdf = of_sampled(logprobs).exp().cumsum(dim=-1)  # [S, V]
-            u = torch.stack(
-                [torch.rand((), generator=self.rows[i].generator(dev), device=dev) for i in sampled]
-            )
+        sampled = [r.do_sample for r in self.rows]
+        ranks: torch.Tensor | None = None
+        if any(sampled):
+            states = to_device([r.draw_state() for r in self.rows], torch.long, device)
+            # Inverse-CDF sampling: one uniform draw per row, one cumsum per step.
+            cdf = logprobs.exp().cumsum(dim=-1)  # [B, V]
+            u = uniforms(states).unsqueeze(1) * cdf[:, -1:]
             # right=True skips zero-probability tokens (flat stretches of the CDF).
-            picked = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True)
-            next_ids[sampled] = picked.squeeze(1).clamp(max=scores.shape[-1] - 1)
+            next_ids = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=vocab - 1)
+            if not all(sampled):
+                greedy = to_device([not s for s in sampled], torch.bool, device)
+                next_ids = torch.where(greedy, scores.argmax(dim=-1), next_ids)
+        else:
+            next_ids = scores.argmax(dim=-1)  # greedy rows have rank 1 by construction
         chosen = logprobs.gather(1, next_ids.unsqueeze(1))  # [B, 1]
-        # Greedy rows have rank 1 by construction; count better tokens for sampled rows only.
-        ranks = torch.ones_like(next_ids)
-        if sampled:
-            better = torch.count_nonzero(of_sampled(logprobs) > of_sampled(chosen), dim=-1)
-            ranks[sampled] += better
-        top_ids, top_lps = self._top_tokens(logprobs)
+        if any(sampled):  # a greedy row's count is 0: argmax is the first of any ties
+            ranks = torch.count_nonzero(logprobs > chosen, dim=-1) + 1
+        else:
+            ranks = torch.ones_like(next_ids)
+        for i, row in enumerate(self.rows):
+            row.record(next_ids[i : i + 1])
         # One device-to-host copy for the three (float64 holds every token id and rank exactly).
-        host = torch.stack([next_ids.double(), chosen.squeeze(1).double(), ranks.double()]).tolist()
-        token_ids = [int(t) for t in host[0]]
-        for row, token in zip(self.rows, token_ids, strict=True):
-            row.append(token)
-        return SampleOutput(token_ids, host[1], [int(r) for r in host[2]], top_ids, top_lps)
+        packed = torch.stack([next_ids.double(), chosen.squeeze(1).double(), ranks.double()])
+        return PendingSample(self, packed.to("cpu", non_blocking=device.type == "cuda"), logprobs)
 
     def _top_tokens(self, logprobs: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """TGI's batch_top_tokens: the n best per row, plus any tie with the n-th; never -inf."""
@@ -268,10 +317,13 @@ class SamplingBatch:
         idx = self._select(lambda r: r.top_n > 0)
         if not idx:
             return ids, lps
-        vocab = logprobs.shape[-1]
-        sub = logprobs[idx]  # [N, V]
-        n = torch.tensor([min(self.rows[i].top_n, vocab) for i in idx], device=sub.device)
-        best = torch.topk(sub, k=int(n.max()), dim=-1).values  # [N, max_n], sorted
+        vocab, device = logprobs.shape[-1], logprobs.device
+        sub = (
+            logprobs if len(idx) == len(self.rows) else logprobs[to_device(idx, torch.long, device)]
+        )
+        wanted = [min(self.rows[i].top_n, vocab) for i in idx]
+        best = torch.topk(sub, k=max(wanted), dim=-1).values  # [N, max_n], sorted
+        n = to_device(wanted, torch.long, device)
         nth = best.gather(1, (n - 1).unsqueeze(1))  # [N, 1]
         nth = nth.clamp(min=torch.finfo(sub.dtype).min)  # -inf n-th: keep finite ones only
         counts = (sub >= nth).sum(dim=-1).tolist()  # [N]
@@ -282,32 +334,66 @@ class SamplingBatch:
         return ids, lps
 
 
-def _repetition(scores: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """HF RepetitionPenaltyLogitsProcessor: seen tokens' logits /p if > 0 else *p."""
-    seen = scores.gather(1, ids)  # [R, L]
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return scores.scatter(1, ids, seen)
+class PendingSample:
+    """A step's choice queued on the device (`SamplingBatch.launch`)."""
+
+    def __init__(self, batch: SamplingBatch, host: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self._batch = batch
+        self._host = host  # [3, B] float64: ids, logprobs, ranks (pinned, being copied)
+        self._logprobs = logprobs
+
+    def result(self) -> SampleOutput:
+        """Wait for the device and return the choice as Python values."""
+        top_ids, top_lps = self._batch._top_tokens(self._logprobs)
+        device = self._logprobs.device
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        values = self._host.tolist()
+        token_ids = [int(t) for t in values[0]]
+        return SampleOutput(token_ids, values[1], [int(r) for r in values[2]], top_ids, top_lps)
+
+
+def _on_rows(
+    scores: torch.Tensor,
+    rows: list[int],
+    mass: torch.Tensor,
+    warper: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    candidates: int,
+    queued: bool,
+) -> torch.Tensor:
+    """A top_p / typical_p `warper` applied to `rows` with their `mass` [B, 1] (1.0: unused).
+    Only those rows are computed, unless `queued`: then every row is, and the result is kept
+    where the mass is below 1, so no row list goes up to the device."""
+    if len(rows) == scores.shape[0]:
+        return warper(scores, mass, candidates)
+    if not queued:
+        at = torch.tensor(rows)
+        out = scores.clone()
+        out[at] = warper(scores[at], mass[at], candidates)
+        return out
+    return torch.where(mass < 1.0, warper(scores, mass, candidates), scores)
+
+
+def _repetition(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF RepetitionPenaltyLogitsProcessor over `seen` [B, V] (prompt and generated tokens):
+    seen tokens' logits /p if > 0 else *p (p = 1 on rows without the penalty: unchanged)."""
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalized, scores)
 
 
 def _frequency_presence(
-    scores: torch.Tensor,
-    ids: torch.Tensor,
-    valid: torch.Tensor,
-    freq: torch.Tensor,
-    pres: torch.Tensor,
+    scores: torch.Tensor, counts: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor
 ) -> torch.Tensor:
-    """OpenAI penalties over generated `ids` [F, G] (`valid` [F, G] is 0 on padding)."""
-    counts = torch.zeros_like(scores).scatter_add_(1, ids, valid)  # [F, V]
-    # Spread over the occurrences: each adds freq, and presence / count (so presence once).
-    per_occurrence = (freq + pres / counts.gather(1, ids).clamp(min=1)) * valid
-    return scores.scatter_add(1, ids, -per_occurrence)
+    """OpenAI penalties from generated-token `counts` [B, V] (0 and 0 leave a row unchanged)."""
+    return scores - (counts * freq + (counts > 0) * pres)
 
 
-def _top_k(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """HF TopKLogitsWarper with per-row k [K]: keep logits >= the k-th largest."""
-    k = k.clamp(max=scores.shape[-1])
-    best = torch.topk(scores, int(k.max()), dim=-1).values  # [K, max_k], sorted
-    kth = best.gather(1, (k - 1).unsqueeze(1))  # [K, 1]
+def _top_k(scores: torch.Tensor, k: torch.Tensor, largest: int) -> torch.Tensor:
+    """HF TopKLogitsWarper with per-row k [B] (<= vocab; 0: no top_k on that row): keep logits
+    >= the k-th largest. `largest` is max(k), known on the host."""
+    best = torch.topk(scores, largest, dim=-1).values  # [B, largest], sorted
+    kth = best.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))  # [B, 1]
+    kth = torch.where(k.unsqueeze(1) > 0, kth, _NEG_INF)
     return scores.masked_fill(scores < kth, _NEG_INF)
 
 
