@@ -74,6 +74,8 @@ class RequestLimits:
     max_top_n_tokens: int
     max_input_tokens: int
     max_total_tokens: int
+    # The largest max_new_tokens a request may ask for (--max-new-tokens); None: what fits.
+    max_new_tokens: int | None = None
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RequestLimits:
@@ -84,6 +86,7 @@ class RequestLimits:
             max_top_n_tokens=config.max_top_n_tokens,
             max_input_tokens=config.max_input_tokens,
             max_total_tokens=config.max_total_tokens,
+            max_new_tokens=config.max_new_tokens,
         )
 
 
@@ -141,11 +144,17 @@ def _check_lengths(params: GenerateParameters, input_length: int, limits: Reques
         )
     if params.truncate is not None:
         input_length = min(input_length, params.truncate)
-    # TGI 3: an unset max_new_tokens means "as many as the context allows".
+    # TGI 3: an unset max_new_tokens means "as many as the context allows" (and the server's
+    # --max-new-tokens allow).
+    cap = limits.max_new_tokens
     if params.max_new_tokens is None:
         max_new_tokens = max(limits.max_total_tokens - input_length, 0)
+        if cap is not None:
+            max_new_tokens = min(max_new_tokens, cap)
     else:
         max_new_tokens = params.max_new_tokens
+        if cap is not None and max_new_tokens > cap:
+            raise _fail(f"`max_new_tokens` must be <= {cap}. Given: {max_new_tokens}")
     if input_length + max_new_tokens > limits.max_total_tokens:
         raise _fail(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "

@@ -215,7 +215,7 @@ def test_flag_wins_over_env() -> None:
 
 def test_max_input_tokens_and_alias_both_set() -> None:
     message = error_of(max_input_tokens=10, max_input_length=10)
-    assert "both --max-input-tokens and its alias --max-input-length are set" in message
+    assert "both --max-input-tokens and --max-input-length are set: they are one setting" in message
 
 
 def test_max_input_must_be_below_max_total() -> None:

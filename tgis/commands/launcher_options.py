@@ -209,6 +209,61 @@ CorsAllowOrigin = Annotated[
     _opt("cors_allow_origin", SERVER, "Comma-separated origins allowed by CORS.", "none"),
 ]
 Hostname = Annotated[str | None, _opt("hostname", SERVER, "Address to listen on.")]
+ModelName = Annotated[str | None, _opt("model_name", MODEL, "TGIS's name for --model-id.", "")]
+MaxSequenceLength = Annotated[
+    int | None, _opt("max_sequence_length", LIMITS, "TGIS's name for --max-total-tokens.", "")
+]
+DtypeStr = Annotated[str | None, _opt("dtype_str", DEVICE, "TGIS's name for --dtype.", "")]
+MaxNewTokens = Annotated[
+    int | None,
+    _opt(
+        "max_new_tokens",
+        LIMITS,
+        "Largest max_new_tokens a request may ask for (TGIS).",
+        "1024 on gRPC; HTTP: what fits in --max-total-tokens",
+    ),
+]
+Grpc = Annotated[
+    bool | None,
+    _opt(
+        "grpc",
+        SERVER,
+        "Serve TGIS's gRPC API (fmaas.GenerationService) beside HTTP; --no-grpc: HTTP only.",
+        "on",
+        negatable=True,
+    ),
+]
+GrpcPort = Annotated[int | None, _opt("grpc_port", SERVER, "gRPC port.")]
+TlsCertPath = Annotated[
+    str | None,
+    _opt("tls_cert_path", SERVER, "Server certificate (PEM): TLS on HTTP and gRPC.", "none"),
+]
+TlsKeyPath = Annotated[
+    str | None, _opt("tls_key_path", SERVER, "Private key of --tls-cert-path (PEM).", "none")
+]
+TlsClientCaCertPath = Annotated[
+    str | None,
+    _opt(
+        "tls_client_ca_cert_path",
+        SERVER,
+        "CA (PEM) that client certificates must be signed by: mutual TLS on both ports.",
+        "none",
+    ),
+]
+OutputSpecialTokens = Annotated[
+    bool | None,
+    _opt("output_special_tokens", SERVER, "gRPC: keep special tokens in the output text.", "off"),
+]
+DefaultIncludeStopSeqs = Annotated[
+    str | None,
+    _opt(
+        "default_include_stop_seqs",
+        SERVER,
+        "gRPC: keep a matched stop sequence in the text when a request does not say.",
+        "true",
+        metavar="BOOL",
+    ),
+]
 
 
 # Every launcher option, in the order --help lists them.
@@ -241,10 +296,24 @@ OPTIONS: dict[str, Any] = {
     "hostname": Hostname,
     "api_key": ApiKey,
     "cors_allow_origin": CorsAllowOrigin,
+    "grpc": Grpc,
+    "grpc_port": GrpcPort,
+    "tls_cert_path": TlsCertPath,
+    "tls_key_path": TlsKeyPath,
+    "tls_client_ca_cert_path": TlsClientCaCertPath,
+    "max_new_tokens": MaxNewTokens,
+    "output_special_tokens": OutputSpecialTokens,
+    "default_include_stop_seqs": DefaultIncludeStopSeqs,
+    "model_name": ModelName,
+    "max_sequence_length": MaxSequenceLength,
+    "dtype_str": DtypeStr,
 }
 # What warmup needs: the model, the device and the limits that shape the batch.
 WARMUP_OPTIONS = (
     "model_id",
+    "model_name",
+    "dtype_str",
+    "max_sequence_length",
     "revision",
     "backend",
     "dtype",
@@ -304,8 +373,9 @@ def launcher_args(values: dict[str, Any]) -> LauncherArgs:
     from tgis.config import parse_bool
 
     picked = dict(values)
-    if isinstance(picked.get("sharded"), str):
-        picked["sharded"] = parse_bool("--sharded", picked["sharded"])
+    for name in ("sharded", "default_include_stop_seqs"):
+        if isinstance(picked.get(name), str):
+            picked[name] = parse_bool("--" + name.replace("_", "-"), picked[name])
     return LauncherArgs(**picked)
 
 

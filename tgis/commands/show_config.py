@@ -8,16 +8,30 @@ from rich.table import Table
 
 from tgis.config import ServeConfig
 
+# Launcher settings shown under another name in the resolved configuration.
+_SETTING_OF = {
+    "grpc": "grpc_port",
+    "tls_cert_path": "tls",
+    "tls_key_path": "tls",
+    "tls_client_ca_cert_path": "tls",
+    "cors_allow_origin": "cors_allow_origins",
+}
+
 
 def render_config(console: Console, config: ServeConfig) -> None:
-    """A two-column table of the resolved limits, then the advisory notes."""
-    table = Table(title="Resolved configuration", show_header=False, title_justify="left")
+    """The resolved settings with the flag or variable that set each (blank: a default or
+    derived value), then the advisory notes."""
+    table = Table(title="Resolved configuration", title_justify="left")
     table.add_column("setting", style="bold")
     table.add_column("value")
+    table.add_column("set by", style="cyan")
+    sources: dict[str, list[str]] = {}
+    for name, spelled in config.sources:
+        sources.setdefault(_SETTING_OF.get(name, name), []).append(spelled)
     for key, value in config.summary().items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
-        table.add_row(key, escape(str(value)))
+        table.add_row(key, escape(str(value)), escape(", ".join(sources.get(key, []))))
     console.print(table)
     for note in config.notes:
         console.print(f"[cyan]note:[/] {escape(note)}")

@@ -24,6 +24,16 @@ ENV_NAMES["prefill_mode"] = "TGIS_PREFILL_MODE"
 ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
 ENV_NAMES["compile"] = "TGIS_COMPILE"
 ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"
+ENV_NAMES["grpc"] = "TGIS_GRPC"
+# Other launchers' names of a setting (alias -> the field it sets): TGI 1.x's
+# --max-input-length and TGIS's flags and variables, so a deployment's settings move over as
+# they are. Giving both names of one setting is an error.
+ALIASES: dict[str, str] = {
+    "max_input_length": "max_input_tokens",
+    "model_name": "model_id",
+    "max_sequence_length": "max_total_tokens",
+    "dtype_str": "dtype",
+}
 DEFAULTS: dict[str, Any] = {
     "max_concurrent_requests": 128,
     "max_best_of": 2,
@@ -34,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "backend": "auto",
     "port": 3000,
     "hostname": "0.0.0.0",
+    "grpc_port": 8033,
+    "max_new_tokens": 1024,
 }
 # The bundled model `tgis serve` runs when no --model-id / MODEL_ID is given.
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")
@@ -87,7 +99,13 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def model_reference(args: LauncherArgs, env: Mapping[str, str]) -> tuple[str, str | None]:
     """(model id, revision) from --model-id/MODEL_ID and --revision/REVISION; the demo model by default."""
-    model_id = args.model_id or env_value(env, "MODEL_ID") or DEMO_MODEL
+    model_id = (
+        args.model_id
+        or args.model_name
+        or env_value(env, "MODEL_ID")
+        or env_value(env, "MODEL_NAME")
+        or DEMO_MODEL
+    )
     revision = args.revision or env_value(env, "REVISION")
     return model_id, revision
 
@@ -98,6 +116,8 @@ class Sources:
     def __init__(self, args: LauncherArgs, env: Mapping[str, str]) -> None:
         self.args, self.env = args, env
         self.origin: dict[str, str] = {}
+        # Settings given through an alias: field -> the alias's flag or variable.
+        self.names: dict[str, str] = {}
 
     def get(self, name: str) -> Any:
         value = getattr(self.args, name)
@@ -118,13 +138,21 @@ class Sources:
             return parse_float(env_name, raw)
         return raw
 
+    def spelled(self, name: str) -> str | None:
+        """The flag or variable that set `name` (`--max-total-tokens`, `MAX_TOTAL_TOKENS`)."""
+        how = self.origin.get(name)
+        if how is None:
+            return None
+        if name in self.names:
+            return self.names[name]
+        return ENV_NAMES[name] if how == "env" else flag(name)
+
     def given(self, name: str) -> bool:
         return name in self.origin
 
     def label(self, name: str, value: Any) -> str:
         """How to name a value in a message: `--flag 12`, `ENV=12`, or `--flag (derived: 12)`."""
-        if self.origin.get(name) == "env":
-            return f"{ENV_NAMES[name]}={value}"
-        return (
-            f"{flag(name)} {value}" if name in self.origin else f"{flag(name)} (derived: {value})"
-        )
+        spelled = self.spelled(name)
+        if spelled is None:
+            return f"{flag(name)} (derived: {value})"
+        return f"{spelled}={value}" if self.origin[name] == "env" else f"{spelled} {value}"

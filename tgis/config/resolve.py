@@ -9,11 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import fields
+from typing import Any
 
 from tgis.config.dtypes import normalize_dtype
-from tgis.config.env import DEFAULTS, Sources, default_env, env_bool, env_value, model_reference
+from tgis.config.env import (
+    ALIASES,
+    DEFAULTS,
+    ENV_NAMES,
+    Sources,
+    default_env,
+    env_bool,
+    env_value,
+    model_reference,
+)
 from tgis.config.gaudi import check_gaudi_variables_unused, gaudi_settings
 from tgis.config.model import ModelFacts
+from tgis.config.parse import flag
 from tgis.config.rules import (
     check_backend_options,
     check_sharding,
@@ -22,7 +33,7 @@ from tgis.config.rules import (
     derive_dynamic_defaults,
 )
 from tgis.config.static import apply_static_rules
-from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig
+from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig, TlsFiles
 from tgis.errors import ConfigError
 
 # `--backend auto`: (model facts, PJRT_DEVICE or None) -> a backend name.
@@ -62,14 +73,7 @@ def build_serve_config(
             "serve it with --backend neuron, or use the original (non-Neuron) checkpoint",
         )
 
-    if values["max_input_tokens"] is not None and values["max_input_length"] is not None:
-        raise ConfigError(
-            "both --max-input-tokens and its alias --max-input-length are set",
-            "keep one of them (MAX_INPUT_TOKENS / MAX_INPUT_LENGTH in the environment count too)",
-        )
-    if values["max_input_tokens"] is None and values["max_input_length"] is not None:
-        values["max_input_tokens"] = values["max_input_length"]
-        r.origin["max_input_tokens"] = r.origin["max_input_length"]
+    apply_aliases(values, r)
 
     dtype = normalize_dtype(values["dtype"], r.label("dtype", values["dtype"]).split(" ")[0])
     check_value_ranges(values, r)
@@ -89,6 +93,11 @@ def build_serve_config(
     prefill_mode = check_backend_options(backend, values, r)
 
     model_id, revision = model_reference(args, env)
+    sources = tuple(
+        (name, spelled)
+        for name in (f.name for f in fields(LauncherArgs))
+        if name not in ALIASES and (spelled := r.spelled(name)) is not None
+    )
     return ServeConfig(
         model_id=model_id,
         revision=revision,
@@ -121,5 +130,76 @@ def build_serve_config(
         cuda_graphs=values["cuda_graphs"],
         prefix_caching=values["prefix_caching"],
         cuda_memory_fraction=values["cuda_memory_fraction"],
+        grpc_port=grpc_port(values, r),
+        max_new_tokens=values["max_new_tokens"],
+        output_special_tokens=bool(values["output_special_tokens"]),
+        default_include_stop_seqs=values["default_include_stop_seqs"] is not False,
+        tls=tls_files(values, r),
         notes=tuple(notes),
+        sources=sources,
     )
+
+
+def apply_aliases(values: dict[str, Any], r: Sources) -> None:
+    """Move each alias's value (TGIS's and TGI 1.x's names) to the field it names, keeping
+    the name that set it; both names of one setting is an error."""
+    for alias, name in ALIASES.items():
+        if values[alias] is None:
+            continue
+        if values[name] is not None:
+            raise ConfigError(
+                f"both {r.spelled(name)} and {r.spelled(alias)} are set: they are one setting",
+                f"keep one of them ({flag(name)} / {ENV_NAMES[name]}, "
+                f"{flag(alias)} / {ENV_NAMES[alias]})",
+            )
+        values[name] = values[alias]
+        r.origin[name] = r.origin[alias]
+        r.names[name] = r.spelled(alias) or flag(alias)
+
+
+def grpc_port(values: dict[str, Any], r: Sources) -> int | None:
+    """The gRPC port (TGIS's 8033 by default), or None with --no-grpc."""
+    if values["grpc"] is False:
+        if values["grpc_port"] is not None:
+            raise ConfigError(
+                f"{r.label('grpc_port', values['grpc_port'])} is set but gRPC is off "
+                f"({r.spelled('grpc')})",
+                "drop one of them",
+            )
+        return None
+    port = values["grpc_port"] if values["grpc_port"] is not None else DEFAULTS["grpc_port"]
+    if not 0 < port < 65536 or port == values["port"]:
+        raise ConfigError(
+            f"{r.label('grpc_port', port)} must be a port from 1 to 65535 other than the "
+            f"HTTP port ({values['port'] or DEFAULTS['port']})",
+            "pick another --grpc-port, or --no-grpc to serve HTTP only",
+        )
+    return int(port)
+
+
+def tls_files(values: dict[str, Any], r: Sources) -> TlsFiles | None:
+    """The TLS files, each checked readable; a key without a certificate (or the reverse),
+    or a client CA without both, is an error."""
+    names = ("tls_cert_path", "tls_key_path", "tls_client_ca_cert_path")
+    cert, key, client_ca = (values[n] for n in names)
+    if cert is None and key is None and client_ca is None:
+        return None
+    if cert is None or key is None:
+        missing = "tls_cert_path" if cert is None else "tls_key_path"
+        raise ConfigError(
+            f"TLS needs both a certificate and its key; {flag(missing)} is not set",
+            f"set {flag(missing)} ({ENV_NAMES[missing]}) too",
+        )
+    for name in names:
+        path = values[name]
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as handle:
+                handle.read(1)
+        except OSError as exc:
+            raise ConfigError(
+                f"{r.label(name, path)}: cannot read it ({exc.strerror or exc})",
+                f"point {flag(name)} at a readable PEM file",
+            ) from None
+    return TlsFiles(cert, key, client_ca)

@@ -42,6 +42,7 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "max_batch_size",
         "num_shard",
         "port",
+        "max_new_tokens",
     ):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(

@@ -48,6 +48,29 @@ class LauncherArgs:
     cuda_graphs: bool | None = None
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
+    # TGIS's names for the same settings (tgis.config.env.ALIASES).
+    model_name: str | None = None
+    max_sequence_length: int | None = None
+    dtype_str: str | None = None
+    # The TGIS gRPC API and TLS (tgis.fmaas).
+    max_new_tokens: int | None = None
+    grpc: bool | None = None
+    grpc_port: int | None = None
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    tls_client_ca_cert_path: str | None = None
+    output_special_tokens: bool | None = None
+    default_include_stop_seqs: bool | None = None
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Server certificate and key (PEM), and the CA that client certificates must be signed by
+    (mutual TLS) when set. Checked readable at start-up."""
+
+    cert_path: str
+    key_path: str
+    client_ca_cert_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -181,18 +204,30 @@ class ServeConfig:
     # cuda: the share of the GPU's memory the server may use (weights, activations, KV cache);
     # None: the backend's default.
     cuda_memory_fraction: float | None = None
+    # The TGIS gRPC API (fmaas.GenerationService) on its own port; None: not served.
+    grpc_port: int | None = None
+    # The largest max_new_tokens a request may ask for; gRPC's default ceiling is 1024 (TGIS),
+    # the HTTP routes apply it only when it is set.
+    max_new_tokens: int | None = None
+    # gRPC defaults (TGIS): special tokens in the output text; stop sequences kept in the text.
+    output_special_tokens: bool = False
+    default_include_stop_seqs: bool = True
+    # TLS on both the HTTP and the gRPC port; None: plain text.
+    tls: TlsFiles | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # Where each setting given by the user came from: field -> `--flag` or `ENV_NAME`.
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def summary(self) -> dict[str, Any]:
         """A flat, JSON-friendly view for logs and `/info`."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "notes":
+            if f.name in ("notes", "sources"):
                 continue
             if f.name == "api_key":
                 value = "set" if value else None
-            if f.name in ("static_shape", "gaudi") and value is not None:
+            if f.name in ("static_shape", "gaudi", "tls") and value is not None:
                 value = {k.name: getattr(value, k.name) for k in fields(value)}
             out[f.name] = value
         return out
