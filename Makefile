@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: install serve test test-xla lint format bench bench-gpu demo-model clean
+.PHONY: install serve test test-xla lint format bench bench-gpu demo-model clean grpc-stubs
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ lint: install
 	$(VENV)/bin/ruff check tgis tests tests_xla scripts
 	$(VENV)/bin/ruff format --check tgis tests tests_xla scripts
 	$(VENV)/bin/hadolint Dockerfile.cuda Dockerfile.neuron Dockerfile.tpu Dockerfile.gaudi
+
+# The gRPC stubs of TGIS's API, checked in (tests/fmaas/test_stubs.py fails when they are stale).
+grpc-stubs: install
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. tgis/fmaas/generation.proto
 
 format: install
 	$(VENV)/bin/ruff format tgis tests tests_xla scripts

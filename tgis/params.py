@@ -32,6 +32,10 @@ class GenerateParameters:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seed: int | None = None
+    # TGIS's exponential length penalty: (start_index, decay_factor). Once more than
+    # start_index tokens are generated, the EOS logits grow by |logit| * (decay_factor ^
+    # (generated - start_index) - 1), as HF's ExponentialDecayLengthPenalty does.
+    length_penalty: tuple[int, float] | None = None
     # Stopping.
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
@@ -133,6 +137,12 @@ def _check_sampling(params: GenerateParameters) -> None:
         raise _fail("`typical_p` must be > 0.0 and < 1.0")
     if params.top_k is not None and params.top_k <= 0:
         raise _fail("`top_k` must be strictly positive")
+    if params.length_penalty is not None:
+        start_index, decay_factor = params.length_penalty
+        if start_index < 0:
+            raise _fail("`length_penalty.start_index` must be >= 0")
+        if not 1.0 <= decay_factor <= 10.0:
+            raise _fail("`length_penalty.decay_factor` must be >= 1.0 and <= 10.0")
 
 
 def _check_lengths(params: GenerateParameters, input_length: int, limits: RequestLimits) -> int:

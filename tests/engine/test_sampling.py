@@ -18,7 +18,7 @@ from tgis.engine.sampling import (
     SamplingRow,
     derive_seed,
     draw_state,
-    prompt_logprobs,
+    prompt_details,
     uniforms,
 )
 from tgis.params import GenerateParameters as P
@@ -255,13 +255,18 @@ def test_sampled_ranks_count_better_tokens() -> None:
     assert max(ranks) > 1
 
 
-def test_prompt_logprobs_are_raw_next_token_logprobs() -> None:
+def test_prompt_details_are_raw_next_token_logprobs_ranks_and_alternatives() -> None:
     logits = logits_for(6, rows=5)
     ids = [4, 10, 11, 12, 13]
-    got = prompt_logprobs(logits, ids)
+    got = prompt_details(logits, ids, top_n=3)
     lp = torch.log_softmax(logits, -1)
-    assert got == pytest.approx([lp[j, ids[j + 1]].item() for j in range(4)], abs=1e-5)
-    assert prompt_logprobs(logits[:1], [4]) == []
+    assert got.logprobs == pytest.approx([lp[j, ids[j + 1]].item() for j in range(4)], abs=1e-5)
+    assert got.ranks == [int((lp[j] > lp[j, ids[j + 1]]).sum()) + 1 for j in range(4)]
+    assert max(got.ranks) > 1
+    assert got.top_ids == [torch.topk(lp[j], 3).indices.tolist() for j in range(4)]
+    assert got.top_logprobs[0] == pytest.approx(torch.topk(lp[0], 3).values.tolist(), abs=1e-5)
+    assert prompt_details(logits, ids).top_ids == [[], [], [], []]
+    assert prompt_details(logits[:1], [4]).logprobs == []
 
 
 def test_penalty_state_holds_tokens_recorded_before_and_after_it_is_built() -> None:
@@ -340,3 +345,23 @@ def test_cuda_choice_equals_the_cpu_choice() -> None:
         assert got.token_ids == want.token_ids
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
         assert got.ranks == want.ranks and got.top_ids == want.top_ids
+
+
+def test_length_penalty_grows_the_eos_logits_as_huggingface_does() -> None:
+    """After start_index generated tokens, EOS logits grow by |logit| * (decay^(n - start) - 1),
+    HF's ExponentialDecayLengthPenalty with its start counted in generated tokens."""
+    from transformers import ExponentialDecayLengthPenalty
+
+    logits = logits_for(9, rows=2)
+    logits[0, EOS], logits[1, EOS] = -1.5, 2.0
+    rows = [SamplingRow(P(length_penalty=(2, 1.5)), [1, 2, 3]) for _ in range(2)]
+    for token in (5, 6, 7, 8):  # four generated: penalty index 2
+        for row in rows:
+            row.append(token)
+    scores = SamplingBatch(rows, [EOS]).process(logits)
+    hf = ExponentialDecayLengthPenalty((2, 1.5), EOS, input_ids_seq_length=3)
+    expected = hf(torch.zeros(2, 7, dtype=torch.long), logits.clone())
+    assert torch.allclose(scores, expected)
+    assert scores[0, EOS] > logits[0, EOS] and scores[1, EOS] > logits[1, EOS]
+    untouched = SamplingBatch([SamplingRow(P(length_penalty=(5, 2.0)), [1])], [EOS])
+    assert torch.equal(untouched.process(logits[:1]), logits[:1])  # before start_index

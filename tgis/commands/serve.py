@@ -26,10 +26,11 @@ def command(
     **launcher: Any,
 ) -> None:
     """Serve a model over HTTP: TGI's routes (/generate, /generate_stream, ...) and OpenAI's
-    (/v1/completions, /v1/chat/completions), with continuous batching.
+    (/v1/completions, /v1/chat/completions), and over gRPC: TGIS's fmaas.GenerationService
+    (port 8033), all on one engine with continuous batching.
 
     Every flag falls back to the environment variable of TGI's launcher (MODEL_ID,
-    MAX_TOTAL_TOKENS, ...); accelerator variables (HF_BATCH_SIZE, HF_SEQUENCE_LENGTH,
+    MAX_TOTAL_TOKENS, ...), and TGIS's names work too (MODEL_NAME, MAX_SEQUENCE_LENGTH, ...); accelerator variables (HF_BATCH_SIZE, HF_SEQUENCE_LENGTH,
     BATCH_BUCKET_SIZE, ...) are read too. Unset limits are derived from the model and the
     backend's shape rules. The server never downloads: run `tgis download-weights` first.
 
@@ -74,9 +75,28 @@ def command(
         )
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins)  # fmt: skip
+        scheme = "https" if config.tls else "http"
         console.print(
-            f"[green]Serving[/] {config.model_id} on http://{config.hostname}:{config.port}"
+            f"[green]Serving[/] {config.model_id} on {scheme}://{config.hostname}:{config.port}"
+            + (f", gRPC on port {config.grpc_port}" if config.grpc_port else "")
         )
-        asyncio.run(serve(app, config.hostname, config.port, shutdown_grace_s=shutdown_grace))
+
+        async def run() -> None:
+            companions = []
+            if config.grpc_port:
+                from tgis.fmaas.server import GrpcServer
+
+                state = app.state.tgis
+                companions.append(GrpcServer(state, config.hostname, config.grpc_port, config.tls))
+            await serve(
+                app,
+                config.hostname,
+                config.port,
+                shutdown_grace_s=shutdown_grace,
+                tls=config.tls,
+                companions=companions,
+            )
+
+        asyncio.run(run())
     finally:
         service.engine.stop()

@@ -90,14 +90,32 @@ class Engine:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Token events of `request` (all best_of candidates, interleaved by `index`)."""
-        if not self.healthy():
-            raise GenerationError("the engine is not running", "check the server log")
+    def reserve(self, count: int) -> None:
+        """Take `count` of the max_concurrent_requests places at once, or none (a batched
+        request is admitted whole or refused whole): OverloadedError when they are not free.
+        Each `generate(..., reserved=True)` uses one; `release` returns the unused."""
         with self._lock:
-            if self._in_flight >= self.max_concurrent_requests:
+            if self._in_flight + count > self.max_concurrent_requests:
                 raise OverloadedError("Model is overloaded")
-            self._in_flight += 1
+            self._in_flight += count
+
+    def release(self, count: int) -> None:
+        """Return `count` reserved places that no `generate` used."""
+        with self._lock:
+            self._in_flight -= count
+
+    async def generate(
+        self, request: GenerationRequest, reserved: bool = False
+    ) -> AsyncIterator[TokenEvent]:
+        """Token events of `request` (all best_of candidates, interleaved by `index`).
+        `reserved`: the place was taken by `reserve` (the iterator gives it back all the same
+        once it has started)."""
+        if not self.healthy():
+            if reserved:
+                self.release(1)
+            raise GenerationError("the engine is not running", "check the server log")
+        if not reserved:
+            self.reserve(1)
         try:
             params = request.params
             if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tgis.engine.detokenize import TextStream, token_texts
-from tgis.engine.sampling import SampleOutput, SamplingRow, derive_seed, prompt_logprobs
+from tgis.engine.sampling import SampleOutput, SamplingRow, derive_seed, prompt_details
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import Completion, GenerationRequest, Timings, TokenEvent, TokenInfo
 
@@ -89,6 +90,8 @@ class LiveSequence:
         self.tokens: list[TokenInfo] = []
         self.top_tokens: list[tuple[TokenInfo, ...]] = []
         self.prefill: tuple[TokenInfo, ...] = ()
+        # The top_n_tokens alternatives at each prompt position (the first has none).
+        self.prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
         # Prompt logits of a chunked prefill so far (paged backends), in position order.
         self.prompt_parts: list[torch.Tensor] = []
         self.started = 0.0
@@ -100,10 +103,11 @@ class LiveSequence:
         return self.params.decoder_input_details
 
     def begin(self, start_time: float) -> None:
-        """First scheduled: the queue time ends and the time limit starts."""
+        """First scheduled: the queue time ends. The time limit runs from the request's
+        arrival (TGIS), or from here when the request has none."""
         self.started = start_time
         self.seq.started = start_time
-        self.text.start(start_time)
+        self.text.start(self.handle.request.arrival or start_time)
 
     def add_prompt_logits(self, start: int, logits: torch.Tensor) -> None:
         """Logits of prompt positions start.. from one prefill chunk; a chunk at 0 begins anew
@@ -121,16 +125,33 @@ class LiveSequence:
             self.prompt_parts.clear()
 
     def record_prefill(self, logits: torch.Tensor) -> None:
-        """Prompt tokens with the logprob the model gave each ([len, vocab] logits)."""
+        """Prompt tokens with the logprob and rank the model gave each, and the top_n_tokens
+        alternatives at each position when asked ([len, vocab] logits)."""
         ids = self.handle.request.input_ids
-        logprobs = prompt_logprobs(logits, ids)
+        details = prompt_details(logits, ids, self.params.top_n_tokens or 0)
         texts = token_texts(self.tokenizer, ids)
         first = TokenInfo(ids[0], texts[0], None, ids[0] in self.special_ids)
         rest = (
-            TokenInfo(i, t, lp, i in self.special_ids)
-            for i, t, lp in zip(ids[1:], texts[1:], logprobs, strict=True)
+            TokenInfo(i, t, lp, i in self.special_ids, rank)
+            for i, t, lp, rank in zip(
+                ids[1:], texts[1:], details.logprobs, details.ranks, strict=True
+            )
         )
         self.prefill = (first, *rest)
+        self.prefill_top = (
+            (),
+            *(
+                self._alternatives(i, lp)
+                for i, lp in zip(details.top_ids, details.top_logprobs, strict=True)
+            ),
+        )
+
+    def _alternatives(self, ids: list[int], logprobs: list[float]) -> tuple[TokenInfo, ...]:
+        texts = token_texts(self.tokenizer, ids) if ids else []
+        return tuple(
+            TokenInfo(i, t, lp, i in self.special_ids)
+            for i, t, lp in zip(ids, texts, logprobs, strict=True)
+        )
 
     def push(self, choice: SampleOutput, row: int, now: float) -> TokenEvent:
         """Turn this row's sampled token into a TokenEvent (with a Completion if it is the last)."""
@@ -139,7 +160,8 @@ class LiveSequence:
         self.seq.generated += 1
         self.seq.token_ids.append(token_id)
         self.last_token = token_id
-        if self.first_token_at is None:
+        first = self.first_token_at is None
+        if first:
             self.first_token_at = now
         token = TokenInfo(
             token_id,
@@ -148,15 +170,7 @@ class LiveSequence:
             token_id in self.special_ids,
             choice.ranks[row],
         )
-        top: tuple[TokenInfo, ...] = ()
-        if choice.top_ids[row]:
-            texts = token_texts(self.tokenizer, choice.top_ids[row])
-            top = tuple(
-                TokenInfo(i, t, lp, i in self.special_ids)
-                for i, t, lp in zip(
-                    choice.top_ids[row], texts, choice.top_logprobs[row], strict=True
-                )
-            )
+        top = self._alternatives(choice.top_ids[row], choice.top_logprobs[row])
         if self.keep_details:
             self.tokens.append(token)
             self.top_tokens.append(top)
@@ -164,7 +178,10 @@ class LiveSequence:
         if pushed.finish is not None:
             self.finish_reason = pushed.finish
             completion = self._completion(now)
-        return TokenEvent(token, pushed.text, top, completion, self.seq.index)
+        event = TokenEvent(token, pushed.text, top, completion, self.seq.index)
+        if first and self.prefill:  # the prompt's details go out with the first token
+            event = replace(event, prefill=self.prefill, prefill_top=self.prefill_top)
+        return event
 
     def _completion(self, now: float) -> Completion:
         request = self.handle.request
@@ -176,6 +193,7 @@ class LiveSequence:
             input_length=len(request.input_ids),
             seed=self.row.seed,
             prefill=self.prefill,
+            prefill_top=self.prefill_top,
             tokens=tuple(self.tokens),
             top_tokens=tuple(self.top_tokens),
             timings=Timings(

@@ -5,8 +5,9 @@ adds and drops rows freely between steps. A row's result never depends on the ot
 the batch.
 
 Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor):
-min_new_tokens EOS mask -> repetition_penalty -> frequency/presence penalties -> temperature
--> top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
+min_new_tokens EOS mask -> repetition_penalty -> frequency/presence penalties -> length
+penalty (TGIS; HF's ExponentialDecayLengthPenalty over generated tokens) -> temperature ->
+top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
 `log_softmax` of the processed scores, as TGI reports them.
 
 On an accelerator a step is queued without waiting for the device: the step's host values
@@ -52,7 +53,17 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 # Columns of the per-row parameter table (neutral values make a processor a no-op on a row).
-_TEMPERATURE, _TOP_P, _TYPICAL_P, _REPETITION, _FREQUENCY, _PRESENCE, _TOP_K, _NO_EOS = range(8)
+(
+    _TEMPERATURE,
+    _TOP_P,
+    _TYPICAL_P,
+    _REPETITION,
+    _FREQUENCY,
+    _PRESENCE,
+    _TOP_K,
+    _NO_EOS,
+    _EOS_BOOST,
+) = range(9)
 
 
 def _active(value: float | None, neutral: float) -> float | None:
@@ -155,7 +166,16 @@ class SamplingRow:
             self.presence_penalty,
             float(min(self.top_k, vocab)),
             float(self.generated < self.params.min_new_tokens),
+            self.eos_boost(),
         ]
+
+    def eos_boost(self) -> float:
+        """The length penalty's factor this step: EOS logits grow by |logit| times it."""
+        if self.params.length_penalty is None:
+            return 0.0
+        start_index, decay_factor = self.params.length_penalty
+        past = self.generated - start_index
+        return decay_factor**past - 1.0 if past > 0 else 0.0
 
     def draw_state(self) -> int:
         """The random state of this row's next draw (greedy rows: 0, never used)."""
@@ -259,6 +279,8 @@ class SamplingBatch:
             if any(r.frequency_penalty or r.presence_penalty for r in rows):
                 counts = torch.stack([state[1] for state in states])
                 scores = _frequency_presence(scores, counts, column(_FREQUENCY), column(_PRESENCE))
+        if eos and any(r.eos_boost() for r in rows):
+            scores = _length_penalty(scores, to_device(eos, torch.long, device), column(_EOS_BOOST))
         if any(r.temperature for r in rows):
             scores = scores / column(_TEMPERATURE)
         if any(r.top_k for r in rows):
@@ -374,6 +396,16 @@ def _on_rows(
     return torch.where(mass < 1.0, warper(scores, mass, candidates), scores)
 
 
+def _length_penalty(scores: torch.Tensor, eos: torch.Tensor, boost: torch.Tensor) -> torch.Tensor:
+    """TGIS's length penalty: EOS logits [B, E] += |logit| * boost [B, 1] (0: unchanged);
+    a masked (-inf) EOS stays masked."""
+    logits = scores[:, eos]
+    grown = logits + logits.abs() * boost
+    out = scores.clone()
+    out[:, eos] = torch.where(torch.isfinite(logits) & (boost > 0), grown, logits)
+    return out
+
+
 def _repetition(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF RepetitionPenaltyLogitsProcessor over `seen` [B, V] (prompt and generated tokens):
     seen tokens' logits /p if > 0 else *p (p = 1 on rows without the penalty: unchanged)."""
@@ -431,19 +463,42 @@ def _typical_p(scores: torch.Tensor, mass: torch.Tensor, k: int = _CANDIDATES) -
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_ids: Sequence[int]) -> list[float]:
-    """Logprob of each prompt token after the first, from the raw prompt logits [L, V]
-    (row j predicts token j + 1), as TGI's decoder_input_details reports them (unprocessed).
-    Returns len(prompt_ids) - 1 values; the first prompt token has none.
-    """
+@dataclass(frozen=True)
+class PromptDetails:
+    """Per prompt token after the first, from the raw prompt logits (unprocessed, as TGI's
+    decoder_input_details and TGIS's input_tokens report them)."""
+
+    logprobs: list[float]
+    # 1-based rank of the prompt token among the model's predictions at its position.
+    ranks: list[int]
+    # The top_n most likely tokens at each position (empty lists when top_n is 0).
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def prompt_details(
+    logits: torch.Tensor, prompt_ids: Sequence[int], top_n: int = 0
+) -> PromptDetails:
+    """Details of each prompt token after the first from the prompt logits [L, V] (row j
+    predicts token j + 1): len(prompt_ids) - 1 entries; the first prompt token has none."""
     n = len(prompt_ids) - 1
+    details = PromptDetails([], [], [], [])
     if n <= 0:
-        return []
+        return details
     targets = torch.as_tensor(list(prompt_ids[1:]), dtype=torch.long, device=logits.device)
-    out: list[float] = []
     # Chunked: a full [L, V] float32 log_softmax would cost gigabytes on long prompts.
     for start in range(0, n, _PROMPT_CHUNK):
         rows = logits[start : min(start + _PROMPT_CHUNK, n)].to(torch.float32)
-        picked = rows.gather(1, targets[start : start + rows.shape[0]].unsqueeze(1)).squeeze(1)
-        out.extend((picked - torch.logsumexp(rows, dim=-1)).tolist())
-    return out
+        logprobs = rows - torch.logsumexp(rows, dim=-1, keepdim=True)
+        picked = logprobs.gather(1, targets[start : start + rows.shape[0]].unsqueeze(1))
+        ranks = (logprobs > picked).sum(dim=-1) + 1
+        details.logprobs.extend(picked.squeeze(1).tolist())
+        details.ranks.extend(ranks.tolist())
+        if top_n > 0:
+            top = torch.topk(logprobs, k=min(top_n, logprobs.shape[-1]), dim=-1)
+            details.top_ids.extend(top.indices.tolist())
+            details.top_logprobs.extend(top.values.tolist())
+        else:
+            details.top_ids.extend([] for _ in range(rows.shape[0]))
+            details.top_logprobs.extend([] for _ in range(rows.shape[0]))
+    return details

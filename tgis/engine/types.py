@@ -74,8 +74,10 @@ class Completion:
     generated_tokens: int
     input_length: int
     seed: int | None
-    # Prompt tokens with their logprobs when decoder_input_details was asked (first: None).
+    # Prompt tokens with their logprobs and ranks when decoder_input_details was asked (first:
+    # None), and the top_n_tokens alternatives at each prompt position (first: none).
     prefill: tuple[TokenInfo, ...] = ()
+    prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
     # Every generated token (for `details`), and its top-n alternatives per step.
     tokens: tuple[TokenInfo, ...] = ()
     top_tokens: tuple[tuple[TokenInfo, ...], ...] = ()
@@ -99,6 +101,10 @@ class TokenEvent:
     completion: Completion | None = None
     # Which of the request's best_of sequences this is (0 for ordinary requests).
     index: int = 0
+    # On a sequence's first event, when decoder_input_details was asked: its prompt details
+    # (as in Completion), so a stream can send them before the generated tokens.
+    prefill: tuple[TokenInfo, ...] = ()
+    prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
 
 
 class EngineObserver(Protocol):
@@ -142,13 +148,25 @@ class EngineObserver(Protocol):
 class EngineClient(Protocol):
     """What the HTTP layer needs of the engine."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(
+        self, request: GenerationRequest, reserved: bool = False
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the request's token events; the last one carries its Completion.
 
         Raises OverloadedError (HTTP 429) at once when max_concurrent_requests are in flight,
         GenerationError (HTTP 424) if the backend fails. Closing the iterator early (client
-        gone) cancels the request and frees its KV cache at the next step.
+        gone) cancels the request and frees its KV cache at the next step. `reserved`: its
+        place among max_concurrent_requests was taken by `reserve`.
         """
+        ...
+
+    def reserve(self, count: int) -> None:
+        """Take `count` places among max_concurrent_requests at once, or raise
+        OverloadedError: a batched request is admitted whole or refused whole."""
+        ...
+
+    def release(self, count: int) -> None:
+        """Give back reserved places that no `generate` used."""
         ...
 
     @property

@@ -15,14 +15,16 @@ import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
+from ssl import CERT_REQUIRED
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tgis.config.types import TlsFiles
 from tgis.server.http_errors import SHUTTING_DOWN, openai_body, tgi_body
 
 logger = logging.getLogger("tgis.server")
@@ -134,15 +136,30 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
+class Companion(Protocol):
+    """Another server in the same event loop (the gRPC API), started before HTTP serves and
+    stopped while HTTP drains."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server that drains the app's Lifecycle before it closes the listening socket."""
+    """uvicorn.Server that drains the app's Lifecycle before it closes the listening socket
+    (and stops its companions in the same grace period)."""
 
     def __init__(
-        self, config: uvicorn.Config, lifecycle: Lifecycle, shutdown_grace_s: float
+        self,
+        config: uvicorn.Config,
+        lifecycle: Lifecycle,
+        shutdown_grace_s: float,
+        companions: Sequence[Companion] = (),
     ) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
         self.shutdown_grace_s = shutdown_grace_s
+        self.companions = list(companions)
 
     def request_shutdown(self) -> None:
         """Start a graceful shutdown, as SIGTERM does (callable from any thread)."""
@@ -157,8 +174,12 @@ class GracefulServer(uvicorn.Server):
 
     async def main_loop(self) -> None:
         await super().main_loop()
-        if not self.force_exit:
-            await self.lifecycle.drain(self.shutdown_grace_s, abort=lambda: self.force_exit)
+        grace = 0.0 if self.force_exit else self.shutdown_grace_s
+        async with anyio.create_task_group() as group:
+            for companion in self.companions:
+                group.start_soon(companion.stop, grace)
+            if not self.force_exit:
+                await self.lifecycle.drain(grace, abort=lambda: self.force_exit)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -190,12 +211,21 @@ async def serve(
     *,
     log_level: str = "info",
     server_ready: Callable[[GracefulServer], None] | None = None,
+    tls: TlsFiles | None = None,
+    companions: Sequence[Companion] = (),
 ) -> None:
     """Serve `app` with uvicorn until SIGTERM/SIGINT, then shut down gracefully.
 
-    `server_ready(server)` is called with the server before it starts (tests use it to call
-    `server.request_shutdown()` from another thread).
+    `tls`: HTTPS, and with a client CA, mutual TLS (clients without a certificate it signed
+    are refused at the handshake). `companions` start before HTTP listens and stop while it
+    drains. `server_ready(server)` is called with the server before it starts (tests use it
+    to call `server.request_shutdown()` from another thread).
     """
+    ssl: dict[str, Any] = {}
+    if tls is not None:
+        ssl = {"ssl_certfile": tls.cert_path, "ssl_keyfile": tls.key_path}
+        if tls.client_ca_cert_path:
+            ssl.update(ssl_ca_certs=tls.client_ca_cert_path, ssl_cert_reqs=CERT_REQUIRED)
     config = uvicorn.Config(
         app,
         host=host,
@@ -203,8 +233,18 @@ async def serve(
         log_level=log_level,
         # The drain already waited for requests; this only bounds closing idle connections.
         timeout_graceful_shutdown=5,
+        **ssl,
     )
-    server = GracefulServer(config, lifecycle_of(app), shutdown_grace_s)
+    server = GracefulServer(config, lifecycle_of(app), shutdown_grace_s, companions)
     if server_ready is not None:
         server_ready(server)
-    await server.serve()
+    started: list[Companion] = []
+    try:
+        for companion in companions:
+            await companion.start()
+            started.append(companion)
+        await server.serve()
+    finally:
+        if not server.started:  # HTTP never served: nothing stopped the companions
+            for companion in started:
+                await companion.stop(0)

@@ -180,7 +180,8 @@ class Metrics:
     # Request-level figures, observed by the routes.
 
     def request_received(self, kind: str, inputs: int = 1) -> None:
-        """A generate request arrived; kind is "single" or "stream" (TGIS's labels)."""
+        """A generate request arrived; kind is "single", "batch" (gRPC Generate with several
+        inputs) or "stream" (TGIS's labels)."""
         self.request_count.labels(kind=kind).inc()
         self.request_input_count.inc(inputs)
 
@@ -199,9 +200,14 @@ class Metrics:
         """A request failed; error_type is the `error_type` sent to the client."""
         self.request_failure.labels(err=FAILURE_LABELS.get(error_type, error_type)).inc()
 
-    def request_succeeded(self, kind: str, completion: Completion, seconds: float) -> None:
-        """A request finished normally `seconds` after it arrived."""
-        reason = STOP_REASONS.get(completion.finish_reason, completion.finish_reason.value)
+    def request_succeeded(
+        self, kind: str, completion: Completion, seconds: float, stop_reason: str | None = None
+    ) -> None:
+        """A request finished normally `seconds` after it arrived (`stop_reason`: TGIS's name
+        when the caller knows better, e.g. TOKEN_LIMIT)."""
+        reason = stop_reason or STOP_REASONS.get(
+            completion.finish_reason, completion.finish_reason.value
+        )
         self.request_success.labels(stop_reason=reason, kind=kind).inc()
         h = self.hist
         h["tgi_request_duration"].observe(seconds)

@@ -45,7 +45,14 @@ _PARAMETERS = _obj(
     stop={**_array(STR), "example": ["photographer"]},
     include_stop_sequence={**BOOL, "default": True, "description": "TGIS: keep the stop text"},
     ignore_eos={**BOOL, "default": False},
-    time_limit_ms=_null({**INT, "description": "TGIS: stop after this long (time_limit)"}),
+    time_limit_ms=_null({**INT, "description": "TGIS: stop this long after arrival (time_limit)"}),
+    length_penalty=_null(
+        {
+            **_obj(["start_index", "decay_factor"], start_index=INT, decay_factor=NUM),
+            "description": "TGIS: after start_index new tokens, EOS logits grow by "
+            "|logit| * (decay_factor ^ (generated - start_index) - 1)",
+        }
+    ),
     truncate=_null({**INT, "description": "keep only the last N prompt tokens"}),
     return_full_text=_null({**BOOL, "description": "prepend the prompt to generated_text"}),
     details={**BOOL, "default": False},

@@ -161,6 +161,16 @@ def parse_parameters(
     for key in _BOOLS:
         values[key] = fields.boolean(key)
     values["stop"] = fields.strings("stop")
+    penalty = fields.obj("length_penalty")  # TGIS's extension
+    if penalty is not None:
+        start_index = penalty.integer("start_index", unsigned=True)
+        decay_factor = penalty.number("decay_factor")
+        if start_index is None or decay_factor is None:
+            raise invalid(
+                "`parameters.length_penalty` needs `start_index` (generated tokens before the "
+                "EOS boost) and `decay_factor` (1.0 to 10.0)"
+            )
+        values["length_penalty"] = (start_index, decay_factor)
     full_text = fields.boolean("return_full_text")
     values["return_full_text"] = default_return_full_text if full_text is None else full_text
     if fields.boolean("watermark"):

@@ -1,0 +1,92 @@
+"""The grpc.aio server of TGIS's API, in the HTTP server's process and event loop.
+
+Besides `fmaas.GenerationService` it serves the standard health service (`grpc.health.v1`,
+SERVING until shutdown begins) and server reflection, so grpcurl works without the proto. With
+TLS files it listens with TLS, and with a client CA it requires client certificates signed by
+it (mutual TLS), as TGIS does.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tgis.config import ServeConfig
+from tgis.config.types import TlsFiles
+from tgis.fmaas import generation_pb2 as pb
+from tgis.fmaas import generation_pb2_grpc as pb_grpc
+from tgis.fmaas.convert import GrpcLimits
+from tgis.fmaas.service import GenerationService
+from tgis.server.state import ServerState
+
+log = logging.getLogger("tgis.fmaas")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# Messages bigger than gRPC's 4 MiB default: a batch of long prompts, or of long answers.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def grpc_limits(config: ServeConfig) -> GrpcLimits:
+    """The limits the gRPC API applies, from the served configuration."""
+    return GrpcLimits.of(
+        max_sequence_length=config.max_total_tokens,
+        max_new_tokens=config.max_new_tokens or 1024,
+        default_include_stop_seqs=config.default_include_stop_seqs,
+        output_special_tokens=config.output_special_tokens,
+    )
+
+
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """TLS credentials; with a client CA, clients must present a certificate it signed."""
+    ca = Path(tls.client_ca_cert_path).read_bytes() if tls.client_ca_cert_path else None
+    return grpc.ssl_server_credentials(
+        [(Path(tls.key_path).read_bytes(), Path(tls.cert_path).read_bytes())],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+class GrpcServer:
+    """TGIS's API on `host:port` over the app's ServerState."""
+
+    def __init__(self, state: ServerState, host: str, port: int, tls: TlsFiles | None) -> None:
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        self.service = GenerationService(state, grpc_limits(state.config))
+        pb_grpc.add_GenerationServiceServicer_to_server(self.service, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, server_credentials(tls))
+        if self.port == 0:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        self.tls = tls is not None
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("gRPC (fmaas.GenerationService) on port %d%s", self.port, " with TLS" * self.tls)
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls, give those running `grace_s` to finish, then cancel them."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+__all__ = ["GrpcServer", "grpc_limits", "server_credentials"]
