@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -103,9 +103,10 @@ def client(app: Starlette) -> Iterator[TestClient]:
 
 @contextmanager
 def live_server(
-    app: Starlette, shutdown_grace_s: float = 5.0
+    app: Starlette, shutdown_grace_s: float = 5.0, companions: Sequence[Any] = ()
 ) -> Iterator[tuple[str, GracefulServer]]:
-    """Serve `app` with tgis.server.serve on 127.0.0.1 (a free port) in a thread."""
+    """Serve `app` with tgis.server.serve on 127.0.0.1 (a free port) in a thread, with
+    `companions` (a gRPC server) started before and stopped with it."""
     servers: list[GracefulServer] = []
     thread = threading.Thread(
         target=lambda: asyncio.run(
@@ -116,6 +117,7 @@ def live_server(
                 shutdown_grace_s,
                 log_level="warning",
                 server_ready=servers.append,
+                companions=companions,
             )
         ),
         daemon=True,

@@ -51,42 +51,52 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
 
 
 class GrpcServer:
-    """TGIS's API on `host:port` over the app's ServerState."""
+    """TGIS's API on `host:port` over the app's ServerState. The grpc.aio server is made in
+    `start`, in the event loop that runs it; `port` is the bound one from then on (a free
+    one when 0 was asked)."""
 
     def __init__(self, state: ServerState, host: str, port: int, tls: TlsFiles | None) -> None:
-        self.server = grpc.aio.server(
+        self.service = GenerationService(state, grpc_limits(state.config))
+        self.host, self.port, self.tls = host, port, tls
+        self.server: grpc.aio.Server | None = None
+        self.health: health.aio.HealthServicer | None = None
+
+    async def start(self) -> None:
+        server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ]
         )
-        self.service = GenerationService(state, grpc_limits(state.config))
-        pb_grpc.add_GenerationServiceServicer_to_server(self.service, self.server)
+        pb_grpc.add_GenerationServiceServicer_to_server(self.service, server)
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if tls is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, server_credentials(tls))
-        if self.port == 0:
-            raise OSError(f"cannot listen for gRPC on {address}")
-        self.tls = tls is not None
-
-    async def start(self) -> None:
-        await self.server.start()
+        address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        try:
+            if self.tls is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, server_credentials(self.tls))
+        except RuntimeError as exc:  # grpc's "Failed to bind"
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        await server.start()
+        self.server = server
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gRPC (fmaas.GenerationService) on port %d%s", self.port, " with TLS" * self.tls)
+        secure = " with TLS" if self.tls else ""
+        log.info("gRPC (fmaas.GenerationService) on port %d%s", self.port, secure)
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls, give those running `grace_s` to finish, then cancel them."""
+        if self.server is None or self.health is None:
+            return
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        self.server = None
 
 
 __all__ = ["GrpcServer", "grpc_limits", "server_credentials"]
