@@ -233,9 +233,10 @@ def test_entrypoint_is_tgis_serve_in_exec_form(image: Image) -> None:
     assert not image.all("CMD"), "a CMD would be appended to the service parameters"
 
 
-def test_port_80_exposed_and_served(image: Image) -> None:
+def test_port_80_and_grpc_port_exposed_and_served(image: Image) -> None:
     exposed = {p for e in image.all("EXPOSE") for p in e.args.split()}
-    assert exposed == {"80"}
+    assert exposed == {"80", "8033"}  # HTTP, and TGIS's gRPC port (the default --grpc-port)
+    assert "GRPC_PORT" not in image.env
     assert image.env["PORT"] == "80"
     # Docker sets HOSTNAME to the container's name; tgis would listen on that address only.
     assert image.env["HOSTNAME"] == "0.0.0.0"

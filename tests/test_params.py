@@ -196,3 +196,19 @@ def test_truncate_ids_keeps_the_last_tokens() -> None:
     assert truncate_ids(ids, 10) == ids
     assert truncate_ids(ids, None) == ids
     assert truncate_ids(ids, 2) is not ids
+
+
+def test_the_servers_max_new_tokens_caps_requests_when_set() -> None:
+    capped = replace(LIMITS, max_new_tokens=5)
+    assert validate(P(), 3, capped).max_new_tokens == 5  # unset: what fits, then the cap
+    assert validate(P(max_new_tokens=4), 3, capped).max_new_tokens == 4
+    assert error(P(max_new_tokens=6), limits=capped) == "`max_new_tokens` must be <= 5. Given: 6"
+    assert validate(P(), 3, LIMITS).max_new_tokens == 13  # no cap: what fits
+
+
+def test_length_penalty_is_checked() -> None:
+    assert validate(P(length_penalty=(2, 1.5)), 3, LIMITS).length_penalty == (2, 1.5)
+    message = "`length_penalty.decay_factor` must be >= 1.0 and <= 10.0"
+    assert error(P(length_penalty=(2, 0.5))) == message
+    assert error(P(length_penalty=(2, float("nan")))) == message
+    assert error(P(length_penalty=(-1, 2.0))) == "`length_penalty.start_index` must be >= 0"

@@ -603,3 +603,58 @@ def test_neuron_export_at_start_up_defaults_within_the_model_positions() -> None
     assert config.max_total_tokens == 1024 and config.static_shape is not None
     assert config.static_shape.sequence_length == 1024
     assert build(ModelFacts("llama", 8192), backend="neuron").max_total_tokens == 4096
+
+
+# --- TGIS's names, the gRPC port, where values came from ----------------------------------
+
+
+def test_tgis_names_set_tgis_settings_and_say_so() -> None:
+    config = build(
+        GPT2,
+        {"MAX_SEQUENCE_LENGTH": "512", "DTYPE_STR": "float32"},
+        model_name="/models/m",
+        max_new_tokens=100,
+    )
+    assert (config.model_id, config.max_total_tokens, config.dtype) == ("/models/m", 512, "float32")
+    sources = dict(config.sources)
+    assert sources["max_total_tokens"] == "MAX_SEQUENCE_LENGTH"
+    assert sources["dtype"] == "DTYPE_STR"
+    assert sources["max_new_tokens"] == "--max-new-tokens"
+    assert "max_sequence_length" not in sources  # shown under the setting it sets
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "names"),
+    [
+        (
+            {},
+            {"max_total_tokens": 512, "max_sequence_length": 512},
+            ("--max-total-tokens", "--max-sequence-length"),
+        ),
+        ({"DTYPE_STR": "float32"}, {"dtype": "float32"}, ("--dtype", "DTYPE_STR")),
+    ],
+)
+def test_both_names_of_one_setting_is_an_error(
+    env: dict[str, str], flags: dict[str, object], names: tuple[str, str]
+) -> None:
+    message = error_of(GPT2, env, **flags)
+    assert f"both {names[0]} and {names[1]} are set: they are one setting" in message
+
+
+def test_grpc_port_defaults_and_conflicts() -> None:
+    assert build().grpc_port == 8033
+    assert build(GPT2, {"GRPC_PORT": "9000"}).grpc_port == 9000
+    assert build(grpc=False).grpc_port is None
+    assert "is set but gRPC is off" in error_of(grpc=False, grpc_port=9000)
+    assert "other than the HTTP port (3000)" in error_of(grpc_port=3000)
+    assert "must be a port from 1 to 65535" in error_of(grpc_port=70000)
+
+
+def test_grpc_defaults_of_output() -> None:
+    config = build()
+    assert config.default_include_stop_seqs and not config.output_special_tokens
+    assert config.max_new_tokens is None and config.tls is None
+    env = {"DEFAULT_INCLUDE_STOP_SEQS": "false", "OUTPUT_SPECIAL_TOKENS": "true"}
+    config = build(GPT2, env)
+    assert not config.default_include_stop_seqs and config.output_special_tokens
+    assert "must be >= 1" in error_of(max_new_tokens=0)

@@ -168,10 +168,11 @@ def grpc_port(values: dict[str, Any], r: Sources) -> int | None:
             )
         return None
     port = values["grpc_port"] if values["grpc_port"] is not None else DEFAULTS["grpc_port"]
-    if not 0 < port < 65536 or port == values["port"]:
+    http_port = values["port"] or DEFAULTS["port"]
+    if not 0 < port < 65536 or port == http_port:
         raise ConfigError(
             f"{r.label('grpc_port', port)} must be a port from 1 to 65535 other than the "
-            f"HTTP port ({values['port'] or DEFAULTS['port']})",
+            f"HTTP port ({http_port})",
             "pick another --grpc-port, or --no-grpc to serve HTTP only",
         )
     return int(port)
