@@ -7,6 +7,7 @@ from, and the fix.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
@@ -203,4 +204,28 @@ def tls_files(values: dict[str, Any], r: Sources) -> TlsFiles | None:
                 f"{r.label(name, path)}: cannot read it ({exc.strerror or exc})",
                 f"point {flag(name)} at a readable PEM file",
             ) from None
+    check_tls_contents(cert, key, client_ca, r)
     return TlsFiles(cert, key, client_ca)
+
+
+def check_tls_contents(cert: str, key: str, client_ca: str | None, r: Sources) -> None:
+    """The certificate and key must be PEM and belong together, the client CA must be PEM
+    certificates: found here rather than as a failed listen on the gRPC port."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"{r.label('tls_cert_path', cert)} with {r.label('tls_key_path', key)}: not a PEM "
+            f"certificate and its private key ({exc.reason or exc})",
+            "give the server's certificate and the key it was issued for, both in PEM",
+        ) from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"{r.label('tls_client_ca_cert_path', client_ca)}: not PEM CA certificates "
+                f"({exc.reason or exc})",
+                "give the CA certificate(s) that sign client certificates, in PEM",
+            ) from None
