@@ -30,7 +30,7 @@ def refused(p: pb.Parameters, limits: GrpcLimits = LIMITS) -> str:
 def test_greedy_defaults_are_tgis() -> None:
     converted = convert(params(), LIMITS)
     p = converted.params
-    assert not p.do_sample and converted.seed is None
+    assert not p.do_sample and converted.fit(5, 0, LIMITS).seed is None
     assert p.max_new_tokens == 20 and p.min_new_tokens == 0  # 0 means 20
     assert p.temperature is p.top_k is p.top_p is p.typical_p is p.repetition_penalty is None
     assert p.include_stop_sequence is True and p.skip_special_tokens is True
@@ -39,17 +39,20 @@ def test_greedy_defaults_are_tgis() -> None:
 
 def test_greedy_ignores_sampling_fields() -> None:
     p = convert(params(sampling=pb.SamplingParameters(temperature=0.01, top_k=5, seed=3)), LIMITS)
-    assert not p.params.do_sample and p.params.top_k is None and p.seed is None
+    assert not p.params.do_sample and p.params.top_k is None
+    assert p.fit(5, 0, LIMITS).seed is None
 
 
 def test_sampling_zero_values_mean_disabled_and_a_random_32_bit_seed() -> None:
     converted = convert(sample(), LIMITS)
     p = converted.params
     assert p.do_sample and p.temperature is None and p.top_p is None and p.typical_p is None
-    seeds = {convert(sample(), LIMITS).seed for _ in range(20)}
+    # One seed per input: a batch's identical inputs still sample apart.
+    seeds = {converted.fit(5, 0, LIMITS).seed for _ in range(20)}
     assert all(s is not None and 0 <= s < 2**32 for s in seeds) and len(seeds) > 1
-    assert convert(sample(seed=2**63 + 5), LIMITS).seed == 2**63 + 5
-    assert convert(sample(seed=0), LIMITS).seed == 0  # present, though 0
+    given = convert(sample(seed=2**63 + 5), LIMITS)
+    assert {given.fit(5, 0, LIMITS).seed for _ in range(3)} == {2**63 + 5}
+    assert convert(sample(seed=0), LIMITS).fit(5, 0, LIMITS).seed == 0  # present, though 0
 
 
 def test_sampling_values_reach_the_engine() -> None:

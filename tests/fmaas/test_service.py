@@ -146,14 +146,14 @@ def test_the_stream_is_the_unary_answer_in_tgis_messages(
     assert all(t.rank == 1 for t in unary.tokens)
 
 
-def test_input_tokens_without_detail_are_the_texts_only(
-    stub: pb_grpc.GenerationServiceStub,
+def test_input_tokens_without_detail_are_the_token_strings_only(
+    stub: pb_grpc.GenerationServiceStub, service: Service
 ) -> None:
     options = pb.ResponseOptions(input_tokens=True)
-    response = stub.Generate(batch("import os", stopping=stopping(2), response=options)).responses[
-        0
-    ]
-    assert "".join(t.text for t in response.input_tokens).endswith("import os")
+    request = batch("import os", stopping=stopping(2), response=options)
+    response = stub.Generate(request).responses[0]
+    pieces = service.tokenizer.convert_ids_to_tokens(service.tokenizer.encode("import os"))
+    assert [t.text for t in response.input_tokens] == pieces  # as Tokenize gives them
     assert all(t.logprob == 0 and t.rank == 0 for t in response.input_tokens)
 
 

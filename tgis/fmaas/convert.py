@@ -75,14 +75,12 @@ class Converted:
 
     params: GenerateParameters
     options: ResponseOptions
-
-    @property
-    def seed(self) -> int | None:
-        """The seed to report: the request's, or the random one drawn for it (sampling)."""
-        return self.params.seed if self.params.do_sample else None
+    # Sampling without a seed: each input draws its own random 32-bit seed (`fit`).
+    random_seed: bool = False
 
     def fit(self, input_length: int, prefix_length: int, limits: GrpcLimits) -> Fitted:
-        """Apply TGIS's length checks to one input (after truncation)."""
+        """Apply TGIS's length checks to one input (after truncation); a sampled input
+        without a seed gets one of its own."""
         total = input_length + prefix_length
         limit = limits.max_sequence_length
         if total >= limit:
@@ -96,10 +94,13 @@ class Converted:
                 f"input tokens ({input_length}) plus prefix length ({prefix_length}) plus "
                 f"min_new_tokens ({min_new}) must be <= {limit}"
             )
-        max_new = self.params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        params = self.params
+        if self.random_seed:
+            params = replace(params, seed=secrets.randbits(32))
+        max_new = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         if total + max_new > limit:
-            return Fitted(replace(self.params, max_new_tokens=limit - total), True)
-        return Fitted(self.params, False)
+            return Fitted(replace(params, max_new_tokens=limit - total), True)
+        return Fitted(params, False)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ class Fitted:
 
     params: GenerateParameters
     token_limit: bool
+
+    @property
+    def seed(self) -> int | None:
+        """The seed to report: the request's or the one drawn for this input (sampling)."""
+        return self.params.seed if self.params.do_sample else None
 
 
 def convert(params: pb.Parameters, limits: GrpcLimits) -> Converted:
@@ -120,7 +126,7 @@ def convert(params: pb.Parameters, limits: GrpcLimits) -> Converted:
         top_k = s.top_k
         top_p = s.top_p or 1.0
         typical_p = s.typical_p
-        seed = s.seed if s.HasField("seed") else secrets.randbits(32)
+        seed = s.seed if s.HasField("seed") else None
     stopping = params.stopping
     max_new_tokens = stopping.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     repetition_penalty = params.decoding.repetition_penalty or 1.0
@@ -190,4 +196,4 @@ def convert(params: pb.Parameters, limits: GrpcLimits) -> Converted:
         top_n_tokens=options.top_n_tokens or None,
         skip_special_tokens=not limits.output_special_tokens,
     )
-    return Converted(engine_params, options)
+    return Converted(engine_params, options, random_seed=sampling and seed is None)

@@ -21,7 +21,6 @@ from typing import NoReturn
 import anyio.to_thread
 import grpc
 
-from tgis.engine.detokenize import token_texts
 from tgis.engine.types import Completion, FinishReason, GenerationRequest, TokenInfo
 from tgis.errors import GenerationError, InputValidationError, OverloadedError
 from tgis.fmaas import generation_pb2 as pb
@@ -54,6 +53,7 @@ class Input:
     text: str
     request: GenerationRequest
     token_limit: bool
+    seed: int | None
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -93,10 +93,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self.metrics.request_received(kind, len(texts))
         try:
             self._check_open()
+            if not texts:  # before the parameters are read, as TGIS answers it
+                return pb.BatchedGenerationResponse()
             converted = self._convert(request)
             inputs = [await self._prepare(text, converted, arrival) for text in texts]
-            if not inputs:
-                return pb.BatchedGenerationResponse()
             self._reserve(len(inputs))
             results = await self._run_all(inputs)
         except Refused as refused:
@@ -130,8 +130,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         entered = False
         try:
             first = pb.GenerationResponse(input_token_count=len(inp.ids))
-            if converted.seed is not None:
-                first.seed = converted.seed
+            if inp.seed is not None:
+                first.seed = inp.seed
             if options.input_text:
                 first.text = inp.text
             yield first
@@ -231,7 +231,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
         request = GenerationRequest(uuid.uuid4().hex, tuple(ids), fitted.params, arrival)
         self.metrics.validated(len(ids), fitted.params.max_new_tokens, time.monotonic() - arrival)
-        return Input(text, request, fitted.token_limit)
+        return Input(text, request, fitted.token_limit, fitted.seed)
 
     def _reserve(self, count: int) -> None:
         try:
@@ -322,23 +322,30 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         message.stop_reason = self._stop_reason(inp, completion)  # type: ignore[assignment]
         if completion.stop_sequence is not None:
             message.stop_sequence = completion.stop_sequence
-        if converted.seed is not None:
-            message.seed = converted.seed
+        if inp.seed is not None:
+            message.seed = inp.seed
 
     def _token(
         self, token: TokenInfo, top: Sequence[TokenInfo], converted: Converted
     ) -> pb.TokenInfo:
+        """A token as TGIS gives it: the tokenizer's token string, and the details asked
+        for (top tokens carry a logprob only with token_logprobs)."""
         options = converted.options
-        info = pb.TokenInfo(text=token.text)
+        info = pb.TokenInfo(text=self._piece(token.id))
         if options.token_logprobs and token.logprob is not None:
             info.logprob = token.logprob
         if options.token_ranks and token.rank is not None:
             info.rank = token.rank
         if options.top_n_tokens:
-            info.top_tokens.extend(
-                pb.TokenInfo.TopToken(text=t.text, logprob=t.logprob or 0.0) for t in top
-            )
+            for alternative in top:
+                entry = info.top_tokens.add(text=self._piece(alternative.id))
+                if options.token_logprobs and alternative.logprob is not None:
+                    entry.logprob = alternative.logprob
         return info
+
+    def _piece(self, token_id: int) -> str:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        return piece if isinstance(piece, str) else ""
 
     def _input_tokens(
         self,
@@ -350,7 +357,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         """The input tokens; with token detail, the first has logprob NaN and rank 0 (no
         prediction precedes it), as TGIS gives it."""
         if not prefill:
-            return [pb.TokenInfo(text=t) for t in token_texts(self.tokenizer, inp.ids)]
+            return [pb.TokenInfo(text=self._piece(i)) for i in inp.ids]
         tops = list(prefill_top) or [()] * len(prefill)
         infos = [self._token(t, top, converted) for t, top in zip(prefill, tops, strict=True)]
         if converted.options.token_logprobs:
