@@ -32,6 +32,22 @@ class PrefillSegment:
     start: int
     input_ids: tuple[int, ...]
     all_logits: bool = False
+    # Embeddings [k, hidden] that replace the first k tokens' (a prompt prefix), or None.
+    embeds: torch.Tensor | None = None
+
+
+def place_embeds(
+    x: torch.Tensor, overrides: Sequence[tuple[int, torch.Tensor | None]]
+) -> torch.Tensor:
+    """Token embeddings `x` [N, hidden] (packed tokens) with rows `offset`.. replaced by each
+    override [k, hidden] (a prompt prefix's virtual tokens); `x` itself when there are none."""
+    given = [(offset, e) for offset, e in overrides if e is not None and e.shape[0]]
+    if not given:
+        return x
+    rows = torch.cat([torch.arange(o, o + e.shape[0]) for o, e in given]).to(x.device)
+    x = x.clone()
+    x[rows] = torch.cat([e for _, e in given]).to(device=x.device, dtype=x.dtype)
+    return x
 
 
 @dataclass(frozen=True)

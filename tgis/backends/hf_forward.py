@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-from tgis.backends.forward import DecodeBatch, PrefillSegment, group_by_start
+from tgis.backends.forward import DecodeBatch, PrefillSegment, group_by_start, place_embeds
 from tgis.backends.hf_cache import SlotCache
 from tgis.backends.slot_cache import KVStep, SlotKVCache
 from tgis.errors import ConfigError
@@ -149,9 +149,11 @@ class HFForward:
         position_ids: torch.Tensor,
         step: KVStep,
         select: tuple[torch.Tensor, torch.Tensor] | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One model call; returns float32 logits [rows, vocab] (selected rows, or all rows
-        when select is None and input_ids has one column)."""
+        when select is None and input_ids has one column). `inputs_embeds` [batch, width,
+        hidden] replaces the ids' embeddings (prompt prefixes)."""
         self.slot_cache.step = step
         self._select, self._selected = select, False
         optional = {
@@ -159,8 +161,13 @@ class HFForward:
             "cache_position": torch.arange(step.past_len, step.kv_len, device=self.device),
         }
         try:
+            tokens = (
+                {"input_ids": input_ids}
+                if inputs_embeds is None
+                else {"inputs_embeds": inputs_embeds}
+            )
             out = self.model(
-                input_ids=input_ids,
+                **tokens,
                 attention_mask=attention_mask,
                 past_key_values=self.slot_cache,
                 use_cache=True,
@@ -216,8 +223,20 @@ class HFForward:
             start=start,
         )
         select = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+        embeds = None
+        if any(s.embeds is not None for s in group):
+            # Prompt-prefix rows: the model takes embeddings for the whole batch instead.
+            embedding = self.model.get_input_embeddings()
+            packed = embedding(ids.to(self.device)).reshape(len(group) * width, -1)
+            overrides = [(row * width, s.embeds) for row, s in enumerate(group)]
+            embeds = place_embeds(packed, overrides).reshape(len(group), width, -1)
         logits = self._run(
-            ids.to(self.device), mask.to(self.device), positions.to(self.device), step, select
+            ids.to(self.device),
+            mask.to(self.device),
+            positions.to(self.device),
+            step,
+            select,
+            embeds,
         )
         counts = [lengths[i] if s.all_logits else 1 for i, s in enumerate(group)]
         return list(logits.split(counts))

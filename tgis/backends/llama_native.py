@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from tgis.backends.forward import DecodeBatch, PrefillSegment, additive_mask, causal_mask
+from tgis.backends.forward import (
+    DecodeBatch,
+    PrefillSegment,
+    additive_mask,
+    causal_mask,
+    place_embeds,
+)
 from tgis.backends.hf_forward import KVShape, sliding_windows
 from tgis.backends.slot_cache import KVStep, SlotKVCache
 
@@ -311,6 +317,7 @@ class LlamaNativeForward(LlamaWeights):
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         x = F.embedding(ids, self.embed)  # [N, hidden]
+        x = place_embeds(x, [(o, s.embeds) for s, o in zip(segments, offsets, strict=True)])
         gqa = self.num_heads != self.num_kv_heads
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)

@@ -9,12 +9,14 @@ from `LlamaWeights` (fused QKV, Llama 3 / linear / yarn rope scaling, tied embed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from tgis.backends.forward import place_embeds
 from tgis.backends.llama_native import LlamaWeights
 from tgis.backends.paged_attention import (
     StepMetadata,
@@ -94,12 +96,14 @@ class PagedLlamaForward(LlamaWeights):
         positions: torch.Tensor,
         meta: StepMetadata,
         logits_rows: torch.Tensor,
+        embeds: Sequence[tuple[int, torch.Tensor | None]] = (),
     ) -> torch.Tensor:
         """input_ids / positions [tokens] (long, on the device) -> float32 logits of the
-        token rows `logits_rows` [m] -> [m, vocab]."""
+        token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
+        rows take those embeddings instead of their tokens' (prompt prefixes)."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)  # [tokens, hidden]
+        x = place_embeds(F.embedding(input_ids, self.embed), embeds)  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]

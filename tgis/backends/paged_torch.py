@@ -278,11 +278,13 @@ class PagedTorchBackend:
             elif item.sample:
                 rows.append(offset + n - 1)
         device = self.device_obj
+        offsets = [sum(query_lens[:i]) for i in range(len(items))]
         logits = self.path.forward(
             torch.tensor(ids).to(device, non_blocking=True),
             torch.tensor(positions).to(device, non_blocking=True),
             meta,
             torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+            [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
         )
         if not any(item.prompt_logits for item in items):
             # One row per sampling chunk, in order: the logits are the sampled rows already.
@@ -301,11 +303,15 @@ class PagedTorchBackend:
 
     def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:
         """Logits of a decode step replayed from its graph; None when the step runs eagerly
-        (no graphs, a prefill chunk, prompt logits, or more rows than the largest bucket)."""
+        (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, or more rows
+        than the largest bucket)."""
         graphs = self.graphs
         if graphs is None:
             return None
-        if any(len(i.token_ids) != 1 or not i.sample or i.prompt_logits for i in items):
+        if any(
+            len(i.token_ids) != 1 or not i.sample or i.prompt_logits or i.embeds is not None
+            for i in items
+        ):
             return None
         if graphs.graph_for(len(items)) is None:
             return None

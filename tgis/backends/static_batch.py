@@ -139,6 +139,8 @@ class StaticBatchBackend:
             kv_tokens=size * policy.max_length,
             kv_bytes_per_token=model.kv_bytes_per_token,
             prompt_logprobs=prompt_logprobs,
+            # A static graph takes token ids only: no embeddings in place of tokens.
+            prompt_prefixes=False,
         )
         self._row_of: dict[int, int] = {}
         # Per slot: the tokens its KV cache holds (prompt + tokens fed by decode), or None.

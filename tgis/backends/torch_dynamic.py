@@ -263,7 +263,12 @@ class TorchDynamicBackend:
                 if take == 0:
                     continue
                 tokens = item.input_ids[done[i] : done[i] + take]
-                segments.append(PrefillSegment(slots[i], done[i], tokens, item.prompt_logprobs))
+                embeds = None
+                if item.embeds is not None and done[i] < item.embeds.shape[0]:
+                    embeds = item.embeds[done[i] : done[i] + take]
+                segments.append(
+                    PrefillSegment(slots[i], done[i], tokens, item.prompt_logprobs, embeds)
+                )
                 members.append(i)
                 budget -= take
                 done[i] += take

@@ -32,6 +32,8 @@ class BackendCapacity:
     kv_budget_tokens: int | None = None
     # Whether prefill can return every prompt position's logits (decoder_input_details).
     prompt_logprobs: bool = True
+    # Whether prompts may start with embeddings instead of tokens (tuned prompt prefixes).
+    prompt_prefixes: bool = True
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
     # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
     block_size: int | None = None
@@ -49,6 +51,9 @@ class PrefillItem:
     seq_id: int
     input_ids: tuple[int, ...]
     prompt_logprobs: bool = False
+    # Embeddings [k, hidden] of the first k positions, used instead of their tokens' (a
+    # prompt prefix's virtual tokens); None: every position is its token's embedding.
+    embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class PackedItem:
     block_table: tuple[int, ...]
     sample: bool = True
     prompt_logits: bool = False
+    # Embeddings [k, hidden] of the chunk's first k tokens, used instead of their tokens'
+    # (a prompt prefix's virtual tokens); None: none.
+    embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
 
+# The token id a prompt prefix's virtual positions carry (their embeddings replace it).
+PREFIX_PLACEHOLDER_ID = 0
+
 log = logging.getLogger("tgis.engine")
 
 
@@ -118,6 +121,12 @@ class Engine:
             self.reserve(1)
         try:
             params = request.params
+            if request.prefix is not None and not self.backend.capacity.prompt_prefixes:
+                raise InputValidationError(
+                    f"prompt prefixes (`prefix_id`) are not available on the "
+                    f"{self.backend.name} backend: its compiled model takes token ids only. "
+                    "Serve the model on the cpu or cuda backend to use them"
+                )
             if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:
                 raise InputValidationError(
                     f"`decoder_input_details` (prompt logprobs) is not available on the "
@@ -176,15 +185,21 @@ class Engine:
         request = handle.request
         max_new = request.params.max_new_tokens or 1
         seqs = []
+        prefix = request.prefix
+        # A prompt prefix's virtual tokens hold placeholder ids; their embeddings come from
+        # the prefix, and its key keeps their blocks apart from other prefixes'.
+        prompt = [PREFIX_PLACEHOLDER_ID] * (prefix.length if prefix else 0)
+        prompt.extend(request.input_ids)
         for index in range(handle.candidates):
             seq = SchedSeq(
                 next(self._seq_ids),
                 request.request_id,
-                len(request.input_ids),
+                len(prompt),
                 max_new,
                 request.arrival,
                 index,
-                token_ids=list(request.input_ids),
+                token_ids=list(prompt),
+                salt=prefix.key if prefix else b"",
                 # Every prompt position's logits are computed: none may come from the cache.
                 cache_lookup=not request.params.decoder_input_details,
             )
@@ -223,7 +238,10 @@ class Engine:
                     live.begin(start_time=time.monotonic())
                 items = [
                     PrefillItem(
-                        lv.seq.seq_id, lv.handle.request.input_ids, lv.wants_prompt_logprobs
+                        lv.seq.seq_id,
+                        tuple(lv.seq.token_ids),
+                        lv.wants_prompt_logprobs,
+                        lv.prefix_embeds(0, len(lv.seq.token_ids)),
                     )
                     for lv in lives
                 ]
@@ -259,7 +277,7 @@ class Engine:
             items.append(
                 PackedItem(
                     chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
-                    chunk.sample, wants,
+                    chunk.sample, wants, live.prefix_embeds(chunk.start, chunk.count),
                 )
             )  # fmt: skip
         sampled = [live for live, chunk in zip(lives, step.chunks, strict=True) if chunk.sample]

@@ -102,6 +102,19 @@ class LiveSequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.decoder_input_details
 
+    @property
+    def prefix_length(self) -> int:
+        prefix = self.handle.request.prefix
+        return prefix.length if prefix is not None else 0
+
+    def prefix_embeds(self, start: int, count: int) -> torch.Tensor | None:
+        """Embeddings of positions start.. start + count - 1 that are a prompt prefix's
+        virtual tokens (the first ones of them, if any), or None."""
+        prefix = self.handle.request.prefix
+        if prefix is None or start >= prefix.length:
+            return None
+        return prefix.embeddings[start : min(start + count, prefix.length)]
+
     def begin(self, start_time: float) -> None:
         """First scheduled: the queue time ends. The time limit runs from the request's
         arrival (TGIS), or from here when the request has none."""
@@ -128,6 +141,8 @@ class LiveSequence:
         """Prompt tokens with the logprob and rank the model gave each, and the top_n_tokens
         alternatives at each position when asked ([len, vocab] logits)."""
         ids = self.handle.request.input_ids
+        # Rows of a prompt prefix's virtual tokens predict nothing the client sent.
+        logits = logits[self.prefix_length :]
         details = prompt_details(logits, ids, self.params.top_n_tokens or 0)
         texts = token_texts(self.tokenizer, ids)
         first = TokenInfo(ids[0], texts[0], None, ids[0] in self.special_ids)

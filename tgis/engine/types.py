@@ -8,9 +8,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tgis.params import GenerateParameters
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(str, Enum):
@@ -41,6 +44,23 @@ class GenerationRequest:
     params: GenerateParameters
     # time.monotonic() when the HTTP request arrived (for queue/validation timings).
     arrival: float = 0.0
+    # A tuned prompt prefix whose embeddings go before the input's (TGIS's prompt tuning).
+    prefix: PromptPrefix | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class PromptPrefix:
+    """Virtual-token embeddings [length, hidden], in the serving dtype on the model's device,
+    prepended to a request's input embeddings. `key` keeps the prefix-cache blocks of prompts
+    that follow it apart from any other prefix's."""
+
+    prefix_id: str
+    embeddings: torch.Tensor
+    key: bytes
+
+    @property
+    def length(self) -> int:
+        return int(self.embeddings.shape[0])
 
 
 @dataclass(frozen=True)
