@@ -17,6 +17,7 @@ from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import BackendUnavailableError, ConfigError
+from tgis.prefix_store import PrefixStore
 from tgis.warmup import WarmupReport, run_warmup
 
 log = logging.getLogger("tgis.launch")
@@ -33,6 +34,8 @@ class Service:
     tokenizer: Any
     kv_tokens: int
     warmup: WarmupReport | None = None
+    # Tuned prompt prefixes (--prefix-store-path), or None.
+    prefixes: PrefixStore | None = None
 
 
 def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
@@ -164,4 +167,24 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         capacity.max_sequence_tokens,
         kv_tokens,
     )
-    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report)
+    prefixes = prefix_store(config, model_dir, backend)
+    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes)
+
+
+def prefix_store(
+    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend
+) -> PrefixStore | None:
+    """The prompt-prefix store of --prefix-store-path, in the backend's dtype and device."""
+    if config.prefix_store_path is None:
+        return None
+    from transformers import AutoConfig
+
+    hidden = AutoConfig.from_pretrained(model_dir).get_text_config().hidden_size
+    return PrefixStore(
+        Path(config.prefix_store_path),
+        hidden_size=hidden,
+        # Room for one input token and one new token besides the virtual ones.
+        max_length=config.max_total_tokens - 2,
+        dtype=backend.dtype,  # type: ignore[union-attr]
+        device=backend.device_obj,  # type: ignore[union-attr]
+    )

@@ -145,8 +145,11 @@ def _check_sampling(params: GenerateParameters) -> None:
             raise _fail("`length_penalty.decay_factor` must be >= 1.0 and <= 10.0")
 
 
-def _check_lengths(params: GenerateParameters, input_length: int, limits: RequestLimits) -> int:
-    """Validate the token budget; return the effective max_new_tokens."""
+def _check_lengths(
+    params: GenerateParameters, input_length: int, limits: RequestLimits, prefix_length: int = 0
+) -> int:
+    """Validate the token budget; return the effective max_new_tokens. A prompt prefix's
+    virtual tokens count as `inputs` tokens."""
     if params.truncate is not None and not 0 < params.truncate <= limits.max_input_tokens:
         raise _fail(
             f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
@@ -154,6 +157,7 @@ def _check_lengths(params: GenerateParameters, input_length: int, limits: Reques
         )
     if params.truncate is not None:
         input_length = min(input_length, params.truncate)
+    input_length += prefix_length
     # TGI 3: an unset max_new_tokens means "as many as the context allows" (and the server's
     # --max-new-tokens allow).
     cap = limits.max_new_tokens
@@ -179,11 +183,16 @@ def _check_lengths(params: GenerateParameters, input_length: int, limits: Reques
 
 
 def validate(
-    params: GenerateParameters, input_length: int, limits: RequestLimits, stream: bool = False
+    params: GenerateParameters,
+    input_length: int,
+    limits: RequestLimits,
+    stream: bool = False,
+    prefix_length: int = 0,
 ) -> GenerateParameters:
     """Check one request against the server's limits, in TGI's order and with its messages.
 
-    `input_length` is the prompt's length in tokens before `truncate`. Returns a normalized
+    `input_length` is the prompt's length in tokens before `truncate` (`prefix_length`: the
+    virtual tokens of its prompt prefix, counted with it). Returns a normalized
     copy: `max_new_tokens` set (default: what fits in `max_total_tokens`), neutral values
     (temperature 1.0, penalties 1.0 / 0.0, top_n_tokens 0) turned into None, and `do_sample`
     set whenever TGI's server would sample (an active warper, or best_of > 1).
@@ -210,7 +219,7 @@ def validate(
         raise _fail(f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n}")
     if input_length <= 0:
         raise _fail("`inputs` cannot be empty")
-    max_new_tokens = _check_lengths(params, input_length, limits)
+    max_new_tokens = _check_lengths(params, input_length, limits, prefix_length)
     if not 0 <= params.min_new_tokens <= max_new_tokens:
         raise _fail(
             f"`min_new_tokens` must be >= 0 and <= `max_new_tokens` ({max_new_tokens}). "

@@ -268,7 +268,7 @@ def test_validation_and_missing_request_statuses(stub: pb_grpc.GenerationService
                     prefix_id="tuned", requests=[pb.GenerationRequest(text="x")]
                 )
             ),
-            "can't retrieve prompt prefix with id 'tuned': this server has no prompt prefix store",
+            "can't retrieve prompt prefix with id 'tuned': this server has no prompt prefix store (start it with --prefix-store-path)",
         ),
     ]
     for call, message in cases:

@@ -250,6 +250,16 @@ TlsClientCaCertPath = Annotated[
         "none",
     ),
 ]
+PrefixStorePath = Annotated[
+    str | None,
+    _opt(
+        "prefix_store_path",
+        MODEL,
+        "Directory of tuned prompt prefixes: one directory per prefix_id (decoder.pt, or a "
+        "PEFT prompt-tuning adapter); cpu/cuda.",
+        "none",
+    ),
+]
 OutputSpecialTokens = Annotated[
     bool | None,
     _opt("output_special_tokens", SERVER, "gRPC: keep special tokens in the output text.", "off"),
@@ -304,6 +314,7 @@ OPTIONS: dict[str, Any] = {
     "max_new_tokens": MaxNewTokens,
     "output_special_tokens": OutputSpecialTokens,
     "default_include_stop_seqs": DefaultIncludeStopSeqs,
+    "prefix_store_path": PrefixStorePath,
     "model_name": ModelName,
     "max_sequence_length": MaxSequenceLength,
     "dtype_str": DtypeStr,

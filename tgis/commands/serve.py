@@ -74,7 +74,8 @@ def command(
             max_batch_total_tokens=service.kv_tokens,
         )
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
-                         api_key=config.api_key, cors_origins=config.cors_allow_origins)  # fmt: skip
+                         api_key=config.api_key, cors_origins=config.cors_allow_origins,
+                         prefixes=service.prefixes)  # fmt: skip
         scheme = "https" if config.tls else "http"
         console.print(
             f"[green]Serving[/] {config.model_id} on {scheme}://{config.hostname}:{config.port}"

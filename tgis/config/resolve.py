@@ -136,6 +136,7 @@ def build_serve_config(
         output_special_tokens=bool(values["output_special_tokens"]),
         default_include_stop_seqs=values["default_include_stop_seqs"] is not False,
         tls=tls_files(values, r),
+        prefix_store_path=values["prefix_store_path"],
         notes=tuple(notes),
         sources=sources,
     )

@@ -7,6 +7,7 @@ tgis.config.static (tpu, neuron) and tgis.config.gaudi.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from tgis.config.env import DEFAULTS, Sources
@@ -225,6 +226,19 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
             f"backends; {backend} keeps a static cache",
             "drop --prefix-caching (PREFIX_CACHING)",
         )
+    store = values["prefix_store_path"]
+    if store is not None:
+        if backend not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"{r.label('prefix_store_path', store)}: prompt prefixes need the cpu or cuda "
+                f"backend; {backend}'s compiled model takes token ids only",
+                "drop --prefix-store-path (PREFIX_STORE_PATH), or serve with --backend cpu/cuda",
+            )
+        if not Path(store).is_dir():
+            raise ConfigError(
+                f"{r.label('prefix_store_path', store)} is not a directory",
+                "point --prefix-store-path at the directory that holds one directory per prefix",
+            )
     fraction = values["cuda_memory_fraction"]
     if fraction is not None:
         if backend != "cuda":

@@ -48,6 +48,7 @@ class LauncherArgs:
     cuda_graphs: bool | None = None
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
+    prefix_store_path: str | None = None
     # TGIS's names for the same settings (tgis.config.env.ALIASES).
     model_name: str | None = None
     max_sequence_length: int | None = None
@@ -214,6 +215,8 @@ class ServeConfig:
     default_include_stop_seqs: bool = True
     # TLS on both the HTTP and the gRPC port; None: plain text.
     tls: TlsFiles | None = None
+    # The directory of tuned prompt prefixes (PREFIX_STORE_PATH); None: no prefixes.
+    prefix_store_path: str | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
     # Where each setting given by the user came from: field -> `--flag` or `ENV_NAME`.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)

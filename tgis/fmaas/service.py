@@ -21,7 +21,13 @@ from typing import NoReturn
 import anyio.to_thread
 import grpc
 
-from tgis.engine.types import Completion, FinishReason, GenerationRequest, TokenInfo
+from tgis.engine.types import (
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    PromptPrefix,
+    TokenInfo,
+)
 from tgis.errors import GenerationError, InputValidationError, OverloadedError
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
@@ -95,8 +101,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             self._check_open()
             if not texts:  # before the parameters are read, as TGIS answers it
                 return pb.BatchedGenerationResponse()
-            converted = self._convert(request)
-            inputs = [await self._prepare(text, converted, arrival) for text in texts]
+            converted, prefix = await self._convert(request)
+            inputs = [await self._prepare(text, converted, prefix, arrival) for text in texts]
             self._reserve(len(inputs))
             results = await self._run_all(inputs)
         except Refused as refused:
@@ -119,8 +125,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             self._check_open()
             if not request.HasField("request"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "missing request", "validation")
-            converted = self._convert(request)
-            inp = await self._prepare(request.request.text, converted, arrival)
+            converted, prefix = await self._convert(request)
+            inp = await self._prepare(request.request.text, converted, prefix, arrival)
             self._reserve(1)
         except Refused as refused:
             await self._abort(context, refused)
@@ -202,22 +208,22 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         if self.state.lifecycle.draining:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "Server is shutting down", "unavailable")
 
-    def _convert(
+    async def _convert(
         self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest
-    ) -> Converted:
+    ) -> tuple[Converted, PromptPrefix | None]:
         try:
             converted = convert(request.params, self.limits)
-            if request.HasField("prefix_id"):
-                raise InputValidationError(
-                    f"can't retrieve prompt prefix with id '{request.prefix_id}': "
-                    "this server has no prompt prefix store"
-                )
+            prefix_id = request.prefix_id if request.HasField("prefix_id") else None
+            prefix = await self.state.pipeline.prefix(prefix_id)
         except InputValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
-        return converted
+        return converted, prefix
 
-    async def _prepare(self, text: str, converted: Converted, arrival: float) -> Input:
-        """Tokenize, truncate (the last truncate_input_tokens are kept), check the lengths."""
+    async def _prepare(
+        self, text: str, converted: Converted, prefix: PromptPrefix | None, arrival: float
+    ) -> Input:
+        """Tokenize, truncate (the last truncate_input_tokens are kept), check the lengths
+        (the prefix's virtual tokens count)."""
         ids = await self.state.pipeline.encode(text)
         self.metrics.raw_input(len(ids))
         truncate = converted.params.truncate
@@ -226,10 +232,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         try:
             if not ids:
                 raise InputValidationError("the input text has no tokens")
-            fitted = converted.fit(len(ids), 0, self.limits)
+            fitted = converted.fit(len(ids), prefix.length if prefix else 0, self.limits)
         except InputValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
-        request = GenerationRequest(uuid.uuid4().hex, tuple(ids), fitted.params, arrival)
+        request = GenerationRequest(uuid.uuid4().hex, tuple(ids), fitted.params, arrival, prefix)
         self.metrics.validated(len(ids), fitted.params.max_new_tokens, time.monotonic() - arrival)
         return Input(text, request, fitted.token_limit, fitted.seed)
 

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tgis.config import ServeConfig
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
+from tgis.prefix_store import PrefixStore
 from tgis.server import openai_routes, tgi_routes
 from tgis.server.generation import Pipeline
 from tgis.server.http_errors import UNAUTHORIZED, ApiError, classify, error_response, tgi_body
@@ -94,6 +95,7 @@ def create_app(
     metrics: Metrics | None = None,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
+    prefixes: PrefixStore | None = None,
 ) -> Starlette:
     """The HTTP server of one model.
 
@@ -101,7 +103,8 @@ def create_app(
     tokenizes prompts and renders chat templates; `config` gives the request limits;
     `model_info` is what /info and /v1/models report. Pass `metrics` to share it with the
     engine as its EngineObserver (one is made otherwise: `app.state.tgis.metrics`).
-    `api_key` guards the generation routes; `cors_origins` enables CORS for those origins.
+    `api_key` guards the generation routes; `cors_origins` enables CORS for those origins;
+    `prefixes` serves tuned prompt prefixes (`prefix_id`).
     """
     if metrics is None:
         metrics = Metrics(
@@ -109,7 +112,7 @@ def create_app(
             max_batch_size=config.max_batch_size or config.max_concurrent_requests,
         )
     lifecycle = Lifecycle()
-    pipeline = Pipeline(engine, tokenizer, RequestLimits.from_config(config), metrics)
+    pipeline = Pipeline(engine, tokenizer, RequestLimits.from_config(config), metrics, prefixes)
     middleware = []
     if cors_origins:
         middleware.append(

@@ -20,11 +20,13 @@ from tgis.engine.types import (
     Completion,
     EngineClient,
     GenerationRequest,
+    PromptPrefix,
     TokenEvent,
     TokenInfo,
 )
 from tgis.errors import InputValidationError
 from tgis.params import GenerateParameters, RequestLimits, truncate_ids, validate
+from tgis.prefix_store import PrefixStore
 from tgis.server.http_errors import ApiError
 from tgis.server.metrics import Metrics
 
@@ -120,11 +122,25 @@ class Pipeline:
         tokenizer: Any,
         limits: RequestLimits,
         metrics: Metrics,
+        prefixes: PrefixStore | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
+        self.prefixes = prefixes
+
+    async def prefix(self, prefix_id: str | None) -> PromptPrefix | None:
+        """The tuned prompt prefix `prefix_id` (read in a worker thread the first time), or
+        None without one. Raises InputValidationError with TGIS's message."""
+        if prefix_id is None:
+            return None
+        if self.prefixes is None:
+            raise InputValidationError(
+                f"can't retrieve prompt prefix with id '{prefix_id}': this server has no "
+                "prompt prefix store (start it with --prefix-store-path)"
+            )
+        return await anyio.to_thread.run_sync(self.prefixes.get, prefix_id)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, computed in a worker thread (long prompts take milliseconds)."""
@@ -142,11 +158,14 @@ class Pipeline:
         arrival: float,
         stream: bool,
         add_special_tokens: bool = True,
+        prefix_id: str | None = None,
     ) -> Prepared:
-        """Tokenize (unless given ids), truncate to `params.truncate`, validate.
+        """Tokenize (unless given ids), truncate to `params.truncate`, validate; with
+        `prefix_id`, the prompt prefix goes first and counts toward the limits.
 
         Raises InputValidationError (HTTP 422) with tgis.params's message.
         """
+        prefix = await self.prefix(prefix_id)
         if isinstance(prompt, str):
             ids = await self.encode(prompt, add_special_tokens)
             text = prompt
@@ -162,10 +181,15 @@ class Pipeline:
         self.metrics.raw_input(len(ids))
         # validate takes the length before truncation (it checks `truncate` itself) and
         # returns the parameters normalized, with max_new_tokens filled in.
-        params = validate(params, len(ids), self.limits, stream=stream)
+        prefix_length = prefix.length if prefix is not None else 0
+        params = validate(params, len(ids), self.limits, stream=stream, prefix_length=prefix_length)
         ids = truncate_ids(ids, params.truncate)
         request = GenerationRequest(
-            request_id=uuid.uuid4().hex, input_ids=tuple(ids), params=params, arrival=arrival
+            request_id=uuid.uuid4().hex,
+            input_ids=tuple(ids),
+            params=params,
+            arrival=arrival,
+            prefix=prefix,
         )
         validation_s = time.monotonic() - arrival
         self.metrics.validated(len(ids), params.max_new_tokens, validation_s)

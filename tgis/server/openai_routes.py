@@ -82,6 +82,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
                     arrival=arrival,
                     stream=False,
                     add_special_tokens=add_special,
+                    prefix_id=req.prefix_id,
                 )
             )
         streams = await unless_disconnected(

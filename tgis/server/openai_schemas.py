@@ -38,6 +38,8 @@ class OpenAIRequest:
     # None: no logprobs.
     logprobs: int | None
     echo: bool = False
+    # TGIS's tuned prompt prefix (`prefix_id`, an extension of OpenAI's API).
+    prefix_id: str | None = None
 
 
 def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
@@ -126,6 +128,7 @@ def parse_completion_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         echo=echo,
+        prefix_id=f.string("prefix_id"),
     )
 
 
@@ -196,6 +199,7 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
+        prefix_id=f.string("prefix_id"),
     )
 
 

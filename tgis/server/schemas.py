@@ -123,6 +123,8 @@ class TgiRequest:
     inputs: str
     params: GenerateParameters
     stream: bool = False
+    # TGIS's tuned prompt prefix (`parameters.prefix_id`, an extension of TGI's API).
+    prefix_id: str | None = None
 
 
 # TGI's optional parameters and TGIS's extras, by JSON type.
@@ -191,6 +193,8 @@ def parse_tgi_request(
     """
     fields = Fields(body)
     inputs = fields.required_string("inputs")
-    params = parse_parameters(fields.obj("parameters"), default_return_full_text)
+    parameters = fields.obj("parameters")
+    params = parse_parameters(parameters, default_return_full_text)
     stream = bool(fields.boolean("stream")) if compat else False
-    return TgiRequest(inputs=inputs, params=params, stream=stream)
+    prefix_id = parameters.string("prefix_id") if parameters is not None else None
+    return TgiRequest(inputs=inputs, params=params, stream=stream, prefix_id=prefix_id)

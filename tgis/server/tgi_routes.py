@@ -53,7 +53,7 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
     state.metrics.request_received("stream" if stream else "single")
     try:
         prepared = await state.pipeline.prepare(
-            req.inputs, req.params, arrival=arrival, stream=stream
+            req.inputs, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id
         )
         events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
         if stream:
