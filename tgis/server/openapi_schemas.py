@@ -29,6 +29,10 @@ def _array(items: dict[str, Any]) -> dict[str, Any]:
 
 FINISH_REASON = {"type": "string", "enum": ["length", "eos_token", "stop_sequence", "time_limit"]}
 
+_PREFIX_ID = (
+    "TGIS: a tuned prompt prefix of the server's --prefix-store-path, whose virtual tokens go "
+    "before the input (and count toward the token limits)"
+)
 _PARAMETERS = _obj(
     [],
     do_sample={**BOOL, "default": False},
@@ -60,6 +64,7 @@ _PARAMETERS = _obj(
     top_n_tokens=_null({**INT, "example": 5}),
     best_of=_null({**INT, "example": 2}),
     skip_special_tokens={**BOOL, "default": True},
+    prefix_id=_null({**STR, "description": _PREFIX_ID}),
     watermark={**BOOL, "default": False, "description": "not supported: must be false"},
 )
 
@@ -154,6 +159,7 @@ _SAMPLING = {
     "seed": _null(INT),
     "frequency_penalty": _null(NUM),
     "presence_penalty": _null(NUM),
+    "prefix_id": _null({**STR, "description": _PREFIX_ID}),
 }
 _USAGE = _obj(
     ["prompt_tokens", "completion_tokens", "total_tokens"],
