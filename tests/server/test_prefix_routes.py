@@ -14,17 +14,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.engine.test_prompt_prefix import NEW_TOKENS, reference
 from tests.server.conftest import live_server
 from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+from tgis.engine.types import GenerationRequest, PromptPrefix
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
 from tgis.fmaas.server import GrpcServer
 from tgis.hub import read_model_config
 from tgis.launch import Service, build_service
+from tgis.params import GenerateParameters
 from tgis.server import Metrics, ModelInfo, create_app
 
 PROMPT = "def fibonacci(n):"
-NEW_TOKENS = 8
 PREFIX_ID = "team/tuned"
 
 
@@ -42,18 +44,10 @@ def expected_text(demo_model_dir: Path, prefix_tensor: torch.Tensor) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
-        embeds = torch.cat([prefix_tensor[None], model.get_input_embeddings()(ids)], dim=1)
-        out = model.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return tokenizer.decode(out[0, -NEW_TOKENS:], skip_special_tokens=True)
+    ids = tuple(tokenizer(PROMPT)["input_ids"])
+    prefix = PromptPrefix(PREFIX_ID, prefix_tensor, b"")
+    request = GenerationRequest("r", ids, GenerateParameters(), prefix=prefix)
+    return tokenizer.decode(reference(model, request), skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
