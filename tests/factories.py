@@ -10,7 +10,8 @@ Architectures: "llama" (tied input/output embeddings, grouped-query attention) a
 (tied embeddings, fused attention). Shapes: hidden 32, 2 layers, vocab 128.
 More causal LMs for the backend tests (same tiny shape, their own configs' defaults otherwise):
 "mistral", "qwen2" (q/k/v biases, untied), "gpt_neox", "bloom" (alibi) and "falcon"
-(multi-query, rotary; `new_decoder_architecture=True` and `alibi=True` as overrides).
+(multi-query, rotary; `new_decoder_architecture=True` and `alibi=True` as overrides); and the
+encoder-decoder "t5" (flan-T5's gated-gelu layout) and "bart".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-Arch = Literal["llama", "gpt2", "mistral", "qwen2", "gpt_neox", "bloom", "falcon"]
+Arch = Literal["llama", "gpt2", "mistral", "qwen2", "gpt_neox", "bloom", "falcon", "t5", "bart"]
 WeightsFormat = Literal["bin", "sharded-bin", "safetensors", "sharded-safetensors"]
 
 VOCAB_SIZE = 128
@@ -81,12 +82,20 @@ def tiny_config(arch: Arch = "llama", **overrides: object) -> PretrainedConfig:
     )
 
 
-MORE_ARCHS = ("mistral", "qwen2", "gpt_neox", "bloom", "falcon")
+MORE_ARCHS = ("mistral", "qwen2", "gpt_neox", "bloom", "falcon", "t5", "bart")
 
 
 def _more_tiny_fields(arch: str, ids: dict[str, int]) -> tuple[type, dict[str, object]] | None:
     """Config class and tiny fields of the architectures beyond llama and gpt2 (None: unknown)."""
-    from transformers import BloomConfig, FalconConfig, GPTNeoXConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        BartConfig,
+        BloomConfig,
+        FalconConfig,
+        GPTNeoXConfig,
+        MistralConfig,
+        Qwen2Config,
+        T5Config,
+    )
 
     heads = {"num_attention_heads": 4, "num_hidden_layers": NUM_LAYERS, "hidden_size": HIDDEN_SIZE}
     if arch in ("mistral", "qwen2"):
@@ -115,6 +124,38 @@ def _more_tiny_fields(arch: str, ids: dict[str, int]) -> tuple[type, dict[str, o
             "n_head": 4,
             **ids,
         }
+    if arch == "t5":  # flan-T5's layout by default: gated-gelu, untied head
+        return T5Config, {
+            "vocab_size": VOCAB_SIZE,
+            "d_model": HIDDEN_SIZE,
+            "d_kv": 8,
+            "d_ff": 2 * HIDDEN_SIZE,
+            "num_layers": NUM_LAYERS,
+            "num_decoder_layers": NUM_LAYERS,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "relative_attention_max_distance": 16,
+            "feed_forward_proj": "gated-gelu",
+            "tie_word_embeddings": False,
+            "decoder_start_token_id": ids["pad_token_id"],
+            **ids,
+        }
+    if arch == "bart":
+        return BartConfig, {
+            "vocab_size": VOCAB_SIZE,
+            "d_model": HIDDEN_SIZE,
+            "encoder_layers": NUM_LAYERS,
+            "decoder_layers": NUM_LAYERS,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 2 * HIDDEN_SIZE,
+            "decoder_ffn_dim": 2 * HIDDEN_SIZE,
+            "max_position_embeddings": 256,
+            "decoder_start_token_id": ids["eos_token_id"],
+            "forced_bos_token_id": None,
+            "forced_eos_token_id": None,
+            **ids,
+        }
     if arch == "falcon":
         return FalconConfig, {
             "vocab_size": VOCAB_SIZE,
@@ -131,11 +172,12 @@ def tiny_model(arch: Arch = "llama", seed: int = 0, **overrides: object) -> PreT
     The same `seed` gives the same weights, so two calls build identical models.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
-    return model.eval()
+    config = tiny_config(arch, **overrides)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    return auto.from_config(config).eval()
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

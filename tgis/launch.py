@@ -68,11 +68,14 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
 
     from tgis.backends.llama_native import NATIVE_MODEL_TYPES
     from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
+    from tgis.backends.seq2seq import is_encoder_decoder
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
-    model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
     slots = config.max_batch_size or config.max_concurrent_requests
+    if is_encoder_decoder(json.loads((model_dir / "config.json").read_text())):
+        return load_seq2seq_backend(config, model_dir, slots)
+    model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
     reason = paged_unsupported_reason(model, config.compile)
     if reason is None:
         return PagedTorchBackend(
@@ -100,6 +103,30 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
         kv_tokens=config.max_batch_total_tokens,
         kv_memory_fraction=config.cuda_memory_fraction,
         compile=config.compile,
+    )
+
+
+def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Backend:
+    """cpu / cuda: an encoder-decoder model in the slot engine (`Seq2SeqBackend`)."""
+    from tgis.backends.seq2seq import Seq2SeqBackend
+
+    for name, given in (
+        ("prefix_caching", config.prefix_caching),
+        ("cuda_graphs", config.cuda_graphs),
+        ("compile", config.compile),
+    ):
+        if given:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is for decoder-only models; this model is an encoder-decoder one",
+                f"drop {flag} ({ENV_NAMES[name]})",
+            )
+    return Seq2SeqBackend.load(
+        model_dir,
+        config.backend,
+        config.dtype,
+        max_sequences=slots,
+        max_sequence_tokens=config.max_total_tokens,
     )
 
 

@@ -127,13 +127,18 @@ def available_memory(device: torch.device) -> int:
 
 
 def load_causal_lm(
-    model_dir: Path, device: torch.device, dtype: str | None, num_threads: int | None = None
+    model_dir: Path,
+    device: torch.device,
+    dtype: str | None,
+    num_threads: int | None = None,
+    seq2seq: bool = False,
 ) -> PreTrainedModel:
-    """The causal LM in `model_dir` on `device`, in eval mode, in the dtype `resolve_dtype`
-    picks (float32 on CPUs without native bf16). On CPU, torch's intra-op threads are set
-    process-wide to `num_threads`, by default the cores this process may use (affinity and
-    cgroup quota): one thread per core is fastest for the matmul-bound forward."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The causal LM (`seq2seq`: the encoder-decoder model) in `model_dir` on `device`, in
+    eval mode, in the dtype `resolve_dtype` picks (float32 on CPUs without native bf16). On
+    CPU, torch's intra-op threads are set process-wide to `num_threads`, by default the cores
+    this process may use (affinity and cgroup quota): one thread per core is fastest for the
+    matmul-bound forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if device.type == "cpu":
         torch.set_num_threads(num_threads or cpu_threads())
@@ -143,5 +148,6 @@ def load_causal_lm(
     chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None))
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen)
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=chosen)
     return model.to(device).eval()

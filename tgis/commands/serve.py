@@ -72,6 +72,12 @@ def command(
                 "torch.", ""
             ),
             max_batch_total_tokens=service.kv_tokens,
+            encoder_decoder=service.backend.capacity.encoder_decoder,
+            model_pipeline_tag=(
+                "text2text-generation"
+                if service.backend.capacity.encoder_decoder
+                else "text-generation"
+            ),
         )
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins,

@@ -47,6 +47,8 @@ class ModelFacts:
     model_type: str | None = None
     max_position_embeddings: int | None = None
     neuron: NeuronExport | None = None
+    # An encoder-decoder model (T5, BART, ...: config.json's is_encoder_decoder).
+    encoder_decoder: bool = False
 
     @staticmethod
     def from_config(
@@ -65,4 +67,6 @@ class ModelFacts:
             neuron = NeuronExport.from_mapping(config["neuron"], "config.json `neuron`")
         elif neuron_config is not None:
             neuron = NeuronExport.from_mapping(neuron_config, "neuron_config.json")
-        return ModelFacts(config.get("model_type"), max_pos, neuron)
+        return ModelFacts(
+            config.get("model_type"), max_pos, neuron, bool(config.get("is_encoder_decoder"))
+        )

@@ -68,6 +68,12 @@ def build_serve_config(
             if detect_backend
             else ("neuron" if facts.neuron else "cpu")
         )
+    if facts.encoder_decoder and backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{facts.model_type or 'this model'} is an encoder-decoder model; the {backend} "
+            "backend serves decoder-only models (its compiled graphs have no encoder)",
+            "serve encoder-decoder models with --backend cpu or cuda",
+        )
     if facts.neuron is not None and backend != "neuron":
         raise ConfigError(
             f"the model was exported for Neuron ({facts.neuron.source}) but --backend is {backend}",

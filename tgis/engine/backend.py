@@ -34,6 +34,8 @@ class BackendCapacity:
     prompt_logprobs: bool = True
     # Whether prompts may start with embeddings instead of tokens (tuned prompt prefixes).
     prompt_prefixes: bool = True
+    # An encoder-decoder model: the prompt is the encoder's input, the output starts anew.
+    encoder_decoder: bool = False
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
     # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
     block_size: int | None = None

@@ -127,6 +127,12 @@ class Engine:
                     f"{self.backend.name} backend: its compiled model takes token ids only. "
                     "Serve the model on the cpu or cuda backend to use them"
                 )
+            if params.decoder_input_details and self.backend.capacity.encoder_decoder:
+                raise InputValidationError(
+                    "input token details (`decoder_input_details`, TGIS's input_tokens with "
+                    "logprobs, ranks or top tokens) are not available for encoder-decoder "
+                    "models: the input is encoded, not predicted. Ask without them"
+                )
             if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:
                 raise InputValidationError(
                     f"`decoder_input_details` (prompt logprobs) is not available on the "
@@ -203,7 +209,10 @@ class Engine:
                 # Every prompt position's logits are computed: none may come from the cache.
                 cache_lookup=not request.params.decoder_input_details,
             )
-            live = LiveSequence(seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids)
+            live = LiveSequence(
+                seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids,
+                self.backend.capacity.encoder_decoder,
+            )  # fmt: skip
             self._live[seq.seq_id] = live
             handle.sequences.append(live)
             seqs.append(seq)

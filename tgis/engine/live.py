@@ -75,14 +75,18 @@ class LiveSequence:
         tokenizer: Any,
         eos_token_ids: Sequence[int],
         special_ids: frozenset[int],
+        encoder_decoder: bool = False,
     ) -> None:
         request = handle.request
         self.seq = seq
         self.handle = handle
         self.tokenizer = tokenizer
         self.params = request.params
-        self.row = SamplingRow(self.params, request.input_ids, seed=handle.seed_for(seq.index))
-        self.text = TextStream(tokenizer, self.params, eos_token_ids, request.input_ids)
+        # An encoder-decoder model's output starts anew: the input seeds neither the
+        # penalties nor the detokenizer's window.
+        context = () if encoder_decoder else request.input_ids
+        self.row = SamplingRow(self.params, context, seed=handle.seed_for(seq.index))
+        self.text = TextStream(tokenizer, self.params, eos_token_ids, context)
         self.special_ids = special_ids
         # Details are kept when asked, and for best_of, whose best candidate is chosen by them.
         self.keep_details = self.params.details or handle.candidates > 1

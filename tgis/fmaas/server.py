@@ -56,7 +56,12 @@ class GrpcServer:
     one when 0 was asked)."""
 
     def __init__(self, state: ServerState, host: str, port: int, tls: TlsFiles | None) -> None:
-        self.service = GenerationService(state, grpc_limits(state.config))
+        kind = (
+            pb.ModelInfoResponse.ENCODER_DECODER
+            if state.info.model_kind == "encoder_decoder"
+            else pb.ModelInfoResponse.DECODER_ONLY
+        )
+        self.service = GenerationService(state, grpc_limits(state.config), kind)
         self.host, self.port, self.tls = host, port, tls
         self.server: grpc.aio.Server | None = None
         self.health: health.aio.HealthServicer | None = None

@@ -34,6 +34,8 @@ class ModelInfo:
     model_dtype: str = "float32"
     model_device_type: str = "cpu"
     model_pipeline_tag: str | None = "text-generation"
+    # "decoder_only" or "encoder_decoder" (what TGIS's ModelInfo calls model_kind).
+    model_kind: str = "decoder_only"
     backend: str = "cpu"
     max_batch_total_tokens: int | None = None
     max_batch_size: int | None = None
@@ -58,6 +60,7 @@ class ModelInfo:
         max_batch_total_tokens: int | None = None,
         sha: str | None = None,
         docker_label: str | None = None,
+        encoder_decoder: bool = False,
     ) -> ModelInfo:
         """The info of a model served with `config`.
 
@@ -72,6 +75,7 @@ class ModelInfo:
             model_dtype=model_dtype or config.dtype or "float32",
             model_device_type=model_device_type or _DEVICE_TYPES.get(config.backend, "cpu"),
             model_pipeline_tag=model_pipeline_tag,
+            model_kind="encoder_decoder" if encoder_decoder else "decoder_only",
             backend=config.backend,
             max_concurrent_requests=config.max_concurrent_requests,
             max_best_of=config.max_best_of,

@@ -125,6 +125,7 @@ TGI_SCHEMAS: dict[str, Any] = {
         model_dtype=STR,
         model_device_type=STR,
         model_pipeline_tag=_null(STR),
+        model_kind={"type": "string", "enum": ["decoder_only", "encoder_decoder"]},
         backend=STR,
         max_concurrent_requests=INT,
         max_best_of=INT,
