@@ -1,0 +1,140 @@
+"""The encoder-decoder backend: greedy tokens equal transformers' generate for T5 (flan-T5's
+gated layout and the original tied one) and BART, alone, in a batch of 8 inputs of different
+lengths, and while sequences join and leave between steps."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.factories import tiny_model
+from tgis.backends.seq2seq import Seq2SeqBackend
+from tgis.engine.backend import PrefillItem
+
+NEW_TOKENS = 10
+# Wider initial weights than the defaults, so random models continue in varied tokens.
+VARIANTS: dict[str, tuple[str, int, dict[str, object]]] = {
+    "t5-gated": ("t5", 1, {"initializer_factor": 6.0}),
+    "t5-tied-relu": (
+        "t5",
+        2,
+        {"initializer_factor": 10.0, "feed_forward_proj": "relu", "tie_word_embeddings": True},
+    ),
+    "bart": ("bart", 1, {"init_std": 0.3, "tie_word_embeddings": False}),
+    "bart-scaled": (
+        "bart",
+        1,
+        {"init_std": 0.3, "tie_word_embeddings": False, "scale_embedding": True},
+    ),
+}
+_built: dict[str, PreTrainedModel] = {}
+
+
+def model_of(name: str) -> PreTrainedModel:
+    if name not in _built:
+        arch, seed, overrides = VARIANTS[name]
+        _built[name] = tiny_model(arch, seed=seed, **overrides)  # type: ignore[arg-type]
+    return _built[name]
+
+
+def inputs(count: int) -> list[tuple[int, ...]]:
+    rng = random.Random(7)
+    return [tuple(rng.randrange(4, 128) for _ in range(rng.randrange(1, 30))) for _ in range(count)]
+
+
+def reference(model: PreTrainedModel, ids: tuple[int, ...]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            forced_eos_token_id=None,
+            forced_bos_token_id=None,
+        )
+    return out[0, 1:].tolist()  # after the decoder start token
+
+
+def backend(model: PreTrainedModel, slots: int = 8) -> Seq2SeqBackend:
+    return Seq2SeqBackend(copy.deepcopy(model), max_sequences=slots, max_sequence_tokens=64)
+
+
+def greedy(b: Seq2SeqBackend, prompts: list[tuple[int, ...]], join_every: int) -> list[list[int]]:
+    """Greedy tokens of each prompt; a new one joins every `join_every` steps, and each leaves
+    (releasing its slot) once it has NEW_TOKENS."""
+    tokens: dict[int, list[int]] = {}
+    waiting = list(range(len(prompts)))
+    step = 0
+    while waiting or any(len(t) < NEW_TOKENS for t in tokens.values()):
+        if waiting and step % join_every == 0:
+            index = waiting.pop(0)
+            logits = b.prefill([PrefillItem(index, prompts[index])]).last
+            tokens[index] = [int(logits[0].argmax())]
+        running = [i for i, t in tokens.items() if len(t) < NEW_TOKENS]
+        if running:
+            logits = b.decode(running, [tokens[i][-1] for i in running])
+            for row, i in enumerate(running):
+                tokens[i].append(int(logits[row].argmax()))
+                if len(tokens[i]) == NEW_TOKENS:
+                    b.release(i)
+        step += 1
+    return [tokens[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_greedy_equals_generate_alone_and_in_a_batch_of_8(name: str) -> None:
+    model = model_of(name)
+    prompts = inputs(8)
+    expected = [reference(model, p) for p in prompts]
+    # Not vacuous: the inputs lead to different outputs, of several tokens.
+    assert len({tuple(tokens) for tokens in expected}) >= 4
+    assert len({t for tokens in expected for t in tokens}) >= 4
+    b = backend(model)
+    alone = [greedy(b, [p], join_every=1)[0] for p in prompts]
+    assert alone == expected
+    together = b.prefill([PrefillItem(i, p) for i, p in enumerate(prompts)]).last
+    batch = [[int(row.argmax())] for row in together]
+    for _ in range(NEW_TOKENS - 1):
+        logits = b.decode(list(range(8)), [t[-1] for t in batch])
+        for row, tokens in enumerate(batch):
+            tokens.append(int(logits[row].argmax()))
+    assert batch == expected
+
+
+@pytest.mark.parametrize("name", ["t5-gated", "bart"])
+def test_sequences_join_and_leave_between_steps(name: str) -> None:
+    model = model_of(name)
+    prompts = inputs(6)
+    expected = [reference(model, p) for p in prompts]
+    b = backend(model, slots=3)  # fewer slots than prompts: slots are reused
+    assert greedy(b, prompts, join_every=3) == expected
+    assert b._free == [0, 1, 2] and not b._slot_of
+
+
+def test_capacity_says_what_the_backend_can_do() -> None:
+    b = backend(model_of("t5-gated"), slots=4)
+    cap = b.capacity
+    assert cap.encoder_decoder and not cap.prompt_logprobs and not cap.prompt_prefixes
+    assert (cap.max_sequences, cap.max_sequence_tokens) == (4, 64)
+
+
+def test_bad_steps_are_refused_before_touching_the_cache() -> None:
+    b = backend(model_of("bart"), slots=2)
+    with pytest.raises(ValueError, match="not running"):
+        b.decode([5], [7])
+    with pytest.raises(ValueError):
+        b.prefill([PrefillItem(i, (5, 6)) for i in range(3)])  # more than the free slots
+    with pytest.raises(ValueError):
+        b.prefill([PrefillItem(0, tuple(range(4, 70)))])  # longer than max_sequence_tokens
+    assert b._free == [0, 1] and not b._slot_of
+
+
+def test_warmup_leaves_no_sequence_behind() -> None:
+    b = backend(model_of("t5-gated"), slots=4)
+    timings = b.warmup(max_batch_size=4, max_input_tokens=32)
+    assert [t.shape.label() for t in timings] == ["prefill 1x32", "decode 4"]
+    assert b._free == [0, 1, 2, 3] and not b._slot_of
