@@ -10,7 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tgis.config import ENV_NAMES, ServeConfig, check_kv_budget, use_inductor_cache
 from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
@@ -19,6 +19,9 @@ from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import BackendUnavailableError, ConfigError
 from tgis.prefix_store import PrefixStore
 from tgis.warmup import WarmupReport, run_warmup
+
+if TYPE_CHECKING:
+    from tgis.server.info import ModelInfo
 
 log = logging.getLogger("tgis.launch")
 
@@ -196,6 +199,24 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
     )
     prefixes = prefix_store(config, model_dir, backend)
     return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes)
+
+
+def service_info(service: Service) -> ModelInfo:
+    """`/info` of a loaded service: the backend's dtype, the KV budget it holds, the model's
+    kind (an encoder-decoder model is a text2text-generation one)."""
+    from tgis.server.info import ModelInfo
+
+    capacity = service.backend.capacity
+    dtype = getattr(service.backend, "dtype", None)
+    return ModelInfo.from_config(
+        service.config,
+        model_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        max_batch_total_tokens=service.kv_tokens,
+        encoder_decoder=capacity.encoder_decoder,
+        model_pipeline_tag="text2text-generation"
+        if capacity.encoder_decoder
+        else "text-generation",
+    )
 
 
 def prefix_store(

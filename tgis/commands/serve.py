@@ -50,8 +50,8 @@ def command(
     from rich.console import Console
 
     from tgis.commands.show_config import render_config
-    from tgis.launch import build_service
-    from tgis.server import Metrics, ModelInfo, create_app, serve
+    from tgis.launch import build_service, service_info
+    from tgis.server import Metrics, create_app, serve
 
     config, model_dir = resolve_launcher_config(launcher)
     console = Console()
@@ -66,19 +66,7 @@ def command(
     )
     service = build_service(config, model_dir, observer=metrics)
     try:
-        info = ModelInfo.from_config(
-            config,
-            model_dtype=str(getattr(service.backend, "dtype", config.dtype or "float32")).replace(
-                "torch.", ""
-            ),
-            max_batch_total_tokens=service.kv_tokens,
-            encoder_decoder=service.backend.capacity.encoder_decoder,
-            model_pipeline_tag=(
-                "text2text-generation"
-                if service.backend.capacity.encoder_decoder
-                else "text-generation"
-            ),
-        )
+        info = service_info(service)
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins,
                          prefixes=service.prefixes)  # fmt: skip
