@@ -172,3 +172,28 @@ def test_the_cache_keeps_the_most_recent_prefixes_within_its_bytes(tmp_path: Pat
     assert s.get("a") is first
     (tmp_path / "b" / "decoder.pt").unlink()
     assert "neither decoder.pt" in refusal(s, "b")  # b was evicted: read again
+
+
+def test_encoder_decoder_prefixes_hold_encoder_and_or_decoder_rows(tmp_path: Path) -> None:
+    s = store(tmp_path, encoder_decoder=True)
+    both = save_decoder(tmp_path, "both", torch.randn(2, HIDDEN))
+    torch.save(torch.randn(3, HIDDEN), both / "encoder.pt")
+    prefix = s.get("both")
+    assert prefix.length == 2 and prefix.encoder is not None and prefix.encoder.shape[0] == 3
+    assert prefix.tokens == 5
+    only = tmp_path / "encoder-only"
+    only.mkdir()
+    torch.save(torch.randn(4, HIDDEN), only / "encoder.pt")
+    prefix = s.get("encoder-only")
+    assert prefix.length == 0 and prefix.tokens == 4
+    save_peft(tmp_path, "peft", torch.randn(3, HIDDEN))
+    assert "neither encoder.pt nor decoder.pt" in refusal(s, "peft")
+    big = tmp_path / "big"
+    big.mkdir()
+    torch.save(torch.randn(12, HIDDEN), big / "encoder.pt")
+    torch.save(torch.randn(12, HIDDEN), big / "decoder.pt")
+    assert "more than 20 virtual tokens" in refusal(s, "big")
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    torch.save(torch.randn(2, HIDDEN + 2), wide / "encoder.pt")
+    assert f"encoder.pt is {HIDDEN + 2} wide" in refusal(s, "wide")

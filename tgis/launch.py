@@ -235,4 +235,5 @@ def prefix_store(
         max_length=config.max_total_tokens - 2,
         dtype=backend.dtype,  # type: ignore[union-attr]
         device=backend.device_obj,  # type: ignore[union-attr]
+        encoder_decoder=backend.capacity.encoder_decoder,
     )

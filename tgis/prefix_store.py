@@ -3,7 +3,9 @@
 `prefix_id` names a directory under the store holding either `decoder.pt` — a 2-D tensor
 [virtual tokens, hidden size] saved with `torch.save` — or a PEFT prompt-tuning adapter
 (`adapter_config.json` with `peft_type: PROMPT_TUNING`, and `adapter_model.safetensors` or
-`adapter_model.bin` holding `prompt_embeddings`). Files are read with safetensors or
+`adapter_model.bin` holding `prompt_embeddings`). For an encoder-decoder model it holds
+`encoder.pt` (before the encoder's input) and/or `decoder.pt` (before the decoder's start
+token). Files are read with safetensors or
 `torch.load(weights_only=True)` only: loading a prefix never runs code from the file.
 
 Ids match `[/\\w\\-]+`, never contain `..`, and must resolve inside the store (a symbolic
@@ -54,8 +56,10 @@ class PrefixStore:
         dtype: torch.dtype,
         device: torch.device,
         capacity_bytes: int = DEFAULT_CACHE_BYTES,
+        encoder_decoder: bool = False,
     ) -> None:
         self.root = root.resolve()
+        self.encoder_decoder = encoder_decoder
         self.hidden_size = hidden_size
         self.max_length = max_length
         self.dtype, self.device = dtype, device
@@ -104,6 +108,8 @@ class PrefixStore:
 
     def _load(self, prefix_id: str) -> PromptPrefix:
         path = self.directory(prefix_id)
+        if self.encoder_decoder:
+            return self._load_encoder_decoder(prefix_id, path)
         decoder = path / "decoder.pt"
         if decoder.is_file():
             tensor = _torch_load(decoder)
@@ -117,8 +123,29 @@ class PrefixStore:
                 f"({PEFT_CONFIG} with {' or '.join(PEFT_WEIGHTS)})"
             )
         embeddings = self._check(tensor, source)
-        digest = hashlib.sha256(embeddings.float().cpu().numpy().tobytes()).digest()[:16]
-        return PromptPrefix(prefix_id, embeddings, b"prefix:" + prefix_id.encode() + digest)
+        return PromptPrefix(prefix_id, embeddings, _key(prefix_id, embeddings))
+
+    def _load_encoder_decoder(self, prefix_id: str, path: Path) -> PromptPrefix:
+        """encoder.pt (before the encoder's input) and/or decoder.pt (before the decoder's
+        start token), as TGIS's store holds them for encoder-decoder models."""
+        found = {name: path / f"{name}.pt" for name in ("encoder", "decoder")}
+        found = {name: file for name, file in found.items() if file.is_file()}
+        if not found:
+            raise PrefixError(
+                "the directory has neither encoder.pt nor decoder.pt (an encoder-decoder "
+                "model's prefix; PEFT adapters are served for decoder-only models)"
+            )
+        tensors = {name: self._check(_torch_load(file), file.name) for name, file in found.items()}
+        if sum(t.shape[0] for t in tensors.values()) > self.max_length:
+            raise PrefixError(
+                f"encoder.pt and decoder.pt have more than {self.max_length} virtual tokens"
+            )
+        decoder = tensors.get("decoder")
+        if decoder is None:
+            decoder = torch.empty((0, self.hidden_size), dtype=self.dtype, device=self.device)
+        encoder = tensors.get("encoder")
+        both = torch.cat([t for t in (encoder, decoder) if t is not None])
+        return PromptPrefix(prefix_id, decoder, _key(prefix_id, both), encoder)
 
     def _check(self, tensor: Any, source: str) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
@@ -145,7 +172,14 @@ class PrefixStore:
 
 
 def _size(prefix: PromptPrefix) -> int:
-    return prefix.embeddings.numel() * prefix.embeddings.element_size()
+    parts = (prefix.embeddings, prefix.encoder)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _key(prefix_id: str, embeddings: torch.Tensor) -> bytes:
+    """The prefix-cache salt of a prefix: its id and a digest of its values."""
+    digest = hashlib.sha256(embeddings.float().cpu().numpy().tobytes()).digest()[:16]
+    return b"prefix:" + prefix_id.encode() + digest
 
 
 def _torch_load(path: Path) -> Any:

@@ -118,7 +118,7 @@ def test_sequences_join_and_leave_between_steps(name: str) -> None:
 def test_capacity_says_what_the_backend_can_do() -> None:
     b = backend(model_of("t5-gated"), slots=4)
     cap = b.capacity
-    assert cap.encoder_decoder and not cap.prompt_logprobs and not cap.prompt_prefixes
+    assert cap.encoder_decoder and cap.prompt_prefixes and not cap.prompt_logprobs
     assert (cap.max_sequences, cap.max_sequence_tokens) == (4, 64)
 
 
@@ -138,3 +138,67 @@ def test_warmup_leaves_no_sequence_behind() -> None:
     timings = b.warmup(max_batch_size=4, max_input_tokens=32)
     assert [t.shape.label() for t in timings] == ["prefill 1x32", "decode 4"]
     assert b._free == [0, 1, 2, 3] and not b._slot_of
+
+
+def prefix_rows(model: PreTrainedModel, rows: int, seed: int) -> torch.Tensor | None:
+    if rows == 0:
+        return None
+    scale = model.get_input_embeddings().weight.std().item()
+    return (
+        torch.randn(rows, model.config.d_model, generator=torch.Generator().manual_seed(seed))
+        * scale
+    )
+
+
+def prefixed_reference(
+    model: PreTrainedModel,
+    ids: tuple[int, ...],
+    encoder: torch.Tensor | None,
+    decoder: torch.Tensor | None,
+) -> list[int]:
+    """Greedy tokens of the model's own forward over [encoder prefix; input embeddings] and
+    [decoder prefix; start token; generated tokens] (recomputed whole at each step)."""
+    with torch.no_grad():
+        embed = model.get_encoder().embed_tokens
+        source = embed(torch.tensor([ids]))
+        if encoder is not None:
+            source = torch.cat([encoder[None], source], dim=1)
+        encoded = model.get_encoder()(inputs_embeds=source).last_hidden_state
+        tokens = [model.config.decoder_start_token_id]
+        out: list[int] = []
+        for _ in range(NEW_TOKENS):
+            target = model.get_decoder().embed_tokens(torch.tensor([tokens]))
+            if decoder is not None:
+                target = torch.cat([decoder[None], target], dim=1)
+            logits = model(encoder_outputs=(encoded,), decoder_inputs_embeds=target).logits
+            out.append(int(logits[0, -1].argmax()))
+            tokens.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("name", ["t5-gated", "bart"])
+def test_prompt_prefixes_go_before_the_encoders_and_the_decoders_inputs(name: str) -> None:
+    model = model_of(name)
+    prompts = inputs(4)
+    shapes = [(3, 2), (0, 4), (5, 0), (0, 0)]  # encoder rows, decoder rows; the last: none
+    prefixes = [
+        (prefix_rows(model, e, 10 + i), prefix_rows(model, d, 20 + i))
+        for i, (e, d) in enumerate(shapes)
+    ]
+    expected = [
+        prefixed_reference(model, p, enc, dec)
+        for p, (enc, dec) in zip(prompts, prefixes, strict=True)
+    ]
+    plain = [reference(model, p) for p in prompts]
+    assert sum(expected[i] != plain[i] for i in range(3)) >= 2 and expected[3] == plain[3]
+    b = backend(model)
+    items = [
+        PrefillItem(i, p, embeds=dec, encoder_embeds=enc)
+        for i, (p, (enc, dec)) in enumerate(zip(prompts, prefixes, strict=True))
+    ]
+    batch = [[int(row.argmax())] for row in b.prefill(items).last]
+    for _ in range(NEW_TOKENS - 1):
+        logits = b.decode(list(range(4)), [t[-1] for t in batch])
+        for row, tokens in enumerate(batch):
+            tokens.append(int(logits[row].argmax()))
+    assert batch == expected

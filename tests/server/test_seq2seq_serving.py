@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from tests.backends.test_seq2seq import NEW_TOKENS, prefix_rows, prefixed_reference
 from tests.factories import save_model, tiny_model
 from tests.server.conftest import live_server
 from tgis.backends.seq2seq import Seq2SeqBackend
@@ -26,7 +27,6 @@ from tgis.launch import build_service, service_info
 from tgis.server import Metrics, create_app
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
-NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +50,28 @@ def expected_ids(model_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[tuple[str, int]]:
+def prefix_store(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with one prefix for the encoder (3 rows) and the decoder (2 rows)."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32)
+    root = tmp_path_factory.mktemp("prefixes")
+    (root / "tuned").mkdir()
+    torch.save(prefix_rows(model, 3, 1), root / "tuned" / "encoder.pt")
+    torch.save(prefix_rows(model, 2, 2), root / "tuned" / "decoder.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, prefix_store: Path) -> Iterator[tuple[str, int]]:
     facts = ModelFacts.from_config(*read_model_config(model_dir))
     assert facts.encoder_decoder
-    args = LauncherArgs(max_total_tokens=64, backend="cpu", dtype="float32")
+    args = LauncherArgs(
+        max_total_tokens=64, backend="cpu", dtype="float32", prefix_store_path=str(prefix_store)
+    )
     config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
     svc = build_service(config, model_dir, observer=Metrics(64, 8))
     assert isinstance(svc.backend, Seq2SeqBackend)
     app = create_app(svc.engine, svc.tokenizer, config, service_info(svc),
-                     metrics=svc.engine.observer)  # type: ignore[arg-type]  # fmt: skip
+                     metrics=svc.engine.observer, prefixes=svc.prefixes)  # type: ignore[arg-type]  # fmt: skip
     grpc_server = GrpcServer(app.state.tgis, "127.0.0.1", 0, None)
     try:
         with live_server(app, companions=[grpc_server]) as (url, _):
@@ -152,3 +165,21 @@ def test_static_backends_refuse_encoder_decoder_models(backend: str) -> None:
         build_serve_config(LauncherArgs(backend=backend), facts, env)
     assert "is an encoder-decoder model" in str(info.value)
     assert "--backend cpu or cuda" in str(info.value)
+
+
+def test_a_prompt_prefix_goes_before_the_encoders_and_the_decoders_inputs(
+    server: tuple[str, int], model_dir: Path, prefix_store: Path, expected_ids: list[int]
+) -> None:
+    url, _ = server
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    encoder = torch.load(prefix_store / "tuned" / "encoder.pt", weights_only=True)
+    decoder = torch.load(prefix_store / "tuned" / "decoder.pt", weights_only=True)
+    ids = tuple(tokenizer(PROMPT)["input_ids"])
+    expected = prefixed_reference(model, ids, encoder, decoder)
+    assert expected != expected_ids
+    parameters = {"max_new_tokens": NEW_TOKENS, "details": True, "ignore_eos": True}
+    body = post(
+        url, "/generate", {"inputs": PROMPT, "parameters": {**parameters, "prefix_id": "tuned"}}
+    ).json()
+    assert [t["id"] for t in body["details"]["tokens"]] == expected

@@ -61,8 +61,19 @@ class Decoder(Protocol):
         """Cross-attention keys/values of one input's encoder output [length, d_model]."""
         ...
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Logits [rows, vocab] (float32) of one decoder token per row at `positions`."""
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] (float32) of one decoder token per row at `positions`;
+        `embeds` [rows, d_model] replaces the tokens' embeddings (a prompt prefix)."""
+        ...
+
+    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """The encoder's input embeddings of token ids, as its forward computes them."""
         ...
 
 
@@ -140,7 +151,16 @@ class T5Decoder:
             values.append(self._split(attn.v(encoded)[None])[0])
         return CrossStates(keys, values)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_encoder().embed_tokens(ids)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows, heads, dim = tokens.shape[0], self.num_heads, self.head_dim
         # Relative position of every cached key to the row's own query: [rows, self_len].
         relative = torch.arange(attend.self_len, device=tokens.device)[None] - positions[:, None]
@@ -151,7 +171,7 @@ class T5Decoder:
             max_distance=self.config.relative_attention_max_distance,
         )
         bias = self.bias_table(buckets).permute(0, 2, 1)  # [rows, heads, self_len]
-        x = self.decoder.embed_tokens(tokens)  # [rows, d_model]
+        x = self.decoder.embed_tokens(tokens) if embeds is None else embeds  # [rows, d_model]
         for index, block in enumerate(self.decoder.block):
             sa = block.layer[0]
             h = sa.layer_norm(x)
@@ -194,10 +214,20 @@ class BartDecoder:
             values.append(self._split(attn.v_proj(encoded)[None])[0])
         return CrossStates(keys, values)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_encoder().embed_tokens(ids)  # scaled, as BART's encoder does
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows, heads, dim = tokens.shape[0], self.num_heads, self.head_dim
         d = self.decoder
-        x = d.embed_tokens(tokens) + d.embed_positions.weight[positions + d.embed_positions.offset]
+        x = d.embed_tokens(tokens) if embeds is None else embeds
+        x = x + d.embed_positions.weight[positions + d.embed_positions.offset]
         x = d.layernorm_embedding(x)
         for index, layer in enumerate(d.layers):
             sa = layer.self_attn
@@ -270,7 +300,6 @@ class Seq2SeqBackend:
             kv_bytes_per_token=per_token,
             # Input-token details are the decoder-only models' (as in TGIS).
             prompt_logprobs=False,
-            prompt_prefixes=False,
             encoder_decoder=True,
         )
         self._slot_of: dict[int, int] = {}
@@ -308,17 +337,29 @@ class Seq2SeqBackend:
             running=self._slot_of, max_prompt=self.max_tokens,
             max_prompt_label="max_sequence_tokens", vocab_size=self.vocab_size,
         )  # fmt: skip
-        if any(item.embeds is not None for item in items):
-            raise ValueError("encoder-decoder models take no prompt-prefix embeddings here")
+        for item in items:
+            encoder_rows = _rows(item.encoder_embeds) + len(item.input_ids)
+            if encoder_rows > self.max_tokens or _rows(item.embeds) >= self.max_tokens:
+                raise ValueError(
+                    f"sequence {item.seq_id}: its prompt prefix and input exceed "
+                    f"max_sequence_tokens ({self.max_tokens})"
+                )
         slots = self._free[: len(items)]
-        encoded = self._encode([item.input_ids for item in items])
-        for slot, item, states in zip(slots, items, encoded, strict=True):
+        encoded = self._encode(items)
+        for slot, states in zip(slots, encoded, strict=True):
             cross = self.decoder.cross_states(states)
-            length = len(item.input_ids)
+            length = states.shape[0]
             for layer in range(self.decoder.num_layers):
                 self.cross_keys[layer][slot, :, :length] = cross.keys[layer]
                 self.cross_values[layer][slot, :, :length] = cross.values[layer]
             self._input_len[slot] = length
+        # A decoder prefix's virtual tokens go first, one position a step (rows without one,
+        # or with a shorter one, wait), then every row's start token.
+        longest = max(_rows(item.embeds) for item in items)
+        for position in range(longest):
+            rows = [i for i, item in enumerate(items) if _rows(item.embeds) > position]
+            embeds = torch.stack([items[i].embeds[position] for i in rows])  # type: ignore[index]
+            self._step([slots[i] for i in rows], [self.start_token] * len(rows), embeds)
         logits = self._step(slots, [self.start_token] * len(items))
         # Only now do the sequences exist: a failed forward leaves no half-registered state.
         for slot, item in zip(slots, items, strict=True):
@@ -326,18 +367,24 @@ class Seq2SeqBackend:
             self._free.remove(slot)
         return PrefillOutput(logits, (None,) * len(items))
 
-    def _encode(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """The encoder's output [length, d_model] of each input (one padded batch)."""
-        width = max(len(ids) for ids in inputs)
-        ids = torch.zeros((len(inputs), width), dtype=torch.long)
-        mask = torch.zeros((len(inputs), width), dtype=torch.long)
-        for row, tokens in enumerate(inputs):
-            ids[row, : len(tokens)] = torch.tensor(list(tokens))
-            mask[row, : len(tokens)] = 1
-        out = self.model.get_encoder()(
-            input_ids=ids.to(self.device_obj), attention_mask=mask.to(self.device_obj)
-        ).last_hidden_state
-        return [out[row, : len(tokens)] for row, tokens in enumerate(inputs)]
+    def _encode(self, items: Sequence[PrefillItem]) -> list[torch.Tensor]:
+        """The encoder's output [length, d_model] of each input, after its prompt prefix's
+        encoder embeddings if it has some (one padded batch)."""
+        device = self.device_obj
+        embedded = []
+        for item in items:
+            tokens = self.decoder.embed_input(torch.tensor(list(item.input_ids), device=device))
+            if item.encoder_embeds is not None:
+                tokens = torch.cat([item.encoder_embeds.to(tokens.dtype), tokens])
+            embedded.append(tokens)
+        width = max(e.shape[0] for e in embedded)
+        batch = embedded[0].new_zeros((len(items), width, embedded[0].shape[1]))
+        mask = torch.zeros((len(items), width), dtype=torch.long, device=device)
+        for row, e in enumerate(embedded):
+            batch[row, : e.shape[0]] = e
+            mask[row, : e.shape[0]] = 1
+        out = self.model.get_encoder()(inputs_embeds=batch, attention_mask=mask).last_hidden_state
+        return [out[row, : e.shape[0]] for row, e in enumerate(embedded)]
 
     @torch.inference_mode()
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
@@ -350,7 +397,9 @@ class Seq2SeqBackend:
             raise ValueError(f"a sequence would exceed max_sequence_tokens ({self.max_tokens})")
         return self._step(slots, list(token_ids))
 
-    def _step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+    def _step(
+        self, slots: list[int], tokens: list[int], embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         device = self.device_obj
         positions = [self._output_len[s] for s in slots]
         slot_t = torch.tensor(slots, device=device)
@@ -369,7 +418,7 @@ class Seq2SeqBackend:
             self.self_keys, self.self_values, self.cross_keys, self.cross_values,
             slot_t, pos_t, self_len, cross_len, self_mask, cross_mask,
         )  # fmt: skip
-        logits = self.decoder.step(torch.tensor(tokens, device=device), pos_t, attend)
+        logits = self.decoder.step(torch.tensor(tokens, device=device), pos_t, attend, embeds)
         for slot in slots:
             self._output_len[slot] += 1
         return logits
@@ -418,6 +467,10 @@ class Seq2SeqBackend:
             if on_shape is not None:
                 on_shape(timing)
         return timings
+
+
+def _rows(embeds: torch.Tensor | None) -> int:
+    return 0 if embeds is None else int(embeds.shape[0])
 
 
 def is_encoder_decoder(config: dict[str, Any]) -> bool:

@@ -54,8 +54,11 @@ class PrefillItem:
     input_ids: tuple[int, ...]
     prompt_logprobs: bool = False
     # Embeddings [k, hidden] of the first k positions, used instead of their tokens' (a
-    # prompt prefix's virtual tokens); None: every position is its token's embedding.
+    # prompt prefix's virtual tokens); None: every position is its token's embedding. An
+    # encoder-decoder backend takes them before the decoder's start token instead, and
+    # `encoder_embeds` before the encoder's input.
     embeds: torch.Tensor | None = None
+    encoder_embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
+from tgis.engine.backend import Backend, PackedItem, PagedBackend
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
 from tgis.engine.live import LiveSequence, RequestHandle
@@ -193,8 +193,10 @@ class Engine:
         seqs = []
         prefix = request.prefix
         # A prompt prefix's virtual tokens hold placeholder ids; their embeddings come from
-        # the prefix, and its key keeps their blocks apart from other prefixes'.
-        prompt = [PREFIX_PLACEHOLDER_ID] * (prefix.length if prefix else 0)
+        # the prefix, and its key keeps their blocks apart from other prefixes'. (An
+        # encoder-decoder backend places them itself, in the encoder's and decoder's inputs.)
+        placed = prefix is not None and not self.backend.capacity.encoder_decoder
+        prompt = [PREFIX_PLACEHOLDER_ID] * (prefix.length if placed and prefix else 0)
         prompt.extend(request.input_ids)
         for index in range(handle.candidates):
             seq = SchedSeq(
@@ -245,15 +247,7 @@ class Engine:
             if step.kind is StepKind.PREFILL:
                 for live in lives:
                     live.begin(start_time=time.monotonic())
-                items = [
-                    PrefillItem(
-                        lv.seq.seq_id,
-                        tuple(lv.seq.token_ids),
-                        lv.wants_prompt_logprobs,
-                        lv.prefix_embeds(0, len(lv.seq.token_ids)),
-                    )
-                    for lv in lives
-                ]
+                items = [lv.prefill_item() for lv in lives]
                 out = self.backend.prefill(items)
                 logits, prompt_logits = out.last, out.prompt
                 tokens = sum(len(i.input_ids) for i in items)

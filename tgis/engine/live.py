@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tgis.engine.backend import PrefillItem
 from tgis.engine.detokenize import TextStream, token_texts
 from tgis.engine.sampling import SampleOutput, SamplingRow, derive_seed, prompt_details
 from tgis.engine.sequence import Sequence as SchedSeq
@@ -84,6 +85,7 @@ class LiveSequence:
         self.params = request.params
         # An encoder-decoder model's output starts anew: the input seeds neither the
         # penalties nor the detokenizer's window.
+        self.encoder_decoder = encoder_decoder
         context = () if encoder_decoder else request.input_ids
         self.row = SamplingRow(self.params, context, seed=handle.seed_for(seq.index))
         self.text = TextStream(tokenizer, self.params, eos_token_ids, context)
@@ -108,14 +110,33 @@ class LiveSequence:
 
     @property
     def prefix_length(self) -> int:
+        """Virtual tokens placed before the prompt's tokens in the sequence."""
         prefix = self.handle.request.prefix
-        return prefix.length if prefix is not None else 0
+        return prefix.length if prefix is not None and not self.encoder_decoder else 0
+
+    def prefill_item(self) -> PrefillItem:
+        """The slot backend's prefill of this sequence: its prompt and prefix."""
+        prefix = self.handle.request.prefix
+        if self.encoder_decoder:
+            return PrefillItem(
+                self.seq.seq_id,
+                tuple(self.seq.token_ids),
+                self.wants_prompt_logprobs,
+                prefix.embeddings if prefix is not None and prefix.length else None,
+                prefix.encoder if prefix is not None else None,
+            )
+        return PrefillItem(
+            self.seq.seq_id,
+            tuple(self.seq.token_ids),
+            self.wants_prompt_logprobs,
+            self.prefix_embeds(0, len(self.seq.token_ids)),
+        )
 
     def prefix_embeds(self, start: int, count: int) -> torch.Tensor | None:
         """Embeddings of positions start.. start + count - 1 that are a prompt prefix's
         virtual tokens (the first ones of them, if any), or None."""
         prefix = self.handle.request.prefix
-        if prefix is None or start >= prefix.length:
+        if prefix is None or start >= self.prefix_length:
             return None
         return prefix.embeddings[start : min(start + count, prefix.length)]
 

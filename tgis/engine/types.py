@@ -51,16 +51,25 @@ class GenerationRequest:
 @dataclass(frozen=True, eq=False)
 class PromptPrefix:
     """Virtual-token embeddings [length, hidden], in the serving dtype on the model's device,
-    prepended to a request's input embeddings. `key` keeps the prefix-cache blocks of prompts
-    that follow it apart from any other prefix's."""
+    prepended to a request's input embeddings — for an encoder-decoder model, `embeddings`
+    go before the decoder's start token (possibly none) and `encoder` before the encoder's
+    input. `key` keeps the prefix-cache blocks of prompts that follow it apart from any other
+    prefix's."""
 
     prefix_id: str
     embeddings: torch.Tensor
     key: bytes
+    encoder: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
+        """Virtual tokens before the (decoder's) tokens."""
         return int(self.embeddings.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """Every virtual token, encoder's and decoder's: what counts toward the limits."""
+        return self.length + (int(self.encoder.shape[0]) if self.encoder is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         try:
             if not ids:
                 raise InputValidationError("the input text has no tokens")
-            fitted = converted.fit(len(ids), prefix.length if prefix else 0, self.limits)
+            fitted = converted.fit(len(ids), prefix.tokens if prefix else 0, self.limits)
         except InputValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
         request = GenerationRequest(uuid.uuid4().hex, tuple(ids), fitted.params, arrival, prefix)

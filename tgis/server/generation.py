@@ -181,7 +181,7 @@ class Pipeline:
         self.metrics.raw_input(len(ids))
         # validate takes the length before truncation (it checks `truncate` itself) and
         # returns the parameters normalized, with max_new_tokens filled in.
-        prefix_length = prefix.length if prefix is not None else 0
+        prefix_length = prefix.tokens if prefix is not None else 0
         params = validate(params, len(ids), self.limits, stream=stream, prefix_length=prefix_length)
         ids = truncate_ids(ids, params.truncate)
         request = GenerationRequest(
