@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from tgis.backends.torch_device import load_causal_lm
@@ -48,33 +49,6 @@ class CrossStates:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-
-
-class Decoder(Protocol):
-    """One family's decoder over the backend's caches."""
-
-    num_layers: int
-    num_heads: int
-    head_dim: int
-
-    def cross_states(self, encoded: torch.Tensor) -> CrossStates:
-        """Cross-attention keys/values of one input's encoder output [length, d_model]."""
-        ...
-
-    def step(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        attend: Attend,
-        embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [rows, vocab] (float32) of one decoder token per row at `positions`;
-        `embeds` [rows, d_model] replaces the tokens' embeddings (a prompt prefix)."""
-        ...
-
-    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
-        """The encoder's input embeddings of token ids, as its forward computes them."""
-        ...
 
 
 @dataclass
@@ -125,34 +99,64 @@ def _attention(
     return torch.einsum("bhl,bhld->bhd", probs, values).reshape(q.shape[0], -1)
 
 
-class T5Decoder:
+class Decoder:
+    """One family's decoder over the backend's caches (subclasses: `step` and the modules
+    that project encoder states to cross-attention keys and values)."""
+
+    def __init__(self, model: PreTrainedModel, num_layers: int, num_heads: int, head_dim: int):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+
+    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """The encoder's input embeddings of token ids, as its forward computes them."""
+        return self.model.get_encoder().embed_tokens(ids)
+
+    def cross_projections(self) -> list[tuple[nn.Module, nn.Module]]:
+        """Per decoder layer, the key and value projections of its cross-attention."""
+        raise NotImplementedError
+
+    def cross_states(self, encoded: torch.Tensor) -> CrossStates:
+        """Cross-attention keys/values of one input's encoder output [length, d_model]."""
+        keys, values = [], []
+        for key, value in self.cross_projections():
+            keys.append(self._heads(key(encoded)))
+            values.append(self._heads(value(encoded)))
+        return CrossStates(keys, values)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[length, heads * head_dim] -> [heads, length, head_dim]."""
+        return x.view(x.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] (float32) of one decoder token per row at `positions`;
+        `embeds` [rows, d_model] replaces the tokens' embeddings (a prompt prefix)."""
+        raise NotImplementedError
+
+
+class T5Decoder(Decoder):
     """T5 / mT5 / flan-T5 / flan-UL2: pre-norm RMS layers, unscaled attention, a relative
     position bias from the first layer shared by all, gated or plain feed-forward."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
+        first = model.get_decoder().block[0].layer[0].SelfAttention
+        super().__init__(
+            model, len(model.get_decoder().block), first.n_heads, first.key_value_proj_dim
+        )
         self.config = model.config
-        self.decoder = model.get_decoder()
-        first = self.decoder.block[0].layer[0].SelfAttention
         self.bias_table = first.relative_attention_bias
         self.bucket = first._relative_position_bucket
-        self.num_layers = len(self.decoder.block)
-        self.num_heads = first.n_heads
-        self.head_dim = first.key_value_proj_dim
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], -1, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def cross_states(self, encoded: torch.Tensor) -> CrossStates:
-        keys, values = [], []
-        for block in self.decoder.block:
-            attn = block.layer[1].EncDecAttention
-            keys.append(self._split(attn.k(encoded)[None])[0])
-            values.append(self._split(attn.v(encoded)[None])[0])
-        return CrossStates(keys, values)
-
-    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_encoder().embed_tokens(ids)
+    def cross_projections(self) -> list[tuple[nn.Module, nn.Module]]:
+        return [
+            (b.layer[1].EncDecAttention.k, b.layer[1].EncDecAttention.v) for b in self.decoder.block
+        ]
 
     def step(
         self,
@@ -190,32 +194,19 @@ class T5Decoder:
         return self.model.lm_head(x).float()
 
 
-class BartDecoder:
+class BartDecoder(Decoder):
     """BART: post-norm layers, scaled attention with biases, learned positions (offset 2)
     after scaled token embeddings, a final logits bias."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.decoder = model.get_decoder()
-        attn = self.decoder.layers[0].self_attn
-        self.num_layers = len(self.decoder.layers)
-        self.num_heads = attn.num_heads
-        self.head_dim = attn.head_dim
+        attn = model.get_decoder().layers[0].self_attn
+        super().__init__(model, len(model.get_decoder().layers), attn.num_heads, attn.head_dim)
         self.scale = attn.scaling
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], -1, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def cross_states(self, encoded: torch.Tensor) -> CrossStates:
-        keys, values = [], []
-        for layer in self.decoder.layers:
-            attn = layer.encoder_attn
-            keys.append(self._split(attn.k_proj(encoded)[None])[0])
-            values.append(self._split(attn.v_proj(encoded)[None])[0])
-        return CrossStates(keys, values)
-
-    def embed_input(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_encoder().embed_tokens(ids)  # scaled, as BART's encoder does
+    def cross_projections(self) -> list[tuple[nn.Module, nn.Module]]:
+        return [
+            (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj) for layer in self.decoder.layers
+        ]
 
     def step(
         self,
