@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from tests.factories import tiny_model
 from tgis.backends.seq2seq import Seq2SeqBackend
 from tgis.engine.backend import PrefillItem
+from tgis.errors import ConfigError
 
 NEW_TOKENS = 10
 # Wider initial weights than the defaults, so random models continue in varied tokens.
@@ -35,6 +36,13 @@ _built: dict[str, PreTrainedModel] = {}
 
 
 def model_of(name: str) -> PreTrainedModel:
+    if name == "mt5" and name not in _built:  # T5's layout under mT5's classes
+        from transformers import AutoModelForSeq2SeqLM, MT5Config
+
+        torch.manual_seed(1)
+        fields = tiny_model("t5").config.to_dict()
+        fields.update(initializer_factor=6.0, model_type="mt5")
+        _built[name] = AutoModelForSeq2SeqLM.from_config(MT5Config(**fields)).eval()
     if name not in _built:
         arch, seed, overrides = VARIANTS[name]
         _built[name] = tiny_model(arch, seed=seed, **overrides)  # type: ignore[arg-type]
@@ -85,7 +93,7 @@ def greedy(b: Seq2SeqBackend, prompts: list[tuple[int, ...]], join_every: int) -
     return [tokens[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", [*sorted(VARIANTS), "mt5"])
 def test_greedy_equals_generate_alone_and_in_a_batch_of_8(name: str) -> None:
     model = model_of(name)
     prompts = inputs(8)
@@ -202,3 +210,17 @@ def test_prompt_prefixes_go_before_the_encoders_and_the_decoders_inputs(name: st
         for row, tokens in enumerate(batch):
             tokens.append(int(logits[row].argmax()))
     assert batch == expected
+
+
+def test_other_encoder_decoder_types_are_refused_with_the_list() -> None:
+    from transformers import AutoModelForSeq2SeqLM, MarianConfig
+
+    model = AutoModelForSeq2SeqLM.from_config(
+        MarianConfig(vocab_size=64, pad_token_id=3, decoder_start_token_id=3, d_model=16,
+                     encoder_layers=1, decoder_layers=1,
+                     encoder_attention_heads=2, decoder_attention_heads=2,
+                     encoder_ffn_dim=32, decoder_ffn_dim=32)
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        Seq2SeqBackend(model, max_sequences=2, max_sequence_tokens=16)
+    assert "'marian' is not served" in str(info.value) and "t5, mt5, bart" in str(info.value)

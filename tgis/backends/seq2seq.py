@@ -40,7 +40,7 @@ from tgis.errors import ConfigError
 
 log = logging.getLogger("tgis.backends.seq2seq")
 
-SUPPORTED = ("t5", "mt5", "umt5", "bart")
+SUPPORTED = ("t5", "mt5", "bart")
 
 
 @dataclass
@@ -238,7 +238,7 @@ class BartDecoder(Decoder):
 
 def decoder_for(model: PreTrainedModel) -> Decoder:
     kind = model.config.model_type
-    if kind in ("t5", "mt5", "umt5"):
+    if kind in ("t5", "mt5"):
         return T5Decoder(model)
     if kind == "bart":
         return BartDecoder(model)
