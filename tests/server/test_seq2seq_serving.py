@@ -183,3 +183,39 @@ def test_a_prompt_prefix_goes_before_the_encoders_and_the_decoders_inputs(
         url, "/generate", {"inputs": PROMPT, "parameters": {**parameters, "prefix_id": "tuned"}}
     ).json()
     assert [t["id"] for t in body["details"]["tokens"]] == expected
+
+
+def test_generation_parameters_apply_to_encoder_decoder_models(
+    server: tuple[str, int], expected_ids: list[int]
+) -> None:
+    url, _ = server
+    parameters = {
+        "max_new_tokens": 6,
+        "min_new_tokens": 6,
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.5,
+        "truncate": 4,
+        "top_n_tokens": 3,
+        "details": True,
+        "decoder_input_details": False,
+    }
+    body = post(url, "/generate", {"inputs": PROMPT, "parameters": parameters})
+    assert body.status_code == 200, body.text
+    details = body.json()["details"]
+    assert details["generated_tokens"] == 6 and details["finish_reason"] == "length"
+    assert all(len(t) >= 3 for t in details["top_tokens"])
+    assert all(t["logprob"] <= 0 for t in details["tokens"])
+    # A stop sequence cut from the greedy answer ends it there.
+    greedy = post(
+        url, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS}}
+    ).json()["generated_text"]
+    assert len(greedy) > 4
+    stop = greedy[2:4]
+    stopped = post(
+        url,
+        "/generate",
+        {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "stop": [stop],
+                                          "details": True}},
+    ).json()  # fmt: skip
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+    assert stopped["generated_text"] == greedy[: greedy.index(stop) + len(stop)]
