@@ -43,6 +43,7 @@ lint: install
 	$(VENV)/bin/ruff check tgis tests tests_xla scripts
 	$(VENV)/bin/ruff format --check tgis tests tests_xla scripts
 	$(VENV)/bin/hadolint Dockerfile.cuda Dockerfile.neuron Dockerfile.tpu Dockerfile.gaudi
+	$(PY) scripts/check_deploy.py
 
 # The gRPC stubs of TGIS's API, checked in (tests/fmaas/test_stubs.py fails when they are stale).
 grpc-stubs: install
