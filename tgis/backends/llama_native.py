@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from tgis.backends.forward import (
 )
 from tgis.backends.hf_forward import KVShape, sliding_windows
 from tgis.backends.slot_cache import KVStep, SlotKVCache
+
+if TYPE_CHECKING:
+    from tgis.backends.tensor_parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Rope types whose frequencies do not depend on the sequence length (tables are exact).
@@ -162,6 +166,8 @@ class LlamaWeights:
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(base.layers)]
         self.windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
         self.embed = base.embed_tokens.weight
+        # Tensor parallelism (tensor_parallel.py): this rank's slices, and the collectives.
+        self.parallel: TensorParallel | None = None
         self.final_norm = base.norm.weight
         self.lm_head = model.get_output_embeddings().weight
         self.cos, self.sin = self._rope_tables(model, max_positions)
@@ -216,9 +222,19 @@ class LlamaWeights:
         qk = _rotate(qkv[:, :qk_heads], cos, sin)  # q and k rotated together: one op chain
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, hidden] (a vocab-parallel lookup under tensor parallelism)."""
+        if self.parallel is not None:
+            return self.parallel.embed(ids, self.embed)
+        return F.embedding(ids, self.embed)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel projection (itself on one device)."""
+        return t if self.parallel is None else self.parallel.all_reduce(t)
+
     def _finish(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual: x [N, hidden], attn [N, heads * d]."""
-        x = x + F.linear(attn, layer.o_w, layer.o_b)
+        x = x + self._reduce(F.linear(attn, layer.o_w, layer.o_b))
         h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
         if len(layer.gate_up_w) == 1:
             gate, up = F.linear(h, layer.gate_up_w[0], layer.gate_up_b[0]).chunk(2, dim=-1)
@@ -226,12 +242,15 @@ class LlamaWeights:
             gate, up = (
                 F.linear(h, w, b) for w, b in zip(layer.gate_up_w, layer.gate_up_b, strict=True)
             )
-        return x + F.linear(self.act(gate) * up, layer.down_w, layer.down_b)
+        return x + self._reduce(F.linear(self.act(gate) * up, layer.down_w, layer.down_b))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: x [rows, hidden] -> float32 logits [rows, vocab]."""
         h = F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head)
+        if self.parallel is not None:
+            logits = self.parallel.gather_logits(logits)
+        return logits.float()
 
 
 class LlamaNativeForward(LlamaWeights):
@@ -264,7 +283,7 @@ class LlamaNativeForward(LlamaWeights):
         }
         cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)  # [n, hidden]
+        x = self._embed(input_ids)  # [n, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             self.cache.write(index, k.unsqueeze(2), v.unsqueeze(2), step)
@@ -316,7 +335,7 @@ class LlamaNativeForward(LlamaWeights):
         ]
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(ids, self.embed)  # [N, hidden]
+        x = self._embed(ids)  # [N, hidden]
         x = place_embeds(x, [(o, s.embeds) for s, o in zip(segments, offsets, strict=True)])
         gqa = self.num_heads != self.num_kv_heads
         for index, layer in enumerate(self.layers):

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from tgis.backends.forward import place_embeds
@@ -103,7 +102,7 @@ class PagedLlamaForward(LlamaWeights):
         rows take those embeddings instead of their tokens' (prompt prefixes)."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        x = place_embeds(F.embedding(input_ids, self.embed), embeds)  # [tokens, hidden]
+        x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = self.pool.keys[index], self.pool.values[index]

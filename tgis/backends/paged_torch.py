@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +34,9 @@ from tgis.backends.slot_cache import kv_bytes_per_token
 from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tgis.backends.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ class PagedTorchBackend:
         memory_fraction: float | None = None,
         cuda_graphs: bool | None = None,
         graph_api: GraphApi | None = None,
+        parallel: TensorParallel | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -85,7 +90,13 @@ class PagedTorchBackend:
         self.device = str(self.device_obj)
         self.name = self.device_obj.type
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # Under tensor parallelism `model` is this rank's slices (tensor_parallel.py).
+        self.parallel = parallel
+        self.vocab_size = (
+            parallel.vocab_size
+            if parallel is not None
+            else int(model.get_output_embeddings().weight.shape[0])
+        )
         self.max_sequence_tokens = max_sequence_tokens
         cpu = self.name == "cpu"
         self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
@@ -98,10 +109,13 @@ class PagedTorchBackend:
         # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
             self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
+        self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
         num_blocks = self._size_pool(
             kv_tokens, per_token, max_sequences * max_sequence_tokens, memory_fraction
         )
+        if parallel is not None:  # every rank's pool has the same blocks
+            num_blocks = parallel.agree_min(num_blocks)
         with torch.inference_mode():
             # With graphs, one more block than the scheduler knows: padding rows write there.
             self.path.pool = self._allocate_pool(num_blocks + int(graphs))
