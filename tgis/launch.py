@@ -40,6 +40,13 @@ class Service:
     # Tuned prompt prefixes (--prefix-store-path), or None.
     prefixes: PrefixStore | None = None
 
+    def stop(self) -> None:
+        """Stop the engine, then the backend's other processes (tensor parallelism)."""
+        self.engine.stop()
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
 
 def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
     """The backend `config.backend` names, loaded with the config's limits."""
@@ -76,7 +83,10 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
     slots = config.max_batch_size or config.max_concurrent_requests
-    if is_encoder_decoder(json.loads((model_dir / "config.json").read_text())):
+    model_config = json.loads((model_dir / "config.json").read_text())
+    if config.num_shard > 1:
+        return load_sharded_backend(config, model_dir, model_config, slots)
+    if is_encoder_decoder(model_config):
         return load_seq2seq_backend(config, model_dir, slots)
     model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
     reason = paged_unsupported_reason(model, config.compile)
@@ -107,6 +117,59 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
         kv_memory_fraction=config.cuda_memory_fraction,
         compile=config.compile,
     )
+
+
+def load_sharded_backend(
+    config: ServeConfig, model_dir: Path, model_config: dict[str, Any], slots: int
+) -> PagedBackend:
+    """--num-shard N on cpu / cuda: the paged engine over N tensor-parallel processes."""
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
+    from tgis.backends.tensor_parallel import (
+        ShardSettings,
+        TensorParallelBackend,
+        shard_unsupported_reason,
+    )
+
+    flag = f"--num-shard {config.num_shard}"
+    kind = model_config.get("model_type")
+    if kind not in NATIVE_MODEL_TYPES:
+        raise ConfigError(
+            f"{flag}: tensor parallelism runs the paged engine of {'/'.join(NATIVE_MODEL_TYPES)} "
+            f"models; this model is {kind}",
+            "serve it with --num-shard 1",
+        )
+    reason = shard_unsupported_reason(model_config, config.num_shard)
+    if reason is not None:
+        raise ConfigError(f"{flag}: {reason}", "pick one of the values named")
+    for name, given in (("compile", config.compile), ("cuda_graphs", config.cuda_graphs)):
+        if given:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{option} and {flag}: sharded steps run eagerly",
+                f"drop {option} ({ENV_NAMES[name]}), or serve on one device",
+            )
+    if config.backend == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < config.num_shard:
+            raise ConfigError(
+                f"{flag} needs {config.num_shard} GPUs; {torch.cuda.device_count()} are visible",
+                "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
+            )
+    settings = ShardSettings(
+        model_dir=str(model_dir),
+        device=config.backend,
+        dtype=config.dtype,
+        max_sequences=slots,
+        max_sequence_tokens=config.max_total_tokens,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+        kv_tokens=config.max_batch_total_tokens,
+        memory_fraction=config.cuda_memory_fraction,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+        world=config.num_shard,
+    )
+    return TensorParallelBackend(settings)
 
 
 def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Backend:

@@ -508,7 +508,7 @@ def test_gaudi_variables_refused_on_other_backends(backend: str) -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cuda", "tpu", "gaudi"])
+@pytest.mark.parametrize("backend", ["tpu", "gaudi"])
 @pytest.mark.parametrize(
     ("flags", "env", "named"),
     [
@@ -517,13 +517,23 @@ def test_gaudi_variables_refused_on_other_backends(backend: str) -> None:
         ({}, {"NUM_SHARD": "4"}, "NUM_SHARD=4"),
     ],
 )
-def test_sharding_refused_where_no_backend_shards(
+def test_sharding_refused_on_the_one_device_backends(
     backend: str, flags: dict[str, object], env: dict[str, str], named: str
 ) -> None:
     message = error_of(LLAMA31, env, backend=backend, **flags)
     assert message.startswith(f"{named}: the {backend} backend runs the model on one device")
-    assert "only neuron takes --num-shard" in message
+    assert "--num-shard shards models on cpu and cuda" in message
     assert build(LLAMA31, backend=backend, num_shard=1, sharded=False).num_shard == 1
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_cpu_and_cuda_shard_with_tensor_parallelism(backend: str) -> None:
+    config = build(LLAMA31, {"NUM_SHARD": "2", "MASTER_PORT": "29600"}, backend=backend)
+    assert (config.num_shard, config.master_addr, config.master_port) == (2, "127.0.0.1", 29600)
+    assert build(LLAMA31, backend=backend, num_shard=4, sharded=True).num_shard == 4
+    assert "set --num-shard" in error_of(LLAMA31, backend=backend, sharded=True)
+    assert "contradicts" in error_of(LLAMA31, backend=backend, num_shard=2, sharded=False)
+    assert "is not a port" in error_of(LLAMA31, backend=backend, num_shard=2, master_port=70000)
 
 
 def test_neuron_sharding_follows_its_cores() -> None:

@@ -63,8 +63,18 @@ Dtype = Annotated[
 ]
 Backend = Annotated[str | None, _opt("backend", DEVICE, "auto, cpu, cuda, tpu, neuron or gaudi.")]
 NumShard = Annotated[
-    int | None, _opt("num_shard", DEVICE, "Devices (or Neuron cores) to shard the model over.", "1")
+    int | None,
+    _opt(
+        "num_shard",
+        DEVICE,
+        "Devices to shard the model over (tensor parallelism on cpu/cuda), or the Neuron cores.",
+        "1",
+    ),
 ]
+MasterAddr = Annotated[
+    str | None, _opt("master_addr", DEVICE, "Where the shards of --num-shard meet.")
+]
+MasterPort = Annotated[int | None, _opt("master_port", DEVICE, "The shards' rendezvous port.")]
 Sharded = Annotated[
     str | None, _opt("sharded", DEVICE, "Shard the model: true or false.", "false", metavar="BOOL")
 ]
@@ -284,6 +294,8 @@ OPTIONS: dict[str, Any] = {
     "dtype": Dtype,
     "num_shard": NumShard,
     "sharded": Sharded,
+    "master_addr": MasterAddr,
+    "master_port": MasterPort,
     "prefill_mode": PrefillMode,
     "compile_cache": CompileCache,
     "compile": Compile,
@@ -330,6 +342,8 @@ WARMUP_OPTIONS = (
     "dtype",
     "num_shard",
     "sharded",
+    "master_addr",
+    "master_port",
     "prefill_mode",
     "compile_cache",
     "compile",

@@ -94,4 +94,4 @@ def command(
 
         asyncio.run(run())
     finally:
-        service.engine.stop()
+        service.stop()

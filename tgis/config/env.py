@@ -46,6 +46,8 @@ DEFAULTS: dict[str, Any] = {
     "hostname": "0.0.0.0",
     "grpc_port": 8033,
     "max_new_tokens": 1024,
+    "master_addr": "127.0.0.1",
+    "master_port": 29500,
 }
 # The bundled model `tgis serve` runs when no --model-id / MODEL_ID is given.
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")

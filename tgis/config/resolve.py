@@ -143,6 +143,8 @@ def build_serve_config(
         default_include_stop_seqs=values["default_include_stop_seqs"] is not False,
         tls=tls_files(values, r),
         prefix_store_path=values["prefix_store_path"],
+        master_addr=values["master_addr"] or DEFAULTS["master_addr"],
+        master_port=values["master_port"] or DEFAULTS["master_port"],
         notes=tuple(notes),
         sources=sources,
     )

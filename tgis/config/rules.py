@@ -159,16 +159,34 @@ def _require_one_request_fits(
 
 
 def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
-    """The shard count: 1 on every backend but neuron, where it is the Neuron cores."""
+    """The shard count: processes of tensor parallelism on cpu and cuda, the Neuron cores on
+    neuron, 1 elsewhere."""
     num_shard = values["num_shard"] or 1
     sharded = values["sharded"]
+    if backend in ("cpu", "cuda"):
+        if sharded and num_shard == 1:
+            raise ConfigError(
+                f"{r.label('sharded', 'true')} but {r.label('num_shard', 1)}",
+                "set --num-shard to the devices to shard over (NUM_SHARD), or drop --sharded",
+            )
+        if sharded is False and num_shard > 1:
+            raise ConfigError(
+                f"{r.label('sharded', 'false')} contradicts {r.label('num_shard', num_shard)}",
+                "drop --sharded false",
+            )
+        port = values["master_port"]
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(
+                f"{r.label('master_port', port)} is not a port", "use a port from 1 to 65535"
+            )
+        return num_shard
     if backend != "neuron":
         if num_shard > 1 or sharded:
             given = r.label("num_shard", num_shard) if num_shard > 1 else r.label("sharded", "true")
             raise ConfigError(
-                f"{given}: the {backend} backend runs the model on one device, and no backend "
-                "shards it over several yet (only neuron takes --num-shard: the Neuron cores "
-                "its model is compiled for)",
+                f"{given}: the {backend} backend runs the model on one device (--num-shard "
+                "shards models on cpu and cuda, and on neuron it is the Neuron cores its model "
+                "is compiled for)",
                 "drop --num-shard and --sharded (NUM_SHARD, SHARDED), or set --num-shard 1",
             )
         return 1

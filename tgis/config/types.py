@@ -49,6 +49,9 @@ class LauncherArgs:
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
     prefix_store_path: str | None = None
+    # Tensor parallelism's rendezvous (torch.distributed), as TGI and TGIS name it.
+    master_addr: str | None = None
+    master_port: int | None = None
     # TGIS's names for the same settings (tgis.config.env.ALIASES).
     model_name: str | None = None
     max_sequence_length: int | None = None
@@ -217,6 +220,9 @@ class ServeConfig:
     tls: TlsFiles | None = None
     # The directory of tuned prompt prefixes (PREFIX_STORE_PATH); None: no prefixes.
     prefix_store_path: str | None = None
+    # Where the shards of --num-shard > 1 meet (torch.distributed's TCP rendezvous).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     notes: tuple[str, ...] = field(default=(), compare=False)
     # Where each setting given by the user came from: field -> `--flag` or `ENV_NAME`.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
