@@ -308,7 +308,10 @@ class ShardGroup:
         self.errors = context.Queue()
         self.workers = [
             context.Process(
-                target=worker_main, args=(settings, rank, self.errors), name=f"tgis-shard-{rank}"
+                target=worker_main,
+                args=(settings, rank, self.errors),
+                name=f"tgis-shard-{rank}",
+                daemon=True,
             )
             for rank in range(1, settings.world)
         ]

@@ -64,18 +64,22 @@ def load_backend(
     prompt_tokens: int,
     decode_tokens: int,
     compile: bool = False,
+    num_shard: int = 1,
 ) -> Backend | PagedBackend:
     """The backend `tgis serve` would run for `model_dir`, sized for `max_batch` sequences of
-    the run: the paged one for llama-family models (its CUDA graphs recorded here), the slot
-    one for the others and with `compile` (decode through torch.compile, compiled here)."""
+    the run: the paged one for llama-family models (its CUDA graphs recorded here; over
+    `num_shard` tensor-parallel processes when more than 1), the slot one for the others and
+    with `compile` (decode through torch.compile, compiled here)."""
     import torch
 
     from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
-    model = load_causal_lm(model_dir, torch.device(device), dtype)
     total = prompt_tokens + decode_tokens + 1
+    if num_shard > 1:
+        return _sharded(model_dir, device, dtype, max_batch, prompt_tokens, total, num_shard)
+    model = load_causal_lm(model_dir, torch.device(device), dtype)
     if paged_unsupported_reason(model, compile) is None:
         paged = PagedTorchBackend(
             model,
@@ -97,6 +101,39 @@ def load_backend(
     if compile:
         backend.warmup(max_batch, prompt_tokens)
     return backend
+
+
+def _sharded(
+    model_dir: Path,
+    device: str,
+    dtype: str | None,
+    max_batch: int,
+    prompt_tokens: int,
+    total: int,
+    num_shard: int,
+) -> PagedBackend:
+    """The paged backend over `num_shard` tensor-parallel processes (tensor_parallel.py)."""
+    import socket
+
+    from tgis.backends.tensor_parallel import ShardSettings, TensorParallelBackend
+
+    with socket.socket() as s:  # a free rendezvous port on this machine
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    settings = ShardSettings(
+        model_dir=str(model_dir),
+        device=device,
+        dtype=dtype,
+        max_sequences=max_batch,
+        max_sequence_tokens=total,
+        max_prefill_tokens=max_batch * prompt_tokens,
+        kv_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
+        memory_fraction=None,
+        master_addr="127.0.0.1",
+        master_port=port,
+        world=num_shard,
+    )
+    return TensorParallelBackend(settings)
 
 
 def special_token_ids(model_dir: Path) -> set[int]:
@@ -252,6 +289,7 @@ def run_engine(
     seed: int,
     console: Console | None = None,
     compile: bool = False,
+    num_shard: int = 1,
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
@@ -268,8 +306,9 @@ def run_engine(
     model_dir = resolve_model_dir(model_id)
     device = default_device()
     backend = load_backend(
-        model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile
-    )
+        model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile,
+        num_shard,
+    )  # fmt: skip
     bench = EngineBenchmark(
         backend,
         batch_sizes,
@@ -284,6 +323,10 @@ def run_engine(
         bench.execute(console)
     except KeyboardInterrupt:
         interrupted = True
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:  # tensor-parallel shards
+            close()
     config = {
         "mode": "engine",
         "model": model_id,
@@ -295,6 +338,7 @@ def run_engine(
         "runs": runs,
         "seed": seed,
         "compile": compile,
+        "num_shard": num_shard,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

@@ -169,6 +169,15 @@ def command(
             rich_help_panel=ENGINE,
         ),
     ] = False,
+    num_shard: Annotated[
+        int,
+        typer.Option(
+            "--num-shard",
+            help="--engine: shard the model over this many processes (tensor parallelism).",
+            rich_help_panel=ENGINE,
+            min=1,
+        ),
+    ] = 1,
     compare: Annotated[
         tuple[Path, Path] | None,
         typer.Option(
@@ -230,9 +239,18 @@ def command(
     if engine:
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
-            dtype, seed, compile,
+            dtype, seed, compile, num_shard,
         )  # fmt: skip
         return
+    for given, flag in ((compile, "--compile"), (num_shard != 1, "--num-shard")):
+        if given:
+            from tgis.errors import ConfigError
+
+            raise ConfigError(
+                f"{flag} applies to --engine (the backend in this process); a load test "
+                "measures the server as it was started",
+                f"add --engine, or drop {flag}",
+            )
     rate_list, slos = check_options(
         kind, rates, slo, duration, warmup, max_vus, num_rates, requests
     )
@@ -300,6 +318,7 @@ def _engine(
     dtype: str | None,
     seed: int,
     compile: bool = False,
+    num_shard: int = 1,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -321,6 +340,7 @@ def _engine(
         seed,
         Console(stderr=True),
         compile,
+        num_shard,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

@@ -51,17 +51,36 @@ def command(
     import logging
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from tgis.commands.show_config import render_config
     from tgis.launch import load_backend
-    from tgis.warmup import run_warmup
 
     config, model_dir = resolve_launcher_config(launcher)
     console = Console()
     render_config(console, config)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     loaded = load_backend(config, model_dir)
+    try:
+        report = _warm(console, loaded, config)
+    finally:
+        close = getattr(loaded, "close", None)
+        if close is not None:  # tensor-parallel shards
+            close()
+    console.print(report_table(report))
+    for line in report_lines(report):
+        console.print(line)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        console.print(f"report: {output}")
+
+
+def _warm(console: Any, loaded: Any, config: Any) -> WarmupReport:
+    """Run the warmup plan with a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from tgis.warmup import run_warmup
+
     progress = Progress(
         TextColumn("[bold]warmup[/] {task.description}"),
         BarColumn(),
@@ -71,7 +90,7 @@ def command(
     )
     with progress:
         task = progress.add_task("", total=None, last="")
-        report = run_warmup(
+        return run_warmup(
             loaded,
             config,
             on_plan=lambda plan: progress.update(task, total=len(plan)),
@@ -82,13 +101,6 @@ def command(
                 last=f"{t.seconds:.2f} s, {t.compiled} compiled",
             ),
         )
-    console.print(report_table(report))
-    for line in report_lines(report):
-        console.print(line)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
-        console.print(f"report: {output}")
 
 
 def report_table(report: WarmupReport) -> Table:
