@@ -26,7 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "cuda")
+OVERLAYS = ("cpu", "cuda", "cuda-multi-gpu")
 KUBERNETES_VERSION = "1.32"
 
 

@@ -118,6 +118,11 @@ def test_the_pod_runs_the_images_entrypoint_as_its_user(
     assert overlay["ConfigMap"]["data"]["HF_HOME"] in mounts
 
 
-def test_gpus_are_asked_on_cuda_only() -> None:
+def test_gpus_asked_match_the_shards() -> None:
     assert "nvidia.com/gpu" not in str(container(rendered("cpu"))["resources"])
     assert container(rendered("cuda"))["resources"]["limits"]["nvidia.com/gpu"] == 1
+    multi = rendered("cuda-multi-gpu")
+    shards = int(multi["ConfigMap"]["data"]["NUM_SHARD"])
+    assert container(multi)["resources"]["limits"]["nvidia.com/gpu"] == shards == 2
+    mounts = {m["mountPath"] for m in container(multi)["volumeMounts"]}
+    assert "/dev/shm" in mounts  # NCCL's shared memory
