@@ -35,6 +35,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def shards(pid: int) -> list[int]:
+    """The shard processes `pid` spawned (not multiprocessing's resource tracker)."""
+    found = []
+    for child in children(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.append(child)
+    return found
+
+
 def children(pid: int) -> list[int]:
     """Processes whose parent is `pid` (from /proc)."""
     found = []
@@ -111,7 +124,7 @@ def test_http_and_grpc_answer_as_one_shard(
     sharded: tuple[subprocess.Popen[bytes], str, int], one_shard: list[str]
 ) -> None:
     proc, url, grpc_port = sharded
-    assert len(children(proc.pid)) >= 1  # the other shard runs beside the server
+    assert len(shards(proc.pid)) == 1  # the other shard runs beside the server
     answers = [
         httpx.post(
             f"{url}/generate", json={"inputs": p, "parameters": PARAMETERS}, timeout=60
@@ -134,11 +147,20 @@ def test_http_and_grpc_answer_as_one_shard(
 
 def test_sigterm_stops_every_shard(demo_model_dir: Path) -> None:
     with sharded_server(demo_model_dir) as (proc, _, _):
-        shards = children(proc.pid)
-        assert shards
+        spawned = shards(proc.pid)
+        assert spawned
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     deadline = time.monotonic() + 20
-    while any(Path(f"/proc/{pid}").exists() for pid in shards):
+    while any(Path(f"/proc/{pid}").exists() for pid in spawned):
         assert time.monotonic() < deadline, "a shard outlived the server"
         time.sleep(0.2)
+
+
+def test_a_killed_shard_ends_the_server_with_its_name(demo_model_dir: Path) -> None:
+    with sharded_server(demo_model_dir) as (proc, _, _):
+        (shard,) = shards(proc.pid)
+        os.kill(shard, signal.SIGKILL)
+        code = proc.wait(60)
+        assert code != 0
+        assert "shard 1 exited with code -9" in proc.stderr.read().decode()  # type: ignore[union-attr]

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.engine.test_engine import PROMPTS, collect, request, run
@@ -35,9 +36,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def settings(model_dir: Path, world: int = 2) -> ShardSettings:
+def settings(model_dir: Path, world: int = 2, device: str = "cpu") -> ShardSettings:
     return ShardSettings(
-        model_dir=str(model_dir), device="cpu", dtype="float32", max_sequences=8,
+        model_dir=str(model_dir), device=device, dtype="float32", max_sequences=8,
         max_sequence_tokens=TOKENS, max_prefill_tokens=64, kv_tokens=8 * TOKENS,
         memory_fraction=None, master_addr="127.0.0.1", master_port=free_port(), world=world,
     )  # fmt: skip
@@ -130,3 +131,31 @@ def test_shard_counts_must_divide_the_heads() -> None:
         "3 shards must divide its 4 KV heads, 8 attention heads and 704-wide MLP; "
         "--num-shard can be 1, 2, 4"
     )
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_two_gpu_shards_generate_what_one_gpu_does(demo_model_dir: Path) -> None:
+    """NCCL between two GPUs: the greedy tokens of one GPU, alone and batched."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    reqs = [
+        request(tokenizer, PROMPTS[i % len(PROMPTS)], f"r{i}", max_new_tokens=10, ignore_eos=True)
+        for i in range(4)
+    ]
+    one = PagedTorchBackend.load(
+        demo_model_dir, "cuda", "float32", max_sequences=8, max_sequence_tokens=TOKENS,
+        max_prefill_tokens=64, kv_tokens=8 * TOKENS,
+    )  # fmt: skip
+    engine = engine_over(one, tokenizer)
+    try:
+        expected = [tokens_of(engine, [r])[0] for r in reqs]
+    finally:
+        engine.stop()
+    sharded = TensorParallelBackend(settings(demo_model_dir, device="cuda"))
+    engine = engine_over(sharded, tokenizer)
+    try:
+        assert tokens_of(engine, reqs) == expected
+    finally:
+        engine.stop()
+        sharded.close()
