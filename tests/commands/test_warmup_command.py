@@ -34,3 +34,20 @@ def test_warmup_refuses_what_serve_refuses() -> None:
     result = run_tgis("warmup", "--prefill-mode", "rebuild")
     assert result.returncode == 1
     assert "applies to the static batch of the tpu and neuron backends, not cpu" in result.stderr
+
+
+def test_warmup_over_two_shards_runs_their_plan_and_stops_them(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "warmup.json"
+    result = run_tgis(
+        "warmup", "--num-shard", "2", "--master-port", str(port), "--dtype", "float32",
+        "--max-batch-size", "4", "--max-total-tokens", "256", "--output", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert [s["phase"] for s in data["shapes"]] == ["prefill", "decode", "decode", "decode"]
+    assert data["max_batch_total_tokens"] == 4 * 256  # the pool every shard agreed on

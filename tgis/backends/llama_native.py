@@ -36,7 +36,7 @@ from tgis.backends.hf_forward import KVShape, sliding_windows
 from tgis.backends.slot_cache import KVStep, SlotKVCache
 
 if TYPE_CHECKING:
-    from tgis.backends.tensor_parallel import TensorParallel
+    from tgis.backends.parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Rope types whose frequencies do not depend on the sequence length (tables are exact).

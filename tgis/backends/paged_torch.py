@@ -36,7 +36,7 @@ from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tgis.backends.tensor_parallel import TensorParallel
+    from tgis.backends.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

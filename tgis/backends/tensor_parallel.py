@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from tgis.backends.parallel import TensorParallel
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
 
@@ -40,45 +40,6 @@ log = logging.getLogger("tgis.backends.tensor_parallel")
 # How long a collective may wait for a rank before the group gives up (a dead rank otherwise
 # hangs the others): beyond any step, short enough to end a broken server.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This process's place in the group and the collectives the forward calls."""
-
-    rank: int
-    world: int
-    vocab_size: int  # the model's whole vocabulary
-
-    @property
-    def vocab_rows(self) -> int:
-        """Vocabulary rows per rank (the last rank's are padded with zeros)."""
-        return math.ceil(self.vocab_size / self.world)
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
-
-    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel embedding: this rank's rows, zeros elsewhere, summed over ranks."""
-        local = ids - self.rank * self.vocab_rows
-        inside = (local >= 0) & (local < self.vocab_rows)
-        out = F.embedding(local.clamp(0, self.vocab_rows - 1), weight) * inside[:, None]
-        return self.all_reduce(out)
-
-    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab_rows] of each rank -> [rows, vocab]."""
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
-
-    def agree_min(self, value: int) -> int:
-        """The smallest `value` of all ranks (pool sizes every rank can hold)."""
-        t = torch.tensor([value], dtype=torch.long)
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
 
 
 def shard_unsupported_reason(config: dict[str, Any], world: int) -> str | None:
@@ -363,6 +324,8 @@ class TensorParallelBackend:
             self.inner = build_rank_backend(settings, 0)
         except BaseException:
             self.group.stop(1.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         self.name = f"{self.inner.name} x{settings.world}"
         self.device = self.inner.device
@@ -393,16 +356,18 @@ class TensorParallelBackend:
         return self.inner.warmup(max_batch_size, max_input_tokens, on_shape)
 
     def close(self) -> None:
-        """Stop the other ranks and leave the group."""
+        """Stop the other ranks (those still alive) and leave the group."""
         if self._closed:
             return
         self._closed = True
         self.group._stopping = True
         try:
-            _broadcast(("stop", None))
+            if all(worker.is_alive() for worker in self.group.workers):
+                _broadcast(("stop", None))
         finally:
             self.group.stop()
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _with_cpu_embeds(item: PackedItem) -> PackedItem:
