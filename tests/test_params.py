@@ -61,7 +61,7 @@ def error(params: GenerateParameters, input_length: int = 3, **kw: object) -> st
             P(min_new_tokens=5, max_new_tokens=4),
             "`min_new_tokens` must be >= 0 and <= `max_new_tokens` (4). Given: 5",
         ),
-        (P(time_limit_ms=0), "`time_limit_ms` must be strictly positive"),
+        (P(time_limit_ms=0), "`time_limit_ms` must be > 0 and <= 2147483647. Given: 0"),
         (P(seed=-1), "`seed` must be >= 0 and <= 18446744073709551615. Given: -1"),
     ],
 )
@@ -212,3 +212,19 @@ def test_length_penalty_is_checked() -> None:
     assert error(P(length_penalty=(2, 0.5))) == message
     assert error(P(length_penalty=(2, float("nan")))) == message
     assert error(P(length_penalty=(-1, 2.0))) == "`length_penalty.start_index` must be >= 0"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (P(time_limit_ms=10**320), "`time_limit_ms` must be > 0 and <= 2147483647. Given: 1"),
+        (P(temperature=1e-300), "`temperature` must be at least 0.0001"),
+        (P(top_p=1e-300), "`top_p` must be at least 0.0001"),
+        (P(typical_p=1e-300), "`typical_p` must be at least 0.0001"),
+        (P(repetition_penalty=1e-300), "`repetition_penalty` must be at least 0.0001"),
+    ],
+)
+def test_values_that_would_overflow_are_refused(params: GenerateParameters, message: str) -> None:
+    """Each once stopped the engine or turned scores into NaN (a time limit of 1e320 ms
+    overflowed a division at admission; 1e-300 is 0 in float32)."""
+    assert error(params).startswith(message)

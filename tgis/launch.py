@@ -252,6 +252,7 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         eos_token_ids(model_dir, tokenizer),
         observer,
         prefix_caching=config.prefix_caching is not False,
+        on_fatal=exit_soon,
     )
     engine.start()
     log.info(
@@ -262,6 +263,17 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
     )
     prefixes = prefix_store(config, model_dir, backend)
     return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes)
+
+
+def exit_soon(delay_s: float = 1.0) -> None:
+    """The engine died: answers already posted get `delay_s` to go out, then the process
+    exits non-zero, so a supervisor restarts it rather than a server that cannot generate
+    answering forever."""
+    import os
+    import threading
+
+    log.critical("the engine stopped: the server exits in %.1f s", delay_s)
+    threading.Timer(delay_s, os._exit, (1,)).start()
 
 
 def service_info(service: Service) -> ModelInfo:

@@ -121,20 +121,39 @@ def _check_best_of(params: GenerateParameters, limits: RequestLimits) -> int:
     return best_of
 
 
+# Divisors and probability masses below this become 0 or overflow in a float32 computation
+# (logits / 1e-300 is inf): smaller values are refused rather than turned into NaN scores.
+MIN_POSITIVE = 1e-4
+# The longest time limit a request may set (24 days), well within every clock's range.
+MAX_TIME_LIMIT_MS = 2**31 - 1
+
+
+def _check_small(name: str, value: float | None) -> None:
+    if value is not None and value < MIN_POSITIVE:
+        raise _fail(
+            f"`{name}` must be at least {MIN_POSITIVE} (smaller values overflow the "
+            f"computation). Given: {value}"
+        )
+
+
 def _check_sampling(params: GenerateParameters) -> None:
     # `not (x > 0)` rather than `x <= 0` so that NaN is refused too.
     if params.temperature is not None and not params.temperature > 0.0:
         raise _fail("`temperature` must be strictly positive")
+    _check_small("temperature", params.temperature)
     if params.repetition_penalty is not None and not params.repetition_penalty > 0.0:
         raise _fail("`repetition_penalty` must be strictly positive")
+    _check_small("repetition_penalty", params.repetition_penalty)
     if params.frequency_penalty is not None and not -2.0 <= params.frequency_penalty <= 2.0:
         raise _fail("`frequency_penalty` must be >= -2.0 and <= 2.0")
     if params.presence_penalty is not None and not -2.0 <= params.presence_penalty <= 2.0:
         raise _fail("`presence_penalty` must be >= -2.0 and <= 2.0")
     if params.top_p is not None and not 0.0 < params.top_p < 1.0:
         raise _fail("`top_p` must be > 0.0 and < 1.0")
+    _check_small("top_p", params.top_p)
     if params.typical_p is not None and not 0.0 < params.typical_p < 1.0:
         raise _fail("`typical_p` must be > 0.0 and < 1.0")
+    _check_small("typical_p", params.typical_p)
     if params.top_k is not None and params.top_k <= 0:
         raise _fail("`top_k` must be strictly positive")
     if params.length_penalty is not None:
@@ -225,8 +244,10 @@ def validate(
             f"`min_new_tokens` must be >= 0 and <= `max_new_tokens` ({max_new_tokens}). "
             f"Given: {params.min_new_tokens}"
         )
-    if params.time_limit_ms is not None and params.time_limit_ms <= 0:
-        raise _fail("`time_limit_ms` must be strictly positive")
+    if params.time_limit_ms is not None and not 0 < params.time_limit_ms <= MAX_TIME_LIMIT_MS:
+        raise _fail(
+            f"`time_limit_ms` must be > 0 and <= {MAX_TIME_LIMIT_MS}. Given: {params.time_limit_ms}"
+        )
     return _normalize(params, max_new_tokens, best_of)
 
 

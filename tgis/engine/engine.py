@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from tgis.engine.backend import Backend, PackedItem, PagedBackend
@@ -51,9 +51,13 @@ class Engine:
         eos_token_ids: Sequence[int],
         observer: EngineObserver | None = None,
         prefix_caching: bool = False,
+        on_fatal: Callable[[], None] | None = None,
     ) -> None:
-        """prefix_caching: share the KV blocks of common prompt prefixes (paged backends)."""
+        """prefix_caching: share the KV blocks of common prompt prefixes (paged backends).
+        on_fatal: called if the model thread ever ends other than by `stop` (after every
+        request has its answer); `tgis serve` exits then, so that a supervisor restarts it."""
         self.backend = backend
+        self.on_fatal = on_fatal
         self.tokenizer = tokenizer
         capacity = backend.capacity
         self.scheduler: Scheduler | PagedScheduler
@@ -158,6 +162,7 @@ class Engine:
     # --- the model thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        fatal = False
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work)
@@ -166,10 +171,13 @@ class Engine:
                     self._run_step(step)
         except BaseException:  # the thread must never die silently
             log.exception("engine thread failed")
+            fatal = True
         finally:
             self._fail_all(
                 GenerationError("the server is shutting down", "retry on another replica")
             )
+        if fatal and self.on_fatal is not None:
+            self.on_fatal()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -178,10 +186,15 @@ class Engine:
             return
         while True:
             if kind == "add" and handle is not None and not handle.cancelled:
-                self._admit(handle)
+                try:
+                    self._admit(handle)
+                except Exception as exc:  # this request's failure alone
+                    log.exception("admitting request %s failed", handle.request.request_id)
+                    self._abandon(handle, GenerationError(f"{type(exc).__name__}: {exc}"))
             elif kind == "cancel" and handle is not None:
                 for live in list(handle.sequences):
                     self._drop(live)
+                self._report_state()
             try:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
@@ -225,6 +238,14 @@ class Engine:
                 self._live.pop(live.seq.seq_id, None)
             handle.sequences.clear()
             handle.post([InputValidationError(str(exc))])
+
+    def _abandon(self, handle: RequestHandle, error: TgisError) -> None:
+        """End a request with `error`, dropping whatever of it the engine holds."""
+        for live in list(handle.sequences):
+            if live.seq.seq_id in self._live:
+                self._drop(live)
+        handle.sequences.clear()
+        handle.post([error])
 
     def _drop(self, live: LiveSequence) -> None:
         """Forget a sequence (cancelled or failed), freeing its slot if it had one."""
@@ -309,6 +330,7 @@ class Engine:
         for live in lives:
             live.handle.post([error])
             self._drop(live)
+        self._report_state()
 
     def _emit(
         self,
@@ -324,7 +346,15 @@ class Engine:
         touched: dict[int, RequestHandle] = {}
         now = time.monotonic()
         for i, live in enumerate(lives):
-            event = live.push(choice, i, now)
+            if live.seq.seq_id not in self._live:
+                continue  # its request failed earlier in this loop (best_of siblings)
+            try:
+                event = live.push(choice, i, now)
+            except Exception as exc:  # detokenizing or a stop rule failed: this request only
+                log.exception("request %s failed after its step", live.handle.request.request_id)
+                live.handle.pending.clear()
+                self._abandon(live.handle, GenerationError(f"{type(exc).__name__}: {exc}"))
+                continue
             live.handle.pending.append(event)
             touched[id(live.handle)] = live.handle
             if event.completion is not None:
@@ -335,6 +365,11 @@ class Engine:
             self.observer.on_step(method, len(lives), tokens, time.perf_counter() - start, forward)
             if joined:
                 self.observer.on_concatenation()
+        self._report_state()
+
+    def _report_state(self) -> None:
+        """The queue, the batch and the KV pool as they are now (after every change)."""
+        if self.observer:
             running = self.scheduler.running
             self.observer.on_batch_state(
                 len(self.scheduler.waiting),
