@@ -260,6 +260,14 @@ TlsClientCaCertPath = Annotated[
         "none",
     ),
 ]
+MaxRequestBodyBytes = Annotated[
+    int | None,
+    _opt(
+        "max_request_body_bytes",
+        LIMITS,
+        "Largest request body the HTTP routes read; larger ones are refused with 413.",
+    ),
+]
 PrefixStorePath = Annotated[
     str | None,
     _opt(
@@ -327,6 +335,7 @@ OPTIONS: dict[str, Any] = {
     "output_special_tokens": OutputSpecialTokens,
     "default_include_stop_seqs": DefaultIncludeStopSeqs,
     "prefix_store_path": PrefixStorePath,
+    "max_request_body_bytes": MaxRequestBodyBytes,
     "model_name": ModelName,
     "max_sequence_length": MaxSequenceLength,
     "dtype_str": DtypeStr,

@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 1024,
     "master_addr": "127.0.0.1",
     "master_port": 29500,
+    "max_request_body_bytes": 2_000_000,
 }
 # The bundled model `tgis serve` runs when no --model-id / MODEL_ID is given.
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")

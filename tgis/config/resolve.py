@@ -145,6 +145,8 @@ def build_serve_config(
         prefix_store_path=values["prefix_store_path"],
         master_addr=values["master_addr"] or DEFAULTS["master_addr"],
         master_port=values["master_port"] or DEFAULTS["master_port"],
+        max_request_body_bytes=values["max_request_body_bytes"]
+        or DEFAULTS["max_request_body_bytes"],
         notes=tuple(notes),
         sources=sources,
     )

@@ -44,6 +44,7 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "num_shard",
         "port",
         "max_new_tokens",
+        "max_request_body_bytes",
     ):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(

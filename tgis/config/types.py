@@ -49,6 +49,7 @@ class LauncherArgs:
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
     prefix_store_path: str | None = None
+    max_request_body_bytes: int | None = None
     # Tensor parallelism's rendezvous (torch.distributed), as TGI and TGIS name it.
     master_addr: str | None = None
     master_port: int | None = None
@@ -220,6 +221,8 @@ class ServeConfig:
     tls: TlsFiles | None = None
     # The directory of tuned prompt prefixes (PREFIX_STORE_PATH); None: no prefixes.
     prefix_store_path: str | None = None
+    # The largest request body the HTTP routes read (TGI's payload limit); larger is a 413.
+    max_request_body_bytes: int = 2_000_000
     # Where the shards of --num-shard > 1 meet (torch.distributed's TCP rendezvous).
     master_addr: str = "127.0.0.1"
     master_port: int = 29500

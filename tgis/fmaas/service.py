@@ -224,6 +224,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> Input:
         """Tokenize, truncate (the last truncate_input_tokens are kept), check the lengths
         (the prefix's virtual tokens count)."""
+        try:
+            self.state.pipeline.check_length(text)
+        except InputValidationError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
         ids = await self.state.pipeline.encode(text)
         self.metrics.raw_input(len(ids))
         truncate = converted.params.truncate

@@ -113,6 +113,11 @@ async def close_iterator(iterator: Any) -> None:
             await aclose()
 
 
+# Characters a prompt may have per token of the context: far more than any tokenizer packs
+# into a token, far fewer than a body that only costs tokenizing time.
+CHARS_PER_TOKEN = 32
+
+
 class Pipeline:
     """Turns request inputs into engine requests and engine events into results."""
 
@@ -142,6 +147,17 @@ class Pipeline:
             )
         return await anyio.to_thread.run_sync(self.prefixes.get, prefix_id)
 
+    def check_length(self, text: str) -> None:
+        """Refuse, before tokenizing, a text longer in characters than any prompt the server
+        takes could be: 32 characters per token of max_total_tokens."""
+        limit = CHARS_PER_TOKEN * self.limits.max_total_tokens
+        if len(text) > limit:
+            raise InputValidationError(
+                f"`inputs` has {len(text)} characters; prompts of up to "
+                f"{self.limits.max_total_tokens} tokens are at most {limit} characters long "
+                "here. Shorten the text (truncate it yourself when you use `truncate`)"
+            )
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, computed in a worker thread (long prompts take milliseconds)."""
 
@@ -167,6 +183,7 @@ class Pipeline:
         """
         prefix = await self.prefix(prefix_id)
         if isinstance(prompt, str):
+            self.check_length(prompt)
             ids = await self.encode(prompt, add_special_tokens)
             text = prompt
         else:

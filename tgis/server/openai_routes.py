@@ -55,7 +55,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
     try:
-        body = await read_json(request)
+        body = await read_json(request, state.config.max_request_body_bytes)
         parse = parse_chat_request if chat else parse_completion_request
         req = parse(body, state.info)
     except ApiError as error:

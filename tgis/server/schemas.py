@@ -16,14 +16,77 @@ from starlette.requests import Request
 from tgis.params import GenerateParameters
 from tgis.server.http_errors import ApiError, invalid
 
+# TGI's default payload limit (its --payload-limit).
+DEFAULT_MAX_BODY_BYTES = 2_000_000
+# Integers wider than 64 bits are no value any field takes (and Python's parser would spend
+# quadratic time on thousands of digits before refusing them).
+_MAX_INT_DIGITS = 20
+# Deeper JSON than any request needs; Python's parser would hit its recursion limit.
+_MAX_DEPTH = 64
 
-async def read_json(request: Request) -> Any:
-    """The request's JSON body; malformed JSON is a 422 that says where it broke."""
-    body = await request.body()
+
+async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
+    """The request's JSON body. A body over `max_bytes` is a 413 (read no further); malformed
+    JSON, huge integers, nesting deeper than 64 levels and strings that are not text (lone
+    UTF-16 surrogates) are 422s that say what is wrong."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
     try:
-        return json.loads(body)
+        value = json.loads(b"".join(chunks), parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid(f"the request body nests deeper than {_MAX_DEPTH} levels") from None
+    _check_values(value, 0)
+    return value
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body has {size} bytes or more; this server takes at most {limit} "
+        "(--max-request-body-bytes)",
+        "validation",
+    )
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise invalid(f"the request body has a {len(text)}-digit integer; none may exceed 64 bits")
+    return int(text)
+
+
+def _check_values(value: Any, depth: int) -> None:
+    """Depth and text of every value of a parsed body."""
+    if depth > _MAX_DEPTH:
+        raise invalid(f"the request body nests deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, str):
+        _check_text(value)
+    elif isinstance(value, list):
+        for item in value:
+            _check_values(item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_values(item, depth + 1)
+
+
+def _check_text(text: str) -> None:
+    """Refuse lone UTF-16 surrogates: JSON's \\ud800 escapes decode to them, but they are
+    not characters, and no tokenizer can encode them."""
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        at = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+        raise invalid(
+            f"the request has a lone UTF-16 surrogate (U+{ord(text[at]):04X}) at character "
+            f"{at} of a string: it is not text"
+        )
 
 
 def _kind(value: Any) -> str:

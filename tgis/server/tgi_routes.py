@@ -40,7 +40,7 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
     state = get_state(request)
     try:
         req = parse_tgi_request(
-            await read_json(request),
+            await read_json(request, state.config.max_request_body_bytes),
             compat=compat,
             default_return_full_text=compat
             and state.info.model_pipeline_tag in (None, "text-generation"),
@@ -118,7 +118,8 @@ async def tokenize(request: Request) -> Response:
     start = time.monotonic()
     state = get_state(request)
     try:
-        req = parse_tgi_request(await read_json(request))
+        req = parse_tgi_request(await read_json(request, state.config.max_request_body_bytes))
+        state.pipeline.check_length(req.inputs)
         tokens = await anyio.to_thread.run_sync(
             tokenize_with_offsets, state.tokenizer, req.inputs, req.params.truncate
         )
