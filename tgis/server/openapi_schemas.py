@@ -10,7 +10,11 @@ def ref(name: str) -> dict[str, Any]:
 
 
 def _obj(required: list[str], **props: Any) -> dict[str, Any]:
-    return {"type": "object", "required": required, "properties": props}
+    """An object schema (OpenAPI 3.0 wants `required` non-empty, or absent)."""
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        schema["required"] = required
+    return schema
 
 
 def _null(schema: dict[str, Any]) -> dict[str, Any]:
@@ -33,14 +37,17 @@ _PREFIX_ID = (
     "TGIS: a tuned prompt prefix of the server's --prefix-store-path, whose virtual tokens go "
     "before the input (and count toward the token limits)"
 )
+_BELOW_ONE: dict[str, Any] = {"maximum": 1, "exclusiveMaximum": True}
 _PARAMETERS = _obj(
     [],
     do_sample={**BOOL, "default": False},
-    temperature=_null({**NUM, "exclusiveMinimum": 0, "example": 0.5}),
-    top_k=_null({"type": "integer", "exclusiveMinimum": 0, "example": 10}),
-    top_p=_null({**NUM, "exclusiveMinimum": 0, "exclusiveMaximum": 1, "example": 0.95}),
-    typical_p=_null({**NUM, "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
-    repetition_penalty=_null({**NUM, "exclusiveMinimum": 0, "example": 1.03}),
+    # OpenAPI 3.0's bounds (a boolean exclusiveMinimum beside minimum), as the server checks
+    # them: tgis.params (0.0001 is the least a float32 computation keeps usable).
+    temperature=_null({**NUM, "minimum": 0.0001, "example": 0.5}),
+    top_k=_null({"type": "integer", "minimum": 1, "example": 10}),
+    top_p=_null({**NUM, "minimum": 0.0001, **_BELOW_ONE, "example": 0.95}),
+    typical_p=_null({**NUM, "minimum": 0.0001, **_BELOW_ONE}),
+    repetition_penalty=_null({**NUM, "minimum": 0.0001, "example": 1.03}),
     frequency_penalty=_null(NUM),
     presence_penalty=_null(NUM),
     seed=_null(INT),
@@ -49,7 +56,14 @@ _PARAMETERS = _obj(
     stop={**_array(STR), "example": ["photographer"]},
     include_stop_sequence={**BOOL, "default": True, "description": "TGIS: keep the stop text"},
     ignore_eos={**BOOL, "default": False},
-    time_limit_ms=_null({**INT, "description": "TGIS: stop this long after arrival (time_limit)"}),
+    time_limit_ms=_null(
+        {
+            **INT,
+            "minimum": 1,
+            "maximum": 2147483647,
+            "description": "TGIS: stop this long after arrival (time_limit)",
+        }
+    ),
     length_penalty=_null(
         {
             **_obj(["start_index", "decay_factor"], start_index=INT, decay_factor=NUM),
