@@ -73,3 +73,22 @@ def test_a_prompt_longer_than_any_context_is_refused_before_tokenizing(
     body = json.dumps(ROUTES[path]("x" * 5000)).encode()
     status, text = post_raw(client, path, body)
     assert status == 422 and "has 5000 characters" in text and "4096 characters" in text
+
+
+@pytest.mark.parametrize("path", sorted(ROUTES))
+def test_a_body_that_is_not_json_by_its_type_is_a_415(small_client: TestClient, path: str) -> None:
+    response = small_client.post(
+        path, content=b"inputs=hi", headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert response.status_code == 415 and "must be JSON" in response.text
+    typed = small_client.post(
+        path,
+        content=b'{"inputs": "hi"}',
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert typed.status_code != 415
+
+
+def test_a_wrong_method_says_which_are_allowed(small_client: TestClient) -> None:
+    response = small_client.get("/generate")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"

@@ -79,7 +79,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     detail = exc.detail if isinstance(exc, HTTPException) else "Internal server error"
     error_type = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal")
     openai = request.url.path.startswith("/v1/")
-    return error_response(ApiError(status, str(detail), error_type), openai=openai)
+    response = error_response(ApiError(status, str(detail), error_type), openai=openai)
+    if isinstance(exc, HTTPException) and exc.headers:  # a 405's Allow
+        response.headers.update(exc.headers)
+    return response
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

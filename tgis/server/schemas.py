@@ -29,6 +29,13 @@ async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -
     """The request's JSON body. A body over `max_bytes` is a 413 (read no further); malformed
     JSON, huge integers, nesting deeper than 64 levels and strings that are not text (lone
     UTF-16 surrogates) are 422s that say what is wrong."""
+    kind = request.headers.get("content-type")
+    if kind is not None and not _is_json(kind):
+        raise ApiError(
+            415,
+            f"the request body must be JSON (Content-Type: application/json), not {kind}",
+            "validation",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
@@ -46,6 +53,14 @@ async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -
         raise invalid(f"the request body nests deeper than {_MAX_DEPTH} levels") from None
     _check_values(value, 0)
     return value
+
+
+def _is_json(content_type: str) -> bool:
+    """application/json, or a +json type (application/vnd.x+json), with any parameters."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
 
 
 def _too_large(size: int, limit: int) -> ApiError:
