@@ -248,11 +248,3 @@ def test_openapi_document_is_a_valid_3_0_document(client: TestClient) -> None:
     document = client.get("/openapi.json").json()
     assert document["openapi"] == "3.0.3"
     validate(document)
-
-
-def test_a_local_model_is_named_by_its_directory_not_its_path(tmp_path: Any) -> None:
-    from tgis.server.info import public_model_id
-
-    assert public_model_id(str(tmp_path / "models" / "llama-3")) == "llama-3"
-    assert public_model_id("./llama-3") == "llama-3"
-    assert public_model_id("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from tgis import __version__
@@ -71,7 +70,7 @@ class ModelInfo:
         one measured at warmup on dynamic backends).
         """
         return ModelInfo(
-            model_id=public_model_id(config.model_id),
+            model_id=config.model_id,
             model_sha=model_sha,
             model_dtype=model_dtype or config.dtype or "float32",
             model_device_type=model_device_type or _DEVICE_TYPES.get(config.backend, "cpu"),
@@ -103,12 +102,3 @@ class ModelInfo:
         body = asdict(self)
         body["max_input_length"] = self.max_input_tokens
         return body
-
-
-def public_model_id(model_id: str) -> str:
-    """The name clients see: a Hub id as it is, a local directory by its last component (the
-    server's paths are not the clients' business)."""
-    path = Path(model_id)
-    if path.is_absolute() or model_id.startswith((".", "~")) or path.is_dir():
-        return path.name or model_id
-    return model_id
