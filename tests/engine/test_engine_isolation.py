@@ -173,3 +173,25 @@ def test_the_batch_gauge_follows_a_cancel(demo_model_dir: Path, tokenizer: Any) 
         assert gauges.batch is not None and gauges.batch[1] == 0
     finally:
         engine.stop()
+
+
+def test_consecutive_failed_steps_make_the_engine_unhealthy_until_one_succeeds(
+    demo_model_dir: Path, tokenizer: Any
+) -> None:
+    engine = make_engine(demo_model_dir, tokenizer)
+    forward = engine.backend.forward  # type: ignore[union-attr]
+
+    def broken(items: Any) -> Any:
+        raise RuntimeError("the device is gone")
+
+    try:
+        engine.backend.forward = broken  # type: ignore[union-attr, method-assign]
+        for i in range(3):
+            got = outcomes(engine, [request(tokenizer, PROMPTS[0], f"f{i}", max_new_tokens=2)])
+            assert "the device is gone" in str(got[0])
+        assert not engine.healthy()
+        engine.backend.forward = forward  # type: ignore[union-attr, method-assign]
+        assert isinstance(outcomes(engine, [request(tokenizer, PROMPTS[0], "ok")])[0], list)
+        assert engine.healthy()  # a step succeeded again
+    finally:
+        engine.stop()

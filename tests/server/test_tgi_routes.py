@@ -248,3 +248,17 @@ def test_openapi_document_is_a_valid_3_0_document(client: TestClient) -> None:
     document = client.get("/openapi.json").json()
     assert document["openapi"] == "3.0.3"
     validate(document)
+
+
+def test_health_generates_a_token_when_idle_and_fails_when_that_fails(
+    client: TestClient, engine: Any
+) -> None:
+    assert client.get("/health").status_code == 200
+    assert engine.requests[-1].request_id == "health"  # it asked the engine for a token
+    assert engine.requests[-1].params.max_new_tokens == 1
+    engine.fail_after = 0  # every forward fails
+    response = client.get("/health")
+    assert response.status_code == 503
+    assert "the health generation failed: the fake backend failed" in response.json()["error"]
+    engine.fail_after = None
+    assert client.get("/health").status_code == 200

@@ -33,6 +33,10 @@ from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
 
+# Steps failed in a row after which the engine reports itself unhealthy (/health is 503
+# until a step succeeds again: /health's own generation is one).
+MAX_FAILED_STEPS = 3
+
 # The token id a prompt prefix's virtual positions carry (their embeddings replace it).
 PREFIX_PLACEHOLDER_ID = 0
 
@@ -75,6 +79,8 @@ class Engine:
         self._live: dict[int, LiveSequence] = {}
         self._seq_ids = itertools.count()
         self._in_flight = 0
+        # Steps failed in a row (a success resets it): /health fails at MAX_FAILED_STEPS.
+        self._failed_steps = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tgis-engine", daemon=True)
@@ -91,6 +97,10 @@ class Engine:
         self._thread.join(timeout)
 
     def healthy(self) -> bool:
+        """Running, and its last MAX_FAILED_STEPS steps did not all fail."""
+        return self._alive() and self._failed_steps < MAX_FAILED_STEPS
+
+    def _alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     @property
@@ -117,7 +127,7 @@ class Engine:
         """Token events of `request` (all best_of candidates, interleaved by `index`).
         `reserved`: the place was taken by `reserve` (the iterator gives it back all the same
         once it has started)."""
-        if not self.healthy():
+        if not self._alive():
             if reserved:
                 self.release(1)
             raise GenerationError("the engine is not running", "check the server log")
@@ -324,6 +334,7 @@ class Engine:
     def _fail_step(self, method: str, lives: list[LiveSequence], exc: Exception) -> None:
         """The step's forward or sampling raised: its requests fail, the engine serves on."""
         log.exception("%s step failed for %d sequences", method, len(lives))
+        self._failed_steps += 1
         if self.observer:
             self.observer.on_step_failure(method, "oom" if _is_oom(exc) else "error")
         error = GenerationError(f"{type(exc).__name__}: {exc}")
@@ -343,6 +354,7 @@ class Engine:
         joined: bool,
     ) -> None:
         """Turn each row's sampled token into an event, finish the completed, report."""
+        self._failed_steps = 0
         touched: dict[int, RequestHandle] = {}
         now = time.monotonic()
         for i, live in enumerate(lives):

@@ -10,7 +10,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tgis.server.generation import EventStream, Prepared, pick_best, timing_headers
+from tgis.engine.types import GenerationRequest
+from tgis.errors import OverloadedError
+from tgis.params import GenerateParameters
+from tgis.server.generation import (
+    EventStream,
+    Prepared,
+    close_iterator,
+    pick_best,
+    timing_headers,
+)
 from tgis.server.http_errors import SHUTTING_DOWN, ApiError, classify, error_response, tgi_body
 from tgis.server.metrics import CONTENT_TYPE
 from tgis.server.schemas import TgiRequest, parse_tgi_request, read_json
@@ -135,13 +144,47 @@ async def info(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """GET /health: 200 while the engine is healthy and the server admits requests."""
+    """GET /health: 200 while the server admits requests and the engine can generate. With
+    no request in flight (nothing else shows that it works) a one-token generation runs
+    through the engine first, as TGI and TGIS do."""
     state = get_state(request)
     if state.lifecycle.draining:
         return error_response(SHUTTING_DOWN)
+    if not state.engine.healthy() and state.engine.in_flight:
+        return error_response(ApiError(503, "unhealthy", "healthcheck"))
+    if state.engine.in_flight == 0:
+        try:
+            with anyio.fail_after(HEALTH_GENERATION_S):
+                await _generate_one_token(state)
+        except OverloadedError:
+            pass  # busy after all: requests show the engine works
+        except Exception as exc:
+            return error_response(
+                ApiError(503, f"the health generation failed: {exc}", "healthcheck")
+            )
     if not state.engine.healthy():
         return error_response(ApiError(503, "unhealthy", "healthcheck"))
     return Response(status_code=200)
+
+
+# How long /health's own generation may take before the engine counts as stuck.
+HEALTH_GENERATION_S = 30.0
+
+
+async def _generate_one_token(state: ServerState) -> None:
+    tokenizer = state.tokenizer
+    token = tokenizer.bos_token_id
+    if token is None:
+        token = (tokenizer.encode("a", add_special_tokens=False) or [0])[0]
+    request = GenerationRequest(
+        "health", (token,), GenerateParameters(max_new_tokens=1), arrival=time.monotonic()
+    )
+    iterator = state.engine.generate(request)
+    try:
+        async for _ in iterator:
+            pass
+    finally:
+        await close_iterator(iterator)
 
 
 async def metrics(request: Request) -> Response:
