@@ -119,6 +119,18 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
     )
 
 
+def _refuse_options(
+    config: ServeConfig, names: tuple[str, ...], message: str, fix: str = ""
+) -> None:
+    """A ConfigError for the first of the boolean options `names` that is set; `message`
+    and the fix name it where they say {option}."""
+    for name in names:
+        if getattr(config, name):
+            option = "--" + name.replace("_", "-")
+            hint = f"drop {option} ({ENV_NAMES[name]}){fix}"
+            raise ConfigError(message.format(option=option), hint)
+
+
 def load_sharded_backend(
     config: ServeConfig, model_dir: Path, model_config: dict[str, Any], slots: int
 ) -> PagedBackend:
@@ -141,13 +153,12 @@ def load_sharded_backend(
     reason = shard_unsupported_reason(model_config, config.num_shard)
     if reason is not None:
         raise ConfigError(f"{flag}: {reason}", "pick one of the values named")
-    for name, given in (("compile", config.compile), ("cuda_graphs", config.cuda_graphs)):
-        if given:
-            option = "--" + name.replace("_", "-")
-            raise ConfigError(
-                f"{option} and {flag}: sharded steps run eagerly",
-                f"drop {option} ({ENV_NAMES[name]}), or serve on one device",
-            )
+    _refuse_options(
+        config,
+        ("compile", "cuda_graphs"),
+        "{option} and " + flag + ": sharded steps run eagerly",
+        ", or serve on one device",
+    )
     if config.backend == "cuda":
         import torch
 
@@ -176,17 +187,11 @@ def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Ba
     """cpu / cuda: an encoder-decoder model in the slot engine (`Seq2SeqBackend`)."""
     from tgis.backends.seq2seq import Seq2SeqBackend
 
-    for name, given in (
-        ("prefix_caching", config.prefix_caching),
-        ("cuda_graphs", config.cuda_graphs),
-        ("compile", config.compile),
-    ):
-        if given:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(
-                f"{flag} is for decoder-only models; this model is an encoder-decoder one",
-                f"drop {flag} ({ENV_NAMES[name]})",
-            )
+    _refuse_options(
+        config,
+        ("prefix_caching", "cuda_graphs", "compile"),
+        "{option} is for decoder-only models; this model is an encoder-decoder one",
+    )
     return Seq2SeqBackend.load(
         model_dir,
         config.backend,

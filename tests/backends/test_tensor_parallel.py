@@ -74,18 +74,15 @@ def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model, tmp_path_factory.mktemp("gqa"))
 
 
-@pytest.mark.parametrize("which", ["demo", "tiny-gqa"])
-def test_two_shards_generate_what_one_does(
-    which: str, demo_model_dir: Path, tiny_gqa_dir: Path
-) -> None:
-    model_dir = demo_model_dir if which == "demo" else tiny_gqa_dir
+def check_two_shards(model_dir: Path, device: str) -> None:
+    """Two shards' greedy tokens equal one device's, alone and batched; workers end on close."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reqs = [
         request(tokenizer, PROMPTS[i % len(PROMPTS)], f"r{i}", max_new_tokens=10, ignore_eos=True)
         for i in range(4)
     ]
     one = PagedTorchBackend.load(
-        model_dir, "cpu", "float32", max_sequences=8, max_sequence_tokens=TOKENS,
+        model_dir, device, "float32", max_sequences=8, max_sequence_tokens=TOKENS,
         max_prefill_tokens=64, kv_tokens=8 * TOKENS,
     )  # fmt: skip
     engine = engine_over(one, tokenizer)
@@ -94,7 +91,7 @@ def test_two_shards_generate_what_one_does(
     finally:
         engine.stop()
     assert len({tuple(t) for t in expected}) > 1
-    sharded = TensorParallelBackend(settings(model_dir))
+    sharded = TensorParallelBackend(settings(model_dir, device=device))
     engine = engine_over(sharded, tokenizer)
     try:
         assert sharded.capacity.kv_tokens == one.capacity.kv_tokens
@@ -104,6 +101,13 @@ def test_two_shards_generate_what_one_does(
         engine.stop()
         sharded.close()
     assert all(not w.is_alive() for w in sharded.group.workers)
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny-gqa"])
+def test_two_shards_generate_what_one_does(
+    which: str, demo_model_dir: Path, tiny_gqa_dir: Path
+) -> None:
+    check_two_shards(demo_model_dir if which == "demo" else tiny_gqa_dir, "cpu")
 
 
 def test_a_killed_shard_ends_the_server_naming_it(demo_model_dir: Path) -> None:
@@ -138,24 +142,4 @@ def test_shard_counts_must_divide_the_heads() -> None:
 )
 def test_two_gpu_shards_generate_what_one_gpu_does(demo_model_dir: Path) -> None:
     """NCCL between two GPUs: the greedy tokens of one GPU, alone and batched."""
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
-    reqs = [
-        request(tokenizer, PROMPTS[i % len(PROMPTS)], f"r{i}", max_new_tokens=10, ignore_eos=True)
-        for i in range(4)
-    ]
-    one = PagedTorchBackend.load(
-        demo_model_dir, "cuda", "float32", max_sequences=8, max_sequence_tokens=TOKENS,
-        max_prefill_tokens=64, kv_tokens=8 * TOKENS,
-    )  # fmt: skip
-    engine = engine_over(one, tokenizer)
-    try:
-        expected = [tokens_of(engine, [r])[0] for r in reqs]
-    finally:
-        engine.stop()
-    sharded = TensorParallelBackend(settings(demo_model_dir, device="cuda"))
-    engine = engine_over(sharded, tokenizer)
-    try:
-        assert tokens_of(engine, reqs) == expected
-    finally:
-        engine.stop()
-        sharded.close()
+    check_two_shards(demo_model_dir, "cuda")

@@ -295,7 +295,8 @@ class Seq2SeqBackend:
         )
         self._slot_of: dict[int, int] = {}
         self._free = list(range(max_sequences))
-        self._input_len = torch.zeros(max_sequences, dtype=torch.long, device=self.device_obj)
+        # Per slot, on the host: a step's masks are built from them without reading the device.
+        self._input_len = [0] * max_sequences
         self._output_len = [0] * max_sequences
 
     @classmethod
@@ -396,8 +397,9 @@ class Seq2SeqBackend:
         slot_t = torch.tensor(slots, device=device)
         pos_t = torch.tensor(positions, device=device)
         self_len = max(positions) + 1
-        input_len = self._input_len[slot_t]
-        cross_len = int(max(self._input_len[s] for s in slots))
+        lengths = [self._input_len[s] for s in slots]
+        input_len = torch.tensor(lengths, device=device)
+        cross_len = max(lengths)
         low = torch.finfo(self.dtype).min
         self_mask = torch.where(
             torch.arange(self_len, device=device)[None] > pos_t[:, None], low, 0.0
