@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tgis.engine.backend import Backend, PackedItem, PagedBackend
 from tgis.engine.block_manager import BlockManager
@@ -32,6 +32,9 @@ from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
+
+if TYPE_CHECKING:
+    import torch
 
 # Steps failed in a row after which the engine reports itself unhealthy (/health is 503
 # until a step succeeds again: /health's own generation is one).
@@ -268,12 +271,20 @@ class Engine:
 
     def _run_step(self, step: Step | PackedStep) -> None:
         lives = [self._live[s.seq_id] for s in step.sequences]
-        method = step.kind.value
         joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
-        start = time.perf_counter()
         if isinstance(step, PackedStep):
-            self._run_packed_step(step, lives, joined, start)
-            return
+            self._run_packed_step(step, lives, joined)
+        else:
+            self._run_slot_step(step, lives, joined)
+
+    # A batched step that raises is run again one sequence at a time before anything fails: a
+    # row that poisons its batch (a bad input, a prefix, a sampling parameter) fails alone and
+    # its neighbours go on. The forward and the sampling are retried apart, because a slot
+    # backend's forward has already advanced its cache when the sampling fails.
+
+    def _run_slot_step(self, step: Step, lives: list[LiveSequence], joined: bool) -> None:
+        method = step.kind.value
+        start = time.perf_counter()
         try:
             if step.kind is StepKind.PREFILL:
                 for live in lives:
@@ -286,22 +297,25 @@ class Engine:
                 seq_ids = [lv.seq.seq_id for lv in lives]
                 logits = self.backend.decode(seq_ids, [lv.last_token for lv in lives])
                 prompt_logits, tokens = (), len(lives)
-            forward = time.perf_counter() - start
-            choice = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).choose(logits)
         except Exception as exc:
-            self._fail_step(method, lives, exc)
+            if not self._retry_alone(method, lives, exc):
+                return
+            for live in lives:
+                self._run_slot_step(Step(step.kind, (live.seq,)), [live], False)
             return
+        forward = time.perf_counter() - start
+        sampled, choice = self._choose(method, lives, logits)
         for i, live in enumerate(lives):
-            if prompt_logits and prompt_logits[i] is not None:
-                live.record_prefill(prompt_logits[i])
-        self._emit(lives, choice, method, tokens, start, forward, joined)
+            if prompt_logits and prompt_logits[i] is not None and live.seq.seq_id in self._live:
+                self._guarded(live, live.record_prefill, prompt_logits[i])
+        self._emit(sampled, choice, method, tokens, start, forward, joined, bool(sampled))
 
-    def _run_packed_step(
-        self, step: PackedStep, lives: list[LiveSequence], joined: bool, start: float
-    ) -> None:
+    def _run_packed_step(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
         """One packed forward; the chunks that end at their last known token sample."""
         assert isinstance(self.scheduler, PagedScheduler)
         backend: PagedBackend = self.backend  # type: ignore[assignment]
+        method = step.kind.value
+        start = time.perf_counter()
         now = time.monotonic()
         items = []
         for chunk, live in zip(step.chunks, lives, strict=True):
@@ -314,33 +328,105 @@ class Engine:
                     chunk.sample, wants, live.prefix_embeds(chunk.start, chunk.count),
                 )
             )  # fmt: skip
-        sampled = [live for live, chunk in zip(lives, step.chunks, strict=True) if chunk.sample]
         try:
             out = backend.forward(items)
-            forward = time.perf_counter() - start
-            for live, item, part in zip(lives, items, out.prompt, strict=True):
-                if part is not None:
-                    live.add_prompt_logits(item.start, part)
-            pending = SamplingBatch([lv.row for lv in sampled], self.eos_token_ids).launch(out.last)
-            self.scheduler.complete(step)  # host bookkeeping while the device samples
-            choice = pending.result()
-            for live in sampled:
-                live.record_prompt_parts()
         except Exception as exc:
-            self._fail_step(step.kind.value, lives, exc)
+            if not self._retry_alone(method, lives, exc):
+                return
+            for chunk, live in zip(step.chunks, lives, strict=True):
+                self._run_packed_step(PackedStep(step.kind, (chunk,)), [live], False)
             return
-        self._emit(sampled, choice, step.kind.value, step.tokens, start, forward, joined)
+        forward = time.perf_counter() - start
+        sampled = [live for live, chunk in zip(lives, step.chunks, strict=True) if chunk.sample]
+        wanted = bool(sampled)
+        # The step's K/V are in the cache whatever the sampling does: the scheduler's host
+        # bookkeeping runs while the device samples.
+        sampled, choice = self._choose(method, sampled, out.last, self._complete_once(step))
+        for live, item, part in zip(lives, items, out.prompt, strict=True):
+            if part is not None:
+                self._guarded(live, live.add_prompt_logits, item.start, part)
+        for live in sampled:
+            self._guarded(live, live.record_prompt_parts)
+        ok = bool(sampled) or not wanted
+        self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok)
+
+    def _complete_once(self, step: PackedStep) -> Callable[[], None]:
+        done = False
+
+        def complete() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                assert isinstance(self.scheduler, PagedScheduler)
+                self.scheduler.complete(step)
+
+        return complete
+
+    def _choose(
+        self,
+        method: str,
+        lives: list[LiveSequence],
+        logits: torch.Tensor,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> tuple[list[LiveSequence], SampleOutput]:
+        """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
+        sequences that got one, and their choice. `meanwhile` runs while the device samples
+        (and once in any case)."""
+        try:
+            pending = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).launch(logits)
+            if meanwhile is not None:
+                meanwhile()
+            return lives, pending.result()
+        except Exception as exc:
+            if meanwhile is not None:
+                meanwhile()
+            if not self._retry_alone(method, lives, exc):
+                return [], SampleOutput.concat([])
+        chosen, outputs = [], []
+        for i, live in enumerate(lives):
+            try:
+                row = SamplingBatch([live.row], self.eos_token_ids).choose(logits[i : i + 1])
+            except Exception as exc:
+                self._fail_step(method, [live], exc)
+                continue
+            chosen.append(live)
+            outputs.append(row)
+        return chosen, SampleOutput.concat(outputs)
+
+    def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:
+        """A step over `lives` raised `exc`: True when it is worth running each alone (there
+        are several); a single sequence's failure is its own."""
+        if len(lives) == 1:
+            self._fail_step(method, lives, exc)
+            return False
+        log.warning(
+            "%s step over %d sequences failed (%s: %s); running each alone",
+            method, len(lives), type(exc).__name__, exc,
+        )  # fmt: skip
+        return True
+
+    def _guarded(self, live: LiveSequence, work: Callable[..., Any], *args: Any) -> None:
+        """Per-request work after the step (prompt details): a failure ends that request."""
+        if live.seq.seq_id not in self._live:
+            return
+        try:
+            work(*args)
+        except Exception as exc:
+            log.exception("request %s failed after its step", live.handle.request.request_id)
+            self._abandon(live.handle, GenerationError(f"{type(exc).__name__}: {exc}"))
 
     def _fail_step(self, method: str, lives: list[LiveSequence], exc: Exception) -> None:
-        """The step's forward or sampling raised: its requests fail, the engine serves on."""
-        log.exception("%s step failed for %d sequences", method, len(lives))
+        """The step's forward or sampling raised for `lives` (alone, or the retry was not
+        possible): their requests fail, the engine serves on."""
+        log.exception("%s step failed for %d sequences", method, len(lives), exc_info=exc)
         self._failed_steps += 1
         if self.observer:
             self.observer.on_step_failure(method, "oom" if _is_oom(exc) else "error")
         error = GenerationError(f"{type(exc).__name__}: {exc}")
         for live in lives:
-            live.handle.post([error])
-            self._drop(live)
+            if live.seq.seq_id in self._live:
+                live.handle.post([error])
+                self._drop(live)
         self._report_state()
 
     def _emit(
@@ -352,8 +438,13 @@ class Engine:
         start: float,
         forward: float,
         joined: bool,
+        succeeded: bool = True,
     ) -> None:
-        """Turn each row's sampled token into an event, finish the completed, report."""
+        """Turn each row's sampled token into an event, finish the completed, report.
+        `succeeded`: some row of the step got its token (a success ends a run of failures)."""
+        if not succeeded:  # every row failed (and was answered): nothing to emit
+            self._report_state()
+            return
         self._failed_steps = 0
         touched: dict[int, RequestHandle] = {}
         now = time.monotonic()

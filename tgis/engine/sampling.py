@@ -226,6 +226,17 @@ class SampleOutput:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
+    @classmethod
+    def concat(cls, outputs: Sequence[SampleOutput]) -> SampleOutput:
+        """The rows of `outputs`, one after the other (choices made apart, emitted as one)."""
+        return cls(
+            [t for o in outputs for t in o.token_ids],
+            [lp for o in outputs for lp in o.logprobs],
+            [r for o in outputs for r in o.ranks],
+            [ids for o in outputs for ids in o.top_ids],
+            [lps for o in outputs for lps in o.top_logprobs],
+        )
+
 
 class SamplingBatch:
     """The sampling work of one step over `rows`, in the order of the logits' rows."""
