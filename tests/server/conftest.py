@@ -103,10 +103,14 @@ def client(app: Starlette) -> Iterator[TestClient]:
 
 @contextmanager
 def live_server(
-    app: Starlette, shutdown_grace_s: float = 5.0, companions: Sequence[Any] = ()
+    app: Starlette,
+    shutdown_grace_s: float = 5.0,
+    companions: Sequence[Any] = (),
+    **options: Any,
 ) -> Iterator[tuple[str, GracefulServer]]:
     """Serve `app` with tgis.server.serve on 127.0.0.1 (a free port) in a thread, with
-    `companions` (a gRPC server) started before and stopped with it."""
+    `companions` (a gRPC server) started before and stopped with it; `options` go to serve
+    (its timeouts)."""
     servers: list[GracefulServer] = []
     thread = threading.Thread(
         target=lambda: asyncio.run(
@@ -118,6 +122,7 @@ def live_server(
                 log_level="warning",
                 server_ready=servers.append,
                 companions=companions,
+                **options,
             )
         ),
         daemon=True,

@@ -268,6 +268,32 @@ MaxRequestBodyBytes = Annotated[
         "Largest request body the HTTP routes read; larger ones are refused with 413.",
     ),
 ]
+HeaderTimeoutS = Annotated[
+    float | None,
+    _opt(
+        "header_timeout_s",
+        SERVER,
+        "Seconds a request's headers may take to arrive; slower clients get 408 and are "
+        "disconnected.",
+    ),
+]
+BodyTimeoutS = Annotated[
+    float | None,
+    _opt(
+        "body_timeout_s",
+        SERVER,
+        "Seconds a request's body may take to arrive after its headers; slower clients get "
+        "408 and are disconnected.",
+    ),
+]
+KeepAliveTimeoutS = Annotated[
+    float | None,
+    _opt(
+        "keep_alive_timeout_s",
+        SERVER,
+        "Seconds an idle keep-alive connection stays open between requests.",
+    ),
+]
 PrefixStorePath = Annotated[
     str | None,
     _opt(
@@ -336,6 +362,9 @@ OPTIONS: dict[str, Any] = {
     "default_include_stop_seqs": DefaultIncludeStopSeqs,
     "prefix_store_path": PrefixStorePath,
     "max_request_body_bytes": MaxRequestBodyBytes,
+    "header_timeout_s": HeaderTimeoutS,
+    "body_timeout_s": BodyTimeoutS,
+    "keep_alive_timeout_s": KeepAliveTimeoutS,
     "model_name": ModelName,
     "max_sequence_length": MaxSequenceLength,
     "dtype_str": DtypeStr,

@@ -7,6 +7,7 @@ tgis.config.static (tpu, neuron) and tgis.config.gaudi.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,13 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
             f"{r.label('waiting_served_ratio', values['waiting_served_ratio'])} must be > 0",
             "use a ratio such as 0.3 (TGI's default) or 1.2",
         )
+    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        seconds = values[name]
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(
+                f"{r.label(name, seconds)} must be a positive number of seconds",
+                f"set {flag(name)} to seconds such as {DEFAULTS[name]:g} (the default)",
+            )
 
 
 def derive_dynamic_defaults(

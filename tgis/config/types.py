@@ -50,6 +50,9 @@ class LauncherArgs:
     cuda_memory_fraction: float | None = None
     prefix_store_path: str | None = None
     max_request_body_bytes: int | None = None
+    header_timeout_s: float | None = None
+    body_timeout_s: float | None = None
+    keep_alive_timeout_s: float | None = None
     # Tensor parallelism's rendezvous (torch.distributed), as TGI and TGIS name it.
     master_addr: str | None = None
     master_port: int | None = None
@@ -223,6 +226,11 @@ class ServeConfig:
     prefix_store_path: str | None = None
     # The largest request body the HTTP routes read (TGI's payload limit); larger is a 413.
     max_request_body_bytes: int = 2_000_000
+    # Slow clients (tgis.server.timeouts): seconds a request's headers may take to arrive, then
+    # its body; and how long a keep-alive connection may stay idle between requests.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_timeout_s: float = 5.0
     # Where the shards of --num-shard > 1 meet (torch.distributed's TCP rendezvous).
     master_addr: str = "127.0.0.1"
     master_port: int = 29500

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tgis.config.types import TlsFiles
 from tgis.server.http_errors import SHUTTING_DOWN, openai_body, tgi_body
+from tgis.server.timeouts import timed_h11_protocol
 
 logger = logging.getLogger("tgis.server")
 
@@ -213,13 +214,19 @@ async def serve(
     server_ready: Callable[[GracefulServer], None] | None = None,
     tls: TlsFiles | None = None,
     companions: Sequence[Companion] = (),
+    header_timeout_s: float = 10.0,
+    body_timeout_s: float = 60.0,
+    keep_alive_timeout_s: float = 5.0,
 ) -> None:
     """Serve `app` with uvicorn until SIGTERM/SIGINT, then shut down gracefully.
 
     `tls`: HTTPS, and with a client CA, mutual TLS (clients without a certificate it signed
     are refused at the handshake). `companions` start before HTTP listens and stop while it
     drains. `server_ready(server)` is called with the server before it starts (tests use it
-    to call `server.request_shutdown()` from another thread).
+    to call `server.request_shutdown()` from another thread). A client gets
+    `header_timeout_s` to send a request's headers and `body_timeout_s` more for its body
+    (tgis.server.timeouts); an idle keep-alive connection is closed after
+    `keep_alive_timeout_s`.
     """
     ssl: dict[str, Any] = {}
     if tls is not None:
@@ -231,6 +238,9 @@ async def serve(
         host=host,
         port=port,
         log_level=log_level,
+        http=timed_h11_protocol(header_timeout_s, body_timeout_s),
+        # uvicorn takes any number of seconds here (it hands them to loop.call_later).
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]
         # The drain already waited for requests; this only bounds closing idle connections.
         timeout_graceful_shutdown=5,
         **ssl,
