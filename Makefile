@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: install serve test test-xla lint format bench bench-gpu demo-model clean grpc-stubs
+.PHONY: install serve test test-xla lint format bench bench-gpu soak demo-model clean grpc-stubs
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench: install .venv-peer/.installed
 	$(VENV)/bin/tgis benchmark --engine --model-id $(or $(BENCH_DIR),/tmp/tgis-bench)/smollm2-135m-random \
 		--batch-sizes 1,4,16,32 --prompt-tokens 100 --decode-tokens 16 --runs 3 \
 		--output bench-engine.json --plot bench-engine.png
+
+# Two minutes of `tgis serve` at 2x its request limit: none lost or hung, the excess answered 429.
+soak: install
+	$(PY) scripts/soak.py --output soak-results.json
 
 # On a CUDA machine: Llama-3.2-1B- and Llama-3.1-8B-shaped random models served in bf16 at 1, 16
 # and 64 streams, with CUDA graphs and eager; the table goes to docs/performance.md.
