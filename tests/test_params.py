@@ -222,9 +222,12 @@ def test_length_penalty_is_checked() -> None:
         (P(top_p=1e-300), "`top_p` must be at least 0.0001"),
         (P(typical_p=1e-300), "`typical_p` must be at least 0.0001"),
         (P(repetition_penalty=1e-300), "`repetition_penalty` must be at least 0.0001"),
+        (P(temperature=1e300), "`temperature` must be at most 10000"),
+        (P(repetition_penalty=1e5), "`repetition_penalty` must be at most 10000"),
     ],
 )
 def test_values_that_would_overflow_are_refused(params: GenerateParameters, message: str) -> None:
     """Each once stopped the engine or turned scores into NaN (a time limit of 1e320 ms
-    overflowed a division at admission; 1e-300 is 0 in float32)."""
+    overflowed a division at admission; 1e-300 is 0 in float32; 1 / 1e300 is 0 in float32,
+    and the EOS mask of min_new_tokens times it NaN)."""
     assert error(params).startswith(message)

@@ -128,11 +128,22 @@ MIN_POSITIVE = 1e-4
 MAX_TIME_LIMIT_MS = 2**31 - 1
 
 
+# The largest temperature or repetition penalty: beyond it the distribution is already uniform
+# (or the penalty already past any logit's range), and 1 / value leaves float32's normal range
+# on the way to inf * 0 = NaN scores.
+MAX_FACTOR = 1e4
+
+
 def _check_small(name: str, value: float | None) -> None:
     if value is not None and value < MIN_POSITIVE:
         raise _fail(
             f"`{name}` must be at least {MIN_POSITIVE} (smaller values overflow the "
             f"computation). Given: {value}"
+        )
+    if value is not None and name in ("temperature", "repetition_penalty") and value > MAX_FACTOR:
+        raise _fail(
+            f"`{name}` must be at most {MAX_FACTOR:g} (larger values change nothing but "
+            f"overflow the computation). Given: {value}"
         )
 
 

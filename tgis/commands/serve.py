@@ -69,7 +69,8 @@ def command(
         info = service_info(service)
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins,
-                         prefixes=service.prefixes)  # fmt: skip
+                         prefixes=service.prefixes,
+                         prompt_logprobs=service.backend.capacity.prompt_logprobs)  # fmt: skip
         scheme = "https" if config.tls else "http"
         console.print(
             f"[green]Serving[/] {config.model_id} on {scheme}://{config.hostname}:{config.port}"
@@ -90,6 +91,9 @@ def command(
                 shutdown_grace_s=shutdown_grace,
                 tls=config.tls,
                 companions=companions,
+                header_timeout_s=config.header_timeout_s,
+                body_timeout_s=config.body_timeout_s,
+                keep_alive_timeout_s=config.keep_alive_timeout_s,
             )
 
         asyncio.run(run())

@@ -16,6 +16,23 @@ if TYPE_CHECKING:
     import torch
 
 
+def prompt_logprobs_refusal(backend: str, encoder_decoder: bool, available: bool) -> str | None:
+    """Why a request cannot have prompt logprobs (`decoder_input_details`) here, or None."""
+    if encoder_decoder:
+        return (
+            "input token details (`decoder_input_details`, TGIS's input_tokens with "
+            "logprobs, ranks or top tokens) are not available for encoder-decoder "
+            "models: the input is encoded, not predicted. Ask without them"
+        )
+    if not available:
+        return (
+            f"`decoder_input_details` (prompt logprobs) is not available on the "
+            f"{backend} backend: its compiled model returns the last "
+            "position's logits only. Ask without it (OpenAI: no `echo` with `logprobs`)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class BackendCapacity:
     """What the loaded backend can hold at once, measured or configured at load time."""

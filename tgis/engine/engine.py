@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tgis.engine.backend import Backend, PackedItem, PagedBackend
+from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
 from tgis.engine.live import LiveSequence, RequestHandle
@@ -144,18 +144,12 @@ class Engine:
                     f"{self.backend.name} backend: its compiled model takes token ids only. "
                     "Serve the model on the cpu or cuda backend to use them"
                 )
-            if params.decoder_input_details and self.backend.capacity.encoder_decoder:
-                raise InputValidationError(
-                    "input token details (`decoder_input_details`, TGIS's input_tokens with "
-                    "logprobs, ranks or top tokens) are not available for encoder-decoder "
-                    "models: the input is encoded, not predicted. Ask without them"
-                )
-            if params.decoder_input_details and not self.backend.capacity.prompt_logprobs:
-                raise InputValidationError(
-                    f"`decoder_input_details` (prompt logprobs) is not available on the "
-                    f"{self.backend.name} backend: its compiled model returns the last "
-                    "position's logits only. Ask without it (OpenAI: no `echo` with `logprobs`)"
-                )
+            capacity = self.backend.capacity
+            refusal = prompt_logprobs_refusal(
+                self.backend.name, capacity.encoder_decoder, capacity.prompt_logprobs
+            )
+            if params.decoder_input_details and refusal is not None:
+                raise InputValidationError(refusal)
             handle = RequestHandle(request, asyncio.get_running_loop(), params.best_of or 1)
             self._inbox.put(("add", handle))
             try:

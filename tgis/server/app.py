@@ -22,16 +22,19 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tgis.config import ServeConfig
+from tgis.engine.backend import prompt_logprobs_refusal
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
 from tgis.server import openai_routes, tgi_routes
+from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
 from tgis.server.http_errors import UNAUTHORIZED, ApiError, classify, error_response, tgi_body
 from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
 from tgis.server.metrics import Metrics
-from tgis.server.openapi import docs, openapi_json
+from tgis.server.openapi import docs, docs_asset, openapi_json
+from tgis.server.openapi_schemas import RequestSchemas
 from tgis.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -99,6 +102,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     prefixes: PrefixStore | None = None,
+    prompt_logprobs: bool = True,
 ) -> Starlette:
     """The HTTP server of one model.
 
@@ -107,7 +111,8 @@ def create_app(
     `model_info` is what /info and /v1/models report. Pass `metrics` to share it with the
     engine as its EngineObserver (one is made otherwise: `app.state.tgis.metrics`).
     `api_key` guards the generation routes; `cors_origins` enables CORS for those origins;
-    `prefixes` serves tuned prompt prefixes (`prefix_id`).
+    `prefixes` serves tuned prompt prefixes (`prefix_id`); `prompt_logprobs`: the backend
+    returns prompt logprobs (the API's schema allows `decoder_input_details` only then).
     """
     if metrics is None:
         metrics = Metrics(
@@ -115,7 +120,17 @@ def create_app(
             max_batch_size=config.max_batch_size or config.max_concurrent_requests,
         )
     lifecycle = Lifecycle()
-    pipeline = Pipeline(engine, tokenizer, RequestLimits.from_config(config), metrics, prefixes)
+    limits = RequestLimits.from_config(config)
+    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes)
+    schemas = RequestSchemas(
+        limits,
+        max_client_batch_size=model_info.max_client_batch_size,
+        vocab_size=len(tokenizer),
+        prefixes=prefixes is not None,
+        no_prompt_logprobs=prompt_logprobs_refusal(
+            model_info.backend, model_info.model_kind != "decoder_only", prompt_logprobs
+        ),
+    )
     middleware = []
     if cors_origins:
         middleware.append(
@@ -134,6 +149,7 @@ def create_app(
         *openai_routes.ROUTES,
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/docs", docs, methods=["GET"]),
+        Route("/docs/assets/{name}", docs_asset, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -148,5 +164,6 @@ def create_app(
         metrics=metrics,
         pipeline=pipeline,
         lifecycle=lifecycle,
+        contract=RequestContract(schemas),
     )
     return app

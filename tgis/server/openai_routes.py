@@ -57,7 +57,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
         parse = parse_chat_request if chat else parse_completion_request
-        req = parse(body, state.info)
+        req = parse(body, state.info, state.pipeline.limits.max_new_tokens)
     except ApiError as error:
         state.metrics.request_received("single")
         state.metrics.request_failed(error.error_type)
@@ -85,6 +85,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
                     prefix_id=req.prefix_id,
                 )
             )
+        state.contract.check("ChatRequest" if chat else "CompletionRequest", body)
         streams = await unless_disconnected(
             request.receive, lambda: _start_all(state.pipeline, prepared)
         )

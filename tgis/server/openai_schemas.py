@@ -95,16 +95,21 @@ def _params(values: dict[str, Any]) -> GenerateParameters:
     return GenerateParameters(**fields)
 
 
-def parse_completion_request(body: Any, info: ModelInfo) -> OpenAIRequest:
-    """POST /v1/completions."""
+def parse_completion_request(
+    body: Any, info: ModelInfo, max_new_tokens: int | None = None
+) -> OpenAIRequest:
+    """POST /v1/completions. `max_new_tokens`: the server's --max-new-tokens, which caps the
+    default of `max_tokens` too."""
     f = Fields(body)
     prompts = _prompts(f, info)
     if f.has("suffix"):
         raise invalid("`suffix` is not supported and can be achieved by preprocessing the prompt")
     max_tokens = f.integer("max_tokens", unsigned=True)
-    values = _sampling(
-        f, info, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    )
+    if max_tokens is None:
+        max_tokens = min(
+            COMPLETIONS_DEFAULT_MAX_TOKENS, max_new_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+    values = _sampling(f, info, max_tokens)
     stream, include_usage = _stream_options(f)
     logprobs = f.integer("logprobs", unsigned=True)
     if logprobs is not None and logprobs > info.max_top_n_tokens:
@@ -141,13 +146,13 @@ def _prompts(f: Fields, info: ModelInfo) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         prompts: tuple[str | tuple[int, ...], ...] = tuple(value)
     elif isinstance(value, list) and value and all(_is_ids(v) for v in value):
-        prompts = (tuple(value),)
+        prompts = (tuple(int(v) for v in value),)
     elif (
         isinstance(value, list)
         and value
         and all(isinstance(v, list) and v and _all_ids(v) for v in value)
     ):
-        prompts = tuple(tuple(v) for v in value)
+        prompts = tuple(tuple(int(i) for i in v) for v in value)
     elif value is None:
         raise invalid("missing field `prompt`")
     else:
@@ -160,6 +165,9 @@ def _prompts(f: Fields, info: ModelInfo) -> tuple[str | tuple[int, ...], ...]:
 
 
 def _is_ids(value: Any) -> bool:
+    """A token id: a non-negative integer (JSON's 7.0 is 7, as for every integer field)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -167,8 +175,11 @@ def _all_ids(values: list[Any]) -> bool:
     return all(_is_ids(v) for v in values)
 
 
-def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
-    """POST /v1/chat/completions."""
+def parse_chat_request(
+    body: Any, info: ModelInfo, max_new_tokens: int | None = None
+) -> OpenAIRequest:
+    """POST /v1/chat/completions (`max_tokens` defaults to what fits, within
+    `max_new_tokens`)."""
     f = Fields(body)
     messages = _messages(f)
     if f.has("tools") and f.data["tools"] != []:

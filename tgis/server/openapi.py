@@ -1,17 +1,27 @@
 """The OpenAPI 3 document of the server (`/openapi.json`) and its Swagger UI page (`/docs`).
 
-Hand-written, so the schema states TGI's field rules (nullable, absent-when-empty) exactly.
+OpenAPI 3.1: the request schemas are the server's own (`tgis.server.openapi_schemas`, built from
+its limits; `tgis.server.contract` holds every request body to them); the paths and the
+response schemas are written here. Swagger UI's own files come from the installed
+openapi-ui-bundles package (`/docs/assets/...`), so the page needs no network beyond this server.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from openapi_ui_bundles import __version__ as _BUNDLE_VERSION
+from openapi_ui_bundles.swagger_ui import static_path as _SWAGGER_UI_DIR
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from tgis import __version__
-from tgis.server.openapi_schemas import OPENAI_SCHEMAS, TGI_SCHEMAS, ref
+from tgis.server.openapi_schemas import ref
+from tgis.server.state import get_state
+
+if TYPE_CHECKING:
+    from tgis.server.contract import RequestContract
 
 _JSON = "application/json"
 _SSE = "text/event-stream"
@@ -30,6 +40,21 @@ _ERRORS = {
 
 def _content(schema: dict[str, Any], media: str = _JSON) -> dict[str, Any]:
     return {media: {"schema": schema}}
+
+
+def _events(schema: dict[str, Any], error: str, done: bool = False) -> dict[str, Any]:
+    """Server-sent events whose `data` is `schema` as JSON (or `error`'s, for a failure in
+    the stream; OpenAI's streams end with `data: [DONE]`). Before OpenAPI 3.2 a stream's
+    schema describes one event."""
+    data: dict[str, Any] = {
+        "type": "string",
+        "contentMediaType": _JSON,
+        "contentSchema": {"anyOf": [schema, ref(error)]},
+    }
+    if done:
+        data = {"anyOf": [{"const": "[DONE]"}, data]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {_SSE: {"schema": event}}
 
 
 def _errors(openai: bool = False) -> dict[str, Any]:
@@ -66,15 +91,15 @@ def _paths() -> dict[str, Any]:
         "/": _post(
             "Generate; `stream` chooses JSON (a one-element list) or server-sent events",
             "CompatGenerateRequest",
-            {**_content({"type": "array", "items": gen}), **_content(stream, _SSE)},
+            {**_content({"type": "array", "items": gen}), **_events(stream, "ErrorResponse")},
             TGI_TAG,
         )
         | _get("Health check (as /health)", {}, TGI_TAG, **unhealthy),
         "/generate": _post("Generate text", "GenerateRequest", _content(gen), TGI_TAG),
         "/generate_stream": _post(
             "Generate a stream of tokens (server-sent events, one StreamResponse each)",
-            "GenerateRequest",
-            _content(stream, _SSE),
+            "GenerateStreamRequest",
+            _events(stream, "ErrorResponse"),
             TGI_TAG,
         ),
         "/tokenize": _post(
@@ -86,27 +111,31 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _post(
             "OpenAI completions",
             "CompletionRequest",
-            {**_content(ref("Completion")), **_content(ref("Completion"), _SSE)},
+            {**_content(ref("Completion")), **_events(ref("Completion"), "OpenAIError", True)},
             OPENAI_TAG,
             openai=True,
         ),
         "/v1/chat/completions": _post(
             "OpenAI chat completions (the model's chat template)",
             "ChatRequest",
-            {**_content(ref("ChatCompletion")), **_content(ref("ChatCompletionChunk"), _SSE)},
+            {
+                **_content(ref("ChatCompletion")),
+                **_events(ref("ChatCompletionChunk"), "OpenAIError", True),
+            },
             OPENAI_TAG,
             openai=True,
         ),
         "/v1/models": _get("The served model", _content(ref("ModelList")), OPENAI_TAG),
         "/openapi.json": _get("This document", _content({"type": "object"}), "Documentation"),
         "/docs": _get("Swagger UI", _content({"type": "string"}, "text/html"), "Documentation"),
+        "/docs/assets/{name}": _asset_path(),
     }
 
 
-def openapi_document() -> dict[str, Any]:
-    """The whole OpenAPI document."""
+def openapi_document(contract: RequestContract) -> dict[str, Any]:
+    """The whole OpenAPI document of a server, whose request schemas are `contract`'s."""
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {
             "title": "tgis: Text Generation Inference",
             "version": __version__,
@@ -118,29 +147,72 @@ def openapi_document() -> dict[str, Any]:
         ],
         "paths": _paths(),
         "components": {
-            "schemas": {**TGI_SCHEMAS, **OPENAI_SCHEMAS},
+            "schemas": contract.components,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
 
 
-_DOCS_HTML = """<!doctype html>
+# The files of Swagger UI that /docs loads, by name, with their media types: nothing else in the
+# package's directory is served. Their URLs carry the package's version, so a browser may keep
+# them for a year and still gets new files after an upgrade.
+SWAGGER_UI_ASSETS = {
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "favicon-32x32.png": "image/png",
+    "favicon-16x16.png": "image/png",
+}
+_ASSET_CACHE = "public, max-age=31536000, immutable"
+
+
+def _asset(name: str) -> str:
+    """The URL of a Swagger UI file, relative to /docs (so that it works under a path prefix)."""
+    return f"docs/assets/{name}?v={_BUNDLE_VERSION}"
+
+
+def _asset_path() -> dict[str, Any]:
+    """The operation of /docs/assets/{name}: one of SWAGGER_UI_ASSETS."""
+    ok: dict[str, Any] = {}
+    for media in SWAGGER_UI_ASSETS.values():
+        bare = media.split(";")[0]
+        ok[bare] = {"schema": {"type": "string"}} if bare.startswith("text/") else {}
+    missing = {
+        "404": {
+            "description": "Not one of Swagger UI's files",
+            "content": _content(ref("ErrorResponse")),
+        }
+    }
+    path = _get("Swagger UI's files (the /docs page loads them)", ok, "Documentation", **missing)
+    path["get"]["parameters"] = [
+        {
+            "name": "name",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "enum": list(SWAGGER_UI_ASSETS)},
+        }
+    ]
+    return path
+
+
+_DOCS_HTML = f"""<!doctype html>
 <html lang="en">
 <head>
   <meta charset="utf-8">
   <title>tgis API</title>
-  <link rel="stylesheet" href="https://unpkg.com/swagger-ui-dist@5/swagger-ui.css">
+  <link rel="stylesheet" href="{_asset("swagger-ui.css")}">
+  <link rel="icon" type="image/png" sizes="32x32" href="{_asset("favicon-32x32.png")}">
+  <link rel="icon" type="image/png" sizes="16x16" href="{_asset("favicon-16x16.png")}">
 </head>
 <body>
   <div id="swagger-ui">
     <noscript>The interactive page needs JavaScript; the schema is at
     <a href="openapi.json">openapi.json</a>.</noscript>
   </div>
-  <script src="https://unpkg.com/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+  <script src="{_asset("swagger-ui-bundle.js")}"></script>
   <script>
-    window.onload = () => {
-      window.ui = SwaggerUIBundle({ url: "openapi.json", dom_id: "#swagger-ui" });
-    };
+    window.onload = () => {{
+      window.ui = SwaggerUIBundle({{ url: "openapi.json", dom_id: "#swagger-ui" }});
+    }};
   </script>
 </body>
 </html>
@@ -149,9 +221,21 @@ _DOCS_HTML = """<!doctype html>
 
 async def openapi_json(request: Request) -> Response:
     """GET /openapi.json."""
-    return JSONResponse(openapi_document())
+    return JSONResponse(openapi_document(get_state(request).contract))
 
 
 async def docs(request: Request) -> Response:
-    """GET /docs: Swagger UI (its assets come from a CDN) over /openapi.json."""
+    """GET /docs: Swagger UI over /openapi.json; its files come from this server."""
     return HTMLResponse(_DOCS_HTML)
+
+
+async def docs_asset(request: Request) -> Response:
+    """GET /docs/assets/{name}: one of Swagger UI's files, from the installed
+    openapi-ui-bundles package; a name not in SWAGGER_UI_ASSETS is a 404."""
+    name: str = request.path_params["name"]
+    media_type = SWAGGER_UI_ASSETS.get(name)
+    if media_type is None:
+        raise HTTPException(404, f"{name!r} is not one of Swagger UI's files")
+    return FileResponse(
+        _SWAGGER_UI_DIR / name, media_type=media_type, headers={"cache-control": _ASSET_CACHE}
+    )

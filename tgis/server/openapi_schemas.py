@@ -1,144 +1,416 @@
-"""OpenAPI component schemas: TGI's (router/src/lib.rs) and the OpenAI subset served here."""
+"""The API's JSON Schemas (OpenAPI 3.1, JSON Schema 2020-12): TGI's (router/src/lib.rs) and the
+OpenAI subset served here.
+
+The request schemas are the server's contract, built from its limits (`RequestSchemas`): they go
+into /openapi.json and `tgis.server.contract` checks every request body against the same
+objects, so the document never allows what the server refuses to check. What a schema cannot
+state is a rule over token counts (the prompt's tokens and `max_new_tokens` within
+`max_total_tokens`, `min_new_tokens` within `max_new_tokens`): those stay tgis.params's.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from tgis.params import MAX_FACTOR, MAX_SEED, MAX_TIME_LIMIT_MS, MIN_POSITIVE, RequestLimits
+from tgis.server.generation import CHARS_PER_TOKEN
+
+# The widest integer a field takes where no other limit applies (a signed 64-bit value).
+MAX_INT = 2**63 - 1
 
 
 def ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _obj(required: list[str], **props: Any) -> dict[str, Any]:
-    """An object schema (OpenAPI 3.0 wants `required` non-empty, or absent)."""
+def obj(required: list[str], **props: Any) -> dict[str, Any]:
+    """An object schema with `props` (other properties are allowed: clients send extras)."""
     schema: dict[str, Any] = {"type": "object", "properties": props}
     if required:
         schema["required"] = required
     return schema
 
 
-def _null(schema: dict[str, Any]) -> dict[str, Any]:
-    return {**schema, "nullable": True}
+def null(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` or null (null reads as "not given")."""
+    kind = schema.get("type")
+    if isinstance(kind, str) and "enum" not in schema and "const" not in schema:
+        return {**schema, "type": [kind, "null"]}
+    if "const" in schema and len(schema) == 1 + ("x-rule" in schema) + ("description" in schema):
+        rest = {k: v for k, v in schema.items() if k != "const"}
+        return {**rest, "enum": [schema["const"], None]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def array(items: dict[str, Any], **bounds: Any) -> dict[str, Any]:
+    return {"type": "array", "items": items, **bounds}
+
+
+def integer(minimum: int = 0, maximum: int = MAX_INT, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "minimum": minimum, "maximum": maximum, **extra}
 
 
 STR: dict[str, Any] = {"type": "string"}
-INT: dict[str, Any] = {"type": "integer", "minimum": 0}
 NUM: dict[str, Any] = {"type": "number"}
 BOOL: dict[str, Any] = {"type": "boolean"}
-
-
-def _array(items: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "array", "items": items}
-
-
+NULL: dict[str, Any] = {"type": "null"}
+INT = integer()
 FINISH_REASON = {"type": "string", "enum": ["length", "eos_token", "stop_sequence", "time_limit"]}
+# Positive floats that stay non-zero in a float32 computation (tgis.params.MIN_POSITIVE).
+POSITIVE: dict[str, Any] = {"type": "number", "minimum": MIN_POSITIVE}
+# A temperature or a repetition penalty (tgis.params.MAX_FACTOR).
+FACTOR: dict[str, Any] = {**POSITIVE, "maximum": MAX_FACTOR}
+# Strictly between 0 and 1, and usable in float32.
+FRACTION: dict[str, Any] = {"type": "number", "minimum": MIN_POSITIVE, "exclusiveMaximum": 1}
+PENALTY: dict[str, Any] = {"type": "number", "minimum": -2.0, "maximum": 2.0}
+SEED = integer(0, MAX_SEED)
 
+_STREAMED = "a streamed request takes neither `best_of` > 1 nor `decoder_input_details`"
 _PREFIX_ID = (
     "TGIS: a tuned prompt prefix of the server's --prefix-store-path, whose virtual tokens go "
     "before the input (and count toward the token limits)"
 )
-_BELOW_ONE: dict[str, Any] = {"maximum": 1, "exclusiveMaximum": True}
-_PARAMETERS = _obj(
-    [],
-    do_sample={**BOOL, "default": False},
-    # OpenAPI 3.0's bounds (a boolean exclusiveMinimum beside minimum), as the server checks
-    # them: tgis.params (0.0001 is the least a float32 computation keeps usable).
-    temperature=_null({**NUM, "minimum": 0.0001, "example": 0.5}),
-    top_k=_null({"type": "integer", "minimum": 1, "example": 10}),
-    top_p=_null({**NUM, "minimum": 0.0001, **_BELOW_ONE, "example": 0.95}),
-    typical_p=_null({**NUM, "minimum": 0.0001, **_BELOW_ONE}),
-    repetition_penalty=_null({**NUM, "minimum": 0.0001, "example": 1.03}),
-    frequency_penalty=_null(NUM),
-    presence_penalty=_null(NUM),
-    seed=_null(INT),
-    max_new_tokens=_null({**INT, "example": 20}),
-    min_new_tokens={**INT, "default": 0, "description": "TGIS: generate at least this many"},
-    stop={**_array(STR), "example": ["photographer"]},
-    include_stop_sequence={**BOOL, "default": True, "description": "TGIS: keep the stop text"},
-    ignore_eos={**BOOL, "default": False},
-    time_limit_ms=_null(
-        {
-            **INT,
-            "minimum": 1,
-            "maximum": 2147483647,
-            "description": "TGIS: stop this long after arrival (time_limit)",
-        }
-    ),
-    length_penalty=_null(
-        {
-            **_obj(["start_index", "decay_factor"], start_index=INT, decay_factor=NUM),
-            "description": "TGIS: after start_index new tokens, EOS logits grow by "
-            "|logit| * (decay_factor ^ (generated - start_index) - 1)",
-        }
-    ),
-    truncate=_null({**INT, "description": "keep only the last N prompt tokens"}),
-    return_full_text=_null({**BOOL, "description": "prepend the prompt to generated_text"}),
-    details={**BOOL, "default": False},
-    decoder_input_details={**BOOL, "default": False},
-    top_n_tokens=_null({**INT, "example": 5}),
-    best_of=_null({**INT, "example": 2}),
-    skip_special_tokens={**BOOL, "default": True},
-    prefix_id=_null({**STR, "description": _PREFIX_ID}),
-    watermark={**BOOL, "default": False, "description": "not supported: must be false"},
-)
 
-_TOKEN = _obj(
-    ["id", "text", "logprob", "special"], id=INT, text=STR, logprob=_null(NUM), special=BOOL
+
+def _given(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The object has `name`, not null (and matching `schema`)."""
+    return {"required": [name], "properties": {name: schema or {"not": NULL}}}
+
+
+def _when(condition: dict[str, Any], then: dict[str, Any], rule: str) -> dict[str, Any]:
+    """`then` applies when `condition` holds; `rule` says so in words (`x-rule`: the message a
+    request that breaks it gets, wherever in `then` it fails)."""
+    return {"if": condition, "then": _ruled(then, rule)}
+
+
+def _ruled(schema: dict[str, Any], rule: str) -> dict[str, Any]:
+    """`schema` and each subschema under it carry `rule` as their x-rule."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if isinstance(value, dict):
+            value = (
+                _ruled(value, rule)
+                if key != "properties"
+                else {name: _ruled(sub, rule) for name, sub in value.items()}
+            )
+        elif isinstance(value, list):
+            value = [_ruled(v, rule) if isinstance(v, dict) else v for v in value]
+        out[key] = value
+    return {**out, "x-rule": rule}
+
+
+@dataclass(frozen=True)
+class RequestSchemas:
+    """The request bodies this server takes, from its limits and its model."""
+
+    limits: RequestLimits
+    max_client_batch_size: int
+    vocab_size: int
+    prefixes: bool  # a prompt prefix store is configured
+    # Why the server cannot return prompt logprobs (`decoder_input_details`), or None: it can.
+    no_prompt_logprobs: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most new tokens any request can get: --max-new-tokens, and the context less
+        one prompt token."""
+        room = self.limits.max_total_tokens - 1
+        cap = self.limits.max_new_tokens
+        return room if cap is None else min(cap, room)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return CHARS_PER_TOKEN * self.limits.max_total_tokens
+
+    def _prompt_text(self) -> dict[str, Any]:
+        return {**STR, "minLength": 1, "maxLength": self.max_prompt_chars}
+
+    def _prefix_id(self) -> dict[str, Any]:
+        if self.prefixes:
+            return null({**STR, "pattern": r"^[\w\-/]+$", "description": _PREFIX_ID})
+        return {**NULL, "description": _PREFIX_ID + " (this server has none)"}
+
+    def parameters(self) -> dict[str, Any]:
+        """TGI's `parameters` object, and the rules between its fields."""
+        lim = self.limits
+        new_tokens = integer(1, self.max_new_tokens)
+        schema = obj(
+            [],
+            do_sample=null({**BOOL, "default": False}),
+            temperature=null({**FACTOR, "example": 0.5}),
+            top_k=null(integer(1, MAX_INT, example=10)),
+            top_p=null({**FRACTION, "example": 0.95}),
+            typical_p=null(FRACTION),
+            repetition_penalty=null({**FACTOR, "example": 1.03}),
+            frequency_penalty=null(PENALTY),
+            presence_penalty=null(PENALTY),
+            seed=null(SEED),
+            max_new_tokens=null({**new_tokens, "example": 20}),
+            min_new_tokens=null(
+                integer(0, self.max_new_tokens, description="TGIS: at least this many")
+            ),
+            stop=null(array(STR, maxItems=lim.max_stop_sequences, example=["photographer"])),
+            include_stop_sequence=null({**BOOL, "description": "TGIS: keep the stop text"}),
+            ignore_eos=null(BOOL),
+            time_limit_ms=null(
+                integer(1, MAX_TIME_LIMIT_MS, description="TGIS: stop this long after arrival")
+            ),
+            length_penalty=null(
+                {
+                    **obj(
+                        ["start_index", "decay_factor"],
+                        start_index=INT,
+                        decay_factor={**NUM, "minimum": 1.0, "maximum": 10.0},
+                    ),
+                    "description": "TGIS: after start_index new tokens, EOS logits grow by "
+                    "|logit| * (decay_factor ^ (generated - start_index) - 1)",
+                }
+            ),
+            truncate=null(
+                integer(1, lim.max_input_tokens, description="keep the last N prompt tokens")
+            ),
+            return_full_text=null({**BOOL, "description": "prepend the prompt"}),
+            details=null(BOOL),
+            decoder_input_details=null(
+                BOOL
+                if self.no_prompt_logprobs is None
+                else {"const": False, "x-rule": self.no_prompt_logprobs}
+            ),
+            top_n_tokens=null(integer(0, lim.max_top_n_tokens, example=5)),
+            best_of=null(integer(1, lim.max_best_of, example=2)),
+            skip_special_tokens=null(BOOL),
+            prefix_id=self._prefix_id(),
+            watermark=null({"const": False, "description": "not supported"}),
+            grammar=null({"const": "", "description": "not supported"}),
+            adapter_id=null({"const": "", "description": "not supported"}),
+        )
+        several = _given("best_of", {"type": "integer", "minimum": 2})
+        schema["allOf"] = [
+            # best_of > 1 samples (do_sample, or any warper given) and takes no seed.
+            _when(
+                several,
+                {
+                    "anyOf": [
+                        _given("do_sample", {"const": True}),
+                        _given("temperature"),
+                        _given("top_k"),
+                        _given("top_p"),
+                        _given("typical_p"),
+                    ],
+                    "properties": {"seed": NULL},
+                },
+                "`best_of` > 1 needs sampling (`do_sample` or a warper such as `temperature`) "
+                "and no `seed`",
+            )
+        ]
+        return schema
+
+    def streamed_parameters(self) -> dict[str, Any]:
+        """`parameters` of a streamed request: one sequence, no prompt details."""
+        properties = {
+            "best_of": null({"const": 1}),
+            "decoder_input_details": null({"const": False}),
+        }
+        return _ruled({"properties": properties}, _STREAMED)
+
+    def tgi(self) -> dict[str, Any]:
+        inputs = {**self._prompt_text(), "example": "My name is Olivier and INT"}
+        params = null(ref("GenerateParameters"))
+        streamed = {"allOf": [ref("GenerateParameters"), self.streamed_parameters()]}
+        return {
+            "GenerateParameters": self.parameters(),
+            "GenerateRequest": obj(["inputs"], inputs=inputs, parameters=params),
+            "GenerateStreamRequest": obj(["inputs"], inputs=inputs, parameters=null(streamed)),
+            "CompatGenerateRequest": {
+                **obj(
+                    ["inputs"],
+                    inputs=inputs,
+                    parameters=params,
+                    stream=null({**BOOL, "default": False}),
+                ),
+                "allOf": [
+                    _when(
+                        _given("stream", {"const": True}),
+                        {"properties": {"parameters": null(streamed)}},
+                        _STREAMED,
+                    )
+                ],
+            },
+        }
+
+    def _sampling(self) -> dict[str, Any]:
+        """The fields both OpenAI routes take."""
+        new_tokens = null(integer(1, self.max_new_tokens))
+        return {
+            "model": null(STR),
+            "max_tokens": new_tokens,
+            "temperature": null(
+                {"anyOf": [{"const": 0}, FACTOR], "description": "0: greedy decoding"}
+            ),
+            "top_p": null({**NUM, "minimum": MIN_POSITIVE, "maximum": 1}),
+            "n": null(integer(1, self.limits.max_best_of, description="n sampled sequences")),
+            "stream": null({**BOOL, "default": False}),
+            "stream_options": null(obj([], include_usage=null(BOOL))),
+            "stop": null(
+                {
+                    "anyOf": [
+                        STR,
+                        array(STR, maxItems=self.limits.max_stop_sequences),
+                    ]
+                }
+            ),
+            "seed": null(SEED),
+            "frequency_penalty": null(PENALTY),
+            "presence_penalty": null(PENALTY),
+            "top_k": null(integer(1)),
+            "repetition_penalty": null(FACTOR),
+            "min_tokens": null(integer(0, self.max_new_tokens)),
+            "ignore_eos": null(BOOL),
+            "logit_bias": null({"type": "object", "maxProperties": 0}),
+            "prefix_id": self._prefix_id(),
+        }
+
+    def _openai_rules(self) -> list[dict[str, Any]]:
+        several = _given("n", {"type": "integer", "minimum": 2})
+        return [
+            _when(
+                several,
+                {"properties": {"temperature": {"not": {"const": 0}}, "seed": NULL}},
+                "`n` > 1 needs sampling (`temperature` above 0) and no `seed`",
+            ),
+            _when(
+                _given("stream_options"),
+                _given("stream", {"const": True}),
+                "`stream_options` is only allowed when `stream` is true",
+            ),
+        ]
+
+    def openai(self) -> dict[str, Any]:
+        lim = self.limits
+        token = integer(0, self.vocab_size - 1)
+        ids = array(token, minItems=1)
+        batch = {"minItems": 1, "maxItems": self.max_client_batch_size}
+        prompt = {
+            "anyOf": [
+                self._prompt_text(),
+                array(self._prompt_text(), **batch),
+                ids,
+                array(ids, **batch),
+            ]
+        }
+        completion = obj(
+            ["prompt"],
+            prompt=prompt,
+            logprobs=null(integer(0, lim.max_top_n_tokens)),
+            echo=null(BOOL),
+            best_of=null(integer(1, lim.max_best_of, description="equal to n")),
+            suffix=NULL,
+            **self._sampling(),
+        )
+        # best_of, when given, equals n (1 when n is not given).
+        same = [
+            _when(
+                _given("best_of", {"const": k}),
+                _given("n", {"const": k}) if k > 1 else {"properties": {"n": null({"const": 1})}},
+                "`best_of` is only supported equal to `n`",
+            )
+            for k in range(1, lim.max_best_of + 1)
+        ]
+        echoed = _when(
+            {"allOf": [_given("echo", {"const": True}), _given("logprobs")]},
+            {"properties": {"stream": null({"const": False})}}
+            if self.no_prompt_logprobs is None
+            else {"not": {}},
+            "`echo` with `logprobs` is not supported when streaming"
+            if self.no_prompt_logprobs is None
+            else self.no_prompt_logprobs,
+        )
+        completion["allOf"] = [*self._openai_rules(), *same, echoed]
+        text_part = obj(["type", "text"], type={"const": "text"}, text=STR)
+        message = obj(
+            ["role"],
+            role=STR,
+            content=null({"anyOf": [STR, array(text_part)]}),
+            name=null(STR),
+        )
+        chat = obj(
+            ["messages"],
+            messages=array(ref("ChatMessageInput"), minItems=1),
+            max_completion_tokens=null(integer(1, self.max_new_tokens)),
+            logprobs=null(BOOL),
+            top_logprobs=null(integer(0, lim.max_top_n_tokens)),
+            tools=null({"type": "array", "maxItems": 0, "description": "not supported"}),
+            response_format=null(obj([], type=null({"const": "text"}))),
+            **self._sampling(),
+        )
+        chat["allOf"] = [
+            *self._openai_rules(),
+            # top_logprobs > 0 needs logprobs.
+            _when(
+                _given("top_logprobs", {"type": "integer", "minimum": 1}),
+                _given("logprobs", {"const": True}),
+                "`top_logprobs` needs `logprobs` set to true",
+            ),
+        ]
+        return {
+            "CompletionRequest": completion,
+            "ChatMessageInput": message,
+            "ChatRequest": chat,
+        }
+
+    def components(self) -> dict[str, Any]:
+        """Every request schema, by component name."""
+        return {**self.tgi(), **self.openai()}
+
+
+# --- responses ----------------------------------------------------------------------------
+
+_TOKEN = obj(
+    ["id", "text", "logprob", "special"], id=INT, text=STR, logprob=null(NUM), special=BOOL
 )
-_PREFILL = _obj(["id", "text", "logprob"], id=INT, text=STR, logprob=_null(NUM))
+_PREFILL = obj(["id", "text", "logprob"], id=INT, text=STR, logprob=null(NUM))
 _SEQUENCE = {
     "finish_reason": FINISH_REASON,
     "generated_tokens": INT,
-    "seed": _null(INT),
-    "prefill": _array(ref("PrefillToken")),
-    "tokens": _array(ref("Token")),
-    "top_tokens": _array(_array(ref("Token"))),
+    "seed": null(SEED),
+    "prefill": array(ref("PrefillToken")),
+    "tokens": array(ref("Token")),
+    "top_tokens": array(array(ref("Token"))),
 }
 _SEQ_REQUIRED = ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"]
 
-TGI_SCHEMAS: dict[str, Any] = {
-    "GenerateParameters": _PARAMETERS,
-    "GenerateRequest": _obj(
-        ["inputs"],
-        inputs={**STR, "example": "My name is Olivier and INT"},
-        parameters=ref("GenerateParameters"),
-    ),
-    "CompatGenerateRequest": _obj(
-        ["inputs"],
-        inputs=STR,
-        parameters=ref("GenerateParameters"),
-        stream={**BOOL, "default": False},
-    ),
+TGI_RESPONSES: dict[str, Any] = {
     "Token": _TOKEN,
     "PrefillToken": _PREFILL,
-    "BestOfSequence": _obj(["generated_text", *_SEQ_REQUIRED], generated_text=STR, **_SEQUENCE),
-    "Details": _obj(_SEQ_REQUIRED, **_SEQUENCE, best_of_sequences=_array(ref("BestOfSequence"))),
-    "GenerateResponse": _obj(["generated_text"], generated_text=STR, details=ref("Details")),
-    "StreamDetails": _obj(
+    "BestOfSequence": obj(["generated_text", *_SEQ_REQUIRED], generated_text=STR, **_SEQUENCE),
+    "Details": obj(_SEQ_REQUIRED, **_SEQUENCE, best_of_sequences=array(ref("BestOfSequence"))),
+    "GenerateResponse": obj(["generated_text"], generated_text=STR, details=ref("Details")),
+    "StreamDetails": obj(
         ["finish_reason", "generated_tokens", "seed", "input_length"],
         finish_reason=FINISH_REASON,
         generated_tokens=INT,
-        seed=_null(INT),
+        seed=null(SEED),
         input_length=INT,
     ),
-    "StreamResponse": _obj(
+    "StreamResponse": obj(
         ["index", "token", "generated_text", "details"],
         index=INT,
         token=ref("Token"),
-        top_tokens=_array(ref("Token")),
-        generated_text=_null(STR),
-        details=_null(ref("StreamDetails")),
+        top_tokens=array(ref("Token")),
+        generated_text=null(STR),
+        details=null(ref("StreamDetails")),
     ),
-    "SimpleToken": _obj(["id", "text", "start", "stop"], id=INT, text=STR, start=INT, stop=INT),
-    "TokenizeResponse": _array(ref("SimpleToken")),
-    "ErrorResponse": _obj(["error", "error_type"], error=STR, error_type=STR),
-    "Info": _obj(
+    "SimpleToken": obj(["id", "text", "start", "stop"], id=INT, text=STR, start=INT, stop=INT),
+    "TokenizeResponse": array(ref("SimpleToken")),
+    "ErrorResponse": obj(["error", "error_type"], error=STR, error_type=STR),
+    "Info": obj(
         ["model_id", "max_input_tokens", "max_total_tokens", "version"],
         model_id=STR,
-        model_sha=_null(STR),
+        model_sha=null(STR),
         model_dtype=STR,
         model_device_type=STR,
-        model_pipeline_tag=_null(STR),
+        model_pipeline_tag=null(STR),
         model_kind={"type": "string", "enum": ["decoder_only", "encoder_decoder"]},
         backend=STR,
         max_concurrent_requests=INT,
@@ -149,34 +421,20 @@ TGI_SCHEMAS: dict[str, Any] = {
         max_input_length=INT,
         max_total_tokens=INT,
         max_batch_prefill_tokens=INT,
-        max_batch_total_tokens=_null(INT),
-        max_batch_size=_null(INT),
+        max_batch_total_tokens=null(INT),
+        max_batch_size=null(INT),
         max_waiting_tokens=INT,
         waiting_served_ratio=NUM,
         max_client_batch_size=INT,
         validation_workers=INT,
         router=STR,
         version=STR,
-        sha=_null(STR),
-        docker_label=_null(STR),
+        sha=null(STR),
+        docker_label=null(STR),
     ),
 }
 
-_SAMPLING = {
-    "model": STR,
-    "max_tokens": _null(INT),
-    "temperature": _null({**NUM, "minimum": 0, "description": "0: greedy decoding"}),
-    "top_p": _null(NUM),
-    "n": {**INT, "default": 1, "description": "n > 1: n sampled sequences (<= --max-best-of)"},
-    "stream": {**BOOL, "default": False},
-    "stream_options": _obj([], include_usage=BOOL),
-    "stop": {"oneOf": [STR, _array(STR)]},
-    "seed": _null(INT),
-    "frequency_penalty": _null(NUM),
-    "presence_penalty": _null(NUM),
-    "prefix_id": _null({**STR, "description": _PREFIX_ID}),
-}
-_USAGE = _obj(
+_USAGE = obj(
     ["prompt_tokens", "completion_tokens", "total_tokens"],
     prompt_tokens=INT,
     completion_tokens=INT,
@@ -184,66 +442,56 @@ _USAGE = _obj(
 )
 _ENVELOPE = {"id": STR, "object": STR, "created": INT, "model": STR, "system_fingerprint": STR}
 _ENV_REQUIRED = ["id", "object", "created", "model", "choices"]
-_FINISH = _null({"type": "string", "enum": ["stop", "length"]})
+_FINISH = null({"type": "string", "enum": ["stop", "length"]})
+_LOGPROBS = null({"type": "object"})
 
-OPENAI_SCHEMAS: dict[str, Any] = {
-    "CompletionRequest": _obj(
-        ["prompt"],
-        prompt={"oneOf": [STR, _array(STR), _array(INT), _array(_array(INT))]},
-        logprobs=_null(INT),
-        echo=BOOL,
-        **_SAMPLING,
-    ),
-    "CompletionChoice": _obj(
+OPENAI_RESPONSES: dict[str, Any] = {
+    "CompletionChoice": obj(
         ["index", "text", "finish_reason"],
         index=INT,
         text=STR,
-        logprobs=_null({"type": "object"}),
+        logprobs=_LOGPROBS,
         finish_reason=_FINISH,
     ),
-    "Completion": _obj(
-        _ENV_REQUIRED, **_ENVELOPE, choices=_array(ref("CompletionChoice")), usage=ref("Usage")
+    "Completion": obj(
+        _ENV_REQUIRED, **_ENVELOPE, choices=array(ref("CompletionChoice")), usage=ref("Usage")
     ),
-    "ChatMessage": _obj(
-        ["role", "content"],
-        role=STR,
-        content={"oneOf": [STR, _array({"type": "object"})]},
-        name=STR,
-    ),
-    "ChatRequest": _obj(
-        ["messages"],
-        messages=_array(ref("ChatMessage")),
-        max_completion_tokens=_null(INT),
-        logprobs=BOOL,
-        top_logprobs=_null(INT),
-        **_SAMPLING,
-    ),
-    "ChatChoice": _obj(
+    "ChatMessage": obj(["role", "content"], role=STR, content=null(STR)),
+    "ChatChoice": obj(
         ["index", "message", "finish_reason"],
         index=INT,
         message=ref("ChatMessage"),
-        logprobs=_null({"type": "object"}),
+        logprobs=_LOGPROBS,
         finish_reason=_FINISH,
     ),
-    "ChatCompletion": _obj(
-        _ENV_REQUIRED, **_ENVELOPE, choices=_array(ref("ChatChoice")), usage=ref("Usage")
+    "ChatCompletion": obj(
+        _ENV_REQUIRED, **_ENVELOPE, choices=array(ref("ChatChoice")), usage=ref("Usage")
     ),
-    "ChatCompletionChunk": _obj(
+    "ChatDelta": obj([], role=STR, content=null(STR)),
+    "ChatCompletionChunk": obj(
         _ENV_REQUIRED,
         **_ENVELOPE,
-        choices=_array(
-            _obj(["index", "delta"], index=INT, delta=ref("ChatMessage"), finish_reason=_FINISH)
+        choices=array(
+            obj(
+                ["index", "delta"],
+                index=INT,
+                delta=ref("ChatDelta"),
+                logprobs=_LOGPROBS,
+                finish_reason=_FINISH,
+            )
         ),
-        usage=_null(ref("Usage")),
+        usage=null(ref("Usage")),
     ),
     "Usage": _USAGE,
-    "ModelList": _obj(
+    "ModelList": obj(
         ["object", "data"],
         object=STR,
-        data=_array(_obj(["id", "object"], id=STR, object=STR, created=INT, owned_by=STR)),
+        data=array(obj(["id", "object"], id=STR, object=STR, created=INT, owned_by=STR)),
     ),
-    "OpenAIError": _obj(
+    "OpenAIError": obj(
         ["error"],
-        error=_obj(["message", "type"], message=STR, type=STR, param=_null(STR), code=INT),
+        error=obj(["message", "type"], message=STR, type=STR, param=null(STR), code=null(INT)),
     ),
 }
+
+RESPONSE_SCHEMAS: dict[str, Any] = {**TGI_RESPONSES, **OPENAI_RESPONSES}

@@ -8,19 +8,21 @@ job; here only JSON types are checked, so a wrong type is a 422 that names the f
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from tgis.params import GenerateParameters
 from tgis.server.http_errors import ApiError, invalid
 
 # TGI's default payload limit (its --payload-limit).
 DEFAULT_MAX_BODY_BYTES = 2_000_000
-# Integers wider than 64 bits are no value any field takes (and Python's parser would spend
-# quadratic time on thousands of digits before refusing them).
-_MAX_INT_DIGITS = 20
+# Python reads no longer integer literal (its int/str conversion limit, 4300 digits); no
+# field takes one past 64 bits, which the API's schema says field by field.
+_MAX_INT_DIGITS = sys.get_int_max_str_digits() or 4300
 # Deeper JSON than any request needs; Python's parser would hit its recursion limit.
 _MAX_DEPTH = 64
 
@@ -40,13 +42,23 @@ async def read_json(request: Request, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
     try:
-        value = json.loads(b"".join(chunks), parse_int=_parse_int)
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(size, max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone (or cut off by --body-timeout-s) before the body came
+        raise ApiError(
+            499, "the client closed the connection before its body arrived", "cancelled"
+        ) from None
+    try:
+        value = json.loads(
+            b"".join(chunks),
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -74,8 +86,22 @@ def _too_large(size: int, limit: int) -> ApiError:
 
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > _MAX_INT_DIGITS:
-        raise invalid(f"the request body has a {len(text)}-digit integer; none may exceed 64 bits")
+        raise invalid(
+            f"the request body has a {len(text)}-digit integer; the longest a JSON reader here "
+            f"takes has {_MAX_INT_DIGITS} digits (and no field takes one past 64 bits)"
+        )
     return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise invalid(f"the request body has the number {text[:40]}, too large for a float")
+    return value
+
+
+def _parse_constant(name: str) -> float:
+    raise invalid(f"the request body has {name}, which is not JSON: numbers must be finite")
 
 
 def _check_values(value: Any, depth: int) -> None:

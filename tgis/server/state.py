@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from tgis.config import ServeConfig
 from tgis.engine.types import EngineClient
+from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
 from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle
@@ -26,6 +27,8 @@ class ServerState:
     metrics: Metrics
     pipeline: Pipeline
     lifecycle: Lifecycle
+    # The API's request schemas (the ones /openapi.json publishes), compiled.
+    contract: RequestContract
 
 
 def get_state(request: Request) -> ServerState:

@@ -44,12 +44,22 @@ async def compat_generate(request: Request) -> Response:
     return await _serve(request, compat=True, stream=False)
 
 
+# The request schema of each route: (compat, streamed) -> component name.
+_SCHEMAS = {
+    (False, False): "GenerateRequest",
+    (False, True): "GenerateStreamRequest",
+    (True, False): "CompatGenerateRequest",
+    (True, True): "CompatGenerateRequest",
+}
+
+
 async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
     try:
+        body = await read_json(request, state.config.max_request_body_bytes)
         req = parse_tgi_request(
-            await read_json(request, state.config.max_request_body_bytes),
+            body,
             compat=compat,
             default_return_full_text=compat
             and state.info.model_pipeline_tag in (None, "text-generation"),
@@ -64,6 +74,7 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
         prepared = await state.pipeline.prepare(
             req.inputs, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id
         )
+        state.contract.check(_SCHEMAS[compat, stream], body)
         events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
         if stream:
             return _stream_response(state, req, prepared, events)
@@ -127,8 +138,10 @@ async def tokenize(request: Request) -> Response:
     start = time.monotonic()
     state = get_state(request)
     try:
-        req = parse_tgi_request(await read_json(request, state.config.max_request_body_bytes))
+        body = await read_json(request, state.config.max_request_body_bytes)
+        req = parse_tgi_request(body)
         state.pipeline.check_length(req.inputs)
+        state.contract.check("GenerateRequest", body)
         tokens = await anyio.to_thread.run_sync(
             tokenize_with_offsets, state.tokenizer, req.inputs, req.params.truncate
         )
@@ -192,9 +205,16 @@ async def metrics(request: Request) -> Response:
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def root(request: Request) -> Response:
+    """/: POST generates (compat_generate); GET answers like /health, as TGI's does. One route,
+    so that a 405 on / allows both."""
+    if request.method == "POST":
+        return await compat_generate(request)
+    return await health(request)
+
+
 ROUTES = [
-    Route("/", compat_generate, methods=["POST"]),
-    Route("/", health, methods=["GET"]),  # TGI answers GET / like /health
+    Route("/", root, methods=["GET", "POST"]),
     Route("/generate", generate, methods=["POST"]),
     Route("/generate_stream", generate_stream, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
