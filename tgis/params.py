@@ -6,8 +6,9 @@ InputValidationError with TGI's message (HTTP 422, error_type "validation").
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from tgis.errors import InputValidationError
 
@@ -16,6 +17,48 @@ if TYPE_CHECKING:
 
 # torch.Generator seeds are unsigned 64-bit integers, as TGI's `seed` (u64).
 MAX_SEED = 2**64 - 1
+
+
+GrammarKind = Literal["json", "regex"]
+# JSON without free whitespace between tokens: a model cannot loop on spaces or newlines.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match: a JSON schema (`value` is its JSON text) or a
+    regular expression (Rust `regex` syntax: no lookaround, no backreferences)."""
+
+    kind: GrammarKind
+    value: str
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> GrammarSpec:
+        return cls("json", json.dumps(schema))  # key order kept: properties come in it
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        return cls("regex", pattern)
+
+    def grammar(self) -> str:
+        """llguidance's grammar text."""
+        import llguidance as llg
+
+        if self.kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(self.value, defaults=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_regex(self.value)
+
+    def problem(self) -> str | None:
+        """Why the grammar cannot be used (a schema or regex error), or None."""
+        import llguidance as llg
+
+        error = llg.LLMatcher.validate_grammar(self.grammar())
+        if not error:
+            return None
+        lines = error.splitlines()
+        # A regex error's reason is on its own line ("error: unclosed counted repetition").
+        reason = next((line for line in lines if line.startswith("error: ")), "")
+        return f"{lines[0]} {reason.removeprefix('error: ')}".strip()
 
 
 @dataclass(frozen=True)
@@ -53,6 +96,8 @@ class GenerateParameters:
     top_n_tokens: int | None = None
     best_of: int | None = None
     skip_special_tokens: bool = True
+    # Output constrained to a JSON schema or a regex (TGI's `grammar`, OpenAI's response_format).
+    grammar: GrammarSpec | None = None
 
     @property
     def sampling_warpers(self) -> bool:
@@ -255,11 +300,27 @@ def validate(
             f"`min_new_tokens` must be >= 0 and <= `max_new_tokens` ({max_new_tokens}). "
             f"Given: {params.min_new_tokens}"
         )
+    _check_grammar(params)
     if params.time_limit_ms is not None and not 0 < params.time_limit_ms <= MAX_TIME_LIMIT_MS:
         raise _fail(
             f"`time_limit_ms` must be > 0 and <= {MAX_TIME_LIMIT_MS}. Given: {params.time_limit_ms}"
         )
     return _normalize(params, max_new_tokens, best_of)
+
+
+def _check_grammar(params: GenerateParameters) -> None:
+    grammar = params.grammar
+    if grammar is None:
+        return
+    if params.ignore_eos or params.min_new_tokens:
+        raise _fail(
+            "`grammar` cannot be combined with `ignore_eos` or `min_new_tokens`: a complete "
+            "grammar ends with EOS"
+        )
+    problem = grammar.problem()
+    if problem is not None:
+        what = "JSON schema" if grammar.kind == "json" else "regex"
+        raise _fail(f"`grammar` is not a usable {what}: {problem}")
 
 
 def _normalize(params: GenerateParameters, max_new_tokens: int, best_of: int) -> GenerateParameters:

@@ -140,3 +140,24 @@ def live_server(
     finally:
         server.request_shutdown()
         thread.join(timeout=15)
+
+
+@contextmanager
+def demo_app(model_dir: Any, max_total_tokens: int) -> Iterator[Starlette]:
+    """The app `tgis serve` builds for the demo model on cpu (float32, no warmup), with its
+    real engine (stopped on exit)."""
+    from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+    from tgis.hub import read_model_config
+    from tgis.launch import build_service, service_info
+    from tgis.server import Metrics
+
+    facts = ModelFacts.from_config(*read_model_config(model_dir))
+    args = LauncherArgs(max_total_tokens=max_total_tokens, backend="cpu", dtype="float32")
+    config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
+    service = build_service(config, model_dir, observer=Metrics(max_total_tokens, 8))
+    app = create_app(service.engine, service.tokenizer, config, service_info(service),
+                     metrics=service.engine.observer)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        yield app
+    finally:
+        service.stop()

@@ -2,9 +2,10 @@
 
 The API's schema states every rule of a request but those over token counts, which no JSON
 Schema can: the prompt's tokens with `max_new_tokens` within `max_total_tokens`, and
-`min_new_tokens` within `max_new_tokens`. Cases generated as valid are kept within them here
-(texts cut to 200 characters, a minimum lowered to the maximum given), so that a valid case the
-server refuses is a real disagreement. Cases generated as invalid go out unchanged. tgis.params
+`min_new_tokens` within `max_new_tokens` — and whether a grammar's own schema or regex is one
+the grammar engine can use. Cases generated as valid are kept within them here (texts cut to
+200 characters, a minimum lowered to the maximum given, a usable grammar), so that a valid case
+the server refuses is a real disagreement. Cases generated as invalid go out unchanged. tgis.params
 is tested on the token rules directly (tests/test_params.py).
 """
 
@@ -15,6 +16,9 @@ from typing import Any
 import schemathesis
 from schemathesis.generation import GenerationMode
 
+# Whether a schema or regex is one the grammar engine can use is not a JSON Schema rule either:
+# valid cases get a usable one.
+GRAMMAR = {"type": "regex", "value": "[a-z]{1,4}"}
 TEXT = 200  # characters: a few hundred tokens at most, far below the server's input limit
 MESSAGES = 8
 
@@ -56,4 +60,9 @@ def before_call(ctx: Any, case: Any, **kwargs: Any) -> None:
     parameters = body.get("parameters")
     if isinstance(parameters, dict):
         _lower(parameters, "min_new_tokens", ("max_new_tokens",))
+        if isinstance(parameters.get("grammar"), dict):
+            parameters["grammar"] = GRAMMAR
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        response_format["json_schema"] = {"name": "any", "schema": {"type": "object"}}
     _lower(body, "min_tokens", ("max_completion_tokens", "max_tokens"))

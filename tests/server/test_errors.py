@@ -96,9 +96,23 @@ def test_malformed_json_is_a_422(client: TestClient) -> None:
 def test_unsupported_tgi_features_are_refused(client: TestClient) -> None:
     body = error_of(client, 422, json={"inputs": PROMPT, "parameters": {"watermark": True}})
     assert "`parameters.watermark` is not supported" in body["error"]
-    grammar = {"type": "regex", "value": "a+"}
+    body = error_of(client, 422, json={"inputs": PROMPT, "parameters": {"adapter_id": "x"}})
+    assert "`parameters.adapter_id` is not supported" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("grammar", "fragment"),
+    [
+        ({"type": "regex", "value": "[0-9]{3"}, "not a usable regex"),
+        ({"type": "json", "value": {"type": "strng"}}, "not a usable JSON schema: Invalid type"),
+        ({"type": "json", "value": "{not json"}, "`parameters.grammar.value` is not JSON"),
+        ({"type": "xml", "value": "a"}, 'must be "json" or "regex"'),
+        ({"type": "regex"}, "missing field `parameters.grammar.value`"),
+    ],
+)
+def test_unusable_grammars_are_a_422(client: TestClient, grammar: Any, fragment: str) -> None:
     body = error_of(client, 422, json={"inputs": PROMPT, "parameters": {"grammar": grammar}})
-    assert "`parameters.grammar` is not supported" in body["error"]
+    assert fragment in body["error"]
 
 
 def test_overloaded_is_a_429(client: TestClient, engine: FakeEngine) -> None:

@@ -20,10 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from tgis.config import LauncherArgs, ModelFacts, build_serve_config
-from tgis.hub import read_model_config
-from tgis.launch import build_service
-from tgis.server import Metrics, ModelInfo, create_app
+from tests.server.conftest import demo_app
 
 NEW_TOKENS = 2
 
@@ -100,18 +97,11 @@ def openai_body() -> st.SearchStrategy[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def client(demo_model_dir: Path) -> Iterator[TestClient]:
-    facts = ModelFacts.from_config(*read_model_config(demo_model_dir))
-    args = LauncherArgs(max_total_tokens=128, backend="cpu", dtype="float32")
-    config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
-    service = build_service(config, demo_model_dir, observer=Metrics(128, 8))
-    info = ModelInfo.from_config(config, max_batch_total_tokens=service.kv_tokens)
-    app = create_app(service.engine, service.tokenizer, config, info,
-                     metrics=service.engine.observer)  # type: ignore[arg-type]  # fmt: skip
-    try:
-        with TestClient(app, raise_server_exceptions=False) as test_client:
-            yield test_client
-    finally:
-        service.stop()
+    with (
+        demo_app(demo_model_dir, 128) as app,
+        TestClient(app, raise_server_exceptions=False) as test_client,
+    ):
+        yield test_client
 
 
 def check(response: Any) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
+from tgis.engine.grammar import GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
 from tgis.engine.sampling import SampleOutput, SamplingBatch
@@ -78,6 +79,7 @@ class Engine:
         # Computed once: every sequence checks its tokens against it.
         self.special_ids = special_ids(tokenizer)
         self.observer = observer
+        self.grammars = GrammarCompiler(tokenizer, list(self.eos_token_ids))
         self._inbox: queue.SimpleQueue[tuple[str, RequestHandle | None]] = queue.SimpleQueue()
         self._live: dict[int, LiveSequence] = {}
         self._seq_ids = itertools.count()
@@ -218,6 +220,9 @@ class Engine:
         placed = prefix is not None and not self.backend.capacity.encoder_decoder
         prompt = [PREFIX_PLACEHOLDER_ID] * (prefix.length if placed and prefix else 0)
         prompt.extend(request.input_ids)
+        constraint = None
+        if request.params.grammar is not None:
+            constraint = self.grammars.constraint(request.params.grammar)
         for index in range(handle.candidates):
             seq = SchedSeq(
                 next(self._seq_ids),
@@ -235,6 +240,8 @@ class Engine:
                 seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids,
                 self.backend.capacity.encoder_decoder,
             )  # fmt: skip
+            if constraint is not None:
+                live.row.constraint = constraint if index == 0 else constraint.copy()
             self._live[seq.seq_id] = live
             handle.sequences.append(live)
             seqs.append(seq)

@@ -196,6 +196,8 @@ class LiveSequence:
     def push(self, choice: SampleOutput, row: int, now: float) -> TokenEvent:
         """Turn this row's sampled token into a TokenEvent (with a Completion if it is the last)."""
         token_id = choice.token_ids[row]
+        if self.row.constraint is not None:
+            self.row.constraint.advance(token_id)
         pushed = self.text.push(token_id, now)
         self.seq.generated += 1
         self.seq.token_ids.append(token_id)

@@ -34,10 +34,14 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tgis.params import MAX_SEED, GenerateParameters
+
+if TYPE_CHECKING:
+    from tgis.engine.grammar import Constraint
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits handled at once by prompt_logprobs ([rows, vocab] float32 temporaries).
@@ -144,6 +148,8 @@ class SamplingRow:
         self.top_p = _active(params.top_p, 1.0)
         self.typical_p = _active(params.typical_p, 1.0)
         self.top_n = params.top_n_tokens or 0
+        # The grammar the row's tokens must follow (set by the engine when one is asked).
+        self.constraint: Constraint | None = None
         self.prompt_len = len(prompt_ids)
         self.generated = 0
         self.penalized = bool(
@@ -271,6 +277,13 @@ class SamplingBatch:
         def column(index: int) -> torch.Tensor:
             return table[:, index : index + 1]  # [B, 1]
 
+        constrained = [(i, r.constraint) for i, r in enumerate(rows) if r.constraint is not None]
+        if constrained:  # first: the processors below see only what the grammar allows
+            allowed = torch.ones(len(rows), vocab, dtype=torch.bool)
+            for i, constraint in constrained:
+                allowed[i] = constraint.allowed(vocab)
+            allowed = allowed.to(device, non_blocking=device.type == "cuda")
+            scores = scores.masked_fill(~allowed, _NEG_INF)
         eos = [e for e in self.eos_token_ids if 0 <= e < vocab]
         if eos and any(r.generated < r.params.min_new_tokens for r in rows):
             eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tgis.params import GenerateParameters
+from tgis.params import GenerateParameters, GrammarSpec
 from tgis.server.http_errors import invalid
 from tgis.server.info import ModelInfo
 from tgis.server.schemas import Fields
@@ -184,13 +184,12 @@ def parse_chat_request(
     messages = _messages(f)
     if f.has("tools") and f.data["tools"] != []:
         raise invalid("`tools` are not supported by this server")
-    response_format = f.obj("response_format")
-    if response_format is not None and response_format.string("type") not in (None, "text"):
-        raise invalid("`response_format` other than text is not supported by this server")
+    grammar = _response_format(f)
     max_tokens = f.integer("max_completion_tokens", unsigned=True)
     if max_tokens is None:
         max_tokens = f.integer("max_tokens", unsigned=True)
     values = _sampling(f, info, max_tokens)
+    values["grammar"] = grammar
     stream, include_usage = _stream_options(f)
     top = f.integer("top_logprobs", unsigned=True)
     logprobs: int | None = None
@@ -212,6 +211,26 @@ def parse_chat_request(
         logprobs=logprobs,
         prefix_id=f.string("prefix_id"),
     )
+
+
+def _response_format(f: Fields) -> GrammarSpec | None:
+    """OpenAI's `response_format`: text (none), json_object (any JSON object) or json_schema
+    (`json_schema.schema`)."""
+    response_format = f.obj("response_format")
+    if response_format is None:
+        return None
+    kind = response_format.string("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_schema({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.obj("json_schema")
+        schema = spec.obj("schema") if spec is not None else None
+        if schema is None:
+            raise invalid("`response_format.json_schema.schema` is required (a JSON schema)")
+        return GrammarSpec.json_schema(schema.data)
+    raise invalid(f"`response_format.type` must be text, json_object or json_schema, got {kind!r}")
 
 
 def _messages(f: Fields) -> tuple[dict[str, Any], ...]:

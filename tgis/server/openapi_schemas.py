@@ -66,6 +66,45 @@ FRACTION: dict[str, Any] = {"type": "number", "minimum": MIN_POSITIVE, "exclusiv
 PENALTY: dict[str, Any] = {"type": "number", "minimum": -2.0, "maximum": 2.0}
 SEED = integer(0, MAX_SEED)
 
+_SCHEMA_VALUE = {
+    "type": "object",
+    "description": "a JSON schema (llguidance's subset: no `not`); the output is compact JSON",
+}
+GRAMMAR: dict[str, Any] = {
+    "description": "TGI's grammar: the output matches a JSON schema or a regex",
+    "anyOf": [
+        obj(
+            ["type", "value"],
+            type={"enum": ["json", "json_object", "json_schema"]},
+            value={"anyOf": [_SCHEMA_VALUE, {**STR, "description": "the schema as JSON text"}]},
+        ),
+        obj(
+            ["type", "value"],
+            type={"const": "regex"},
+            value={**STR, "description": "Rust regex syntax: no lookaround, no backreferences"},
+        ),
+    ],
+}
+RESPONSE_FORMAT: dict[str, Any] = {
+    "anyOf": [
+        obj([], type=null({"enum": ["text", "json_object"]})),
+        obj(
+            ["type", "json_schema"],
+            type={"const": "json_schema"},
+            json_schema=obj(
+                ["schema"],
+                name=null(STR),
+                description=null(STR),
+                schema=_SCHEMA_VALUE,
+                strict=null(BOOL),
+            ),
+        ),
+    ]
+}
+_GRAMMAR_ENDS = (
+    "`grammar` cannot be combined with `ignore_eos` or `min_new_tokens`: a complete grammar "
+    "ends with EOS"
+)
 _STREAMED = "a streamed request takes neither `best_of` > 1 nor `decoder_input_details`"
 _PREFIX_ID = (
     "TGIS: a tuned prompt prefix of the server's --prefix-store-path, whose virtual tokens go "
@@ -182,7 +221,7 @@ class RequestSchemas:
             skip_special_tokens=null(BOOL),
             prefix_id=self._prefix_id(),
             watermark=null({"const": False, "description": "not supported"}),
-            grammar=null({"const": "", "description": "not supported"}),
+            grammar=null({"anyOf": [{"const": ""}, GRAMMAR]}),
             adapter_id=null({"const": "", "description": "not supported"}),
         )
         several = _given("best_of", {"type": "integer", "minimum": 2})
@@ -202,7 +241,17 @@ class RequestSchemas:
                 },
                 "`best_of` > 1 needs sampling (`do_sample` or a warper such as `temperature`) "
                 "and no `seed`",
-            )
+            ),
+            _when(
+                _given("grammar", {"type": "object"}),
+                {
+                    "properties": {
+                        "ignore_eos": null({"const": False}),
+                        "min_new_tokens": null({"const": 0}),
+                    }
+                },
+                _GRAMMAR_ENDS,
+            ),
         ]
         return schema
 
@@ -341,7 +390,7 @@ class RequestSchemas:
             logprobs=null(BOOL),
             top_logprobs=null(integer(0, lim.max_top_n_tokens)),
             tools=null({"type": "array", "maxItems": 0, "description": "not supported"}),
-            response_format=null(obj([], type=null({"const": "text"}))),
+            response_format=null(RESPONSE_FORMAT),
             **self._sampling(),
         )
         chat["allOf"] = [
@@ -351,6 +400,22 @@ class RequestSchemas:
                 _given("top_logprobs", {"type": "integer", "minimum": 1}),
                 _given("logprobs", {"const": True}),
                 "`top_logprobs` needs `logprobs` set to true",
+            ),
+            _when(
+                _given(
+                    "response_format",
+                    {
+                        "required": ["type"],
+                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                    },
+                ),
+                {
+                    "properties": {
+                        "ignore_eos": null({"const": False}),
+                        "min_tokens": null({"const": 0}),
+                    }
+                },
+                _GRAMMAR_ENDS,
             ),
         ]
         return {

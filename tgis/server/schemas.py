@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from tgis.params import GenerateParameters
+from tgis.params import GenerateParameters, GrammarSpec
 from tgis.server.http_errors import ApiError, invalid
 
 # TGI's default payload limit (its --payload-limit).
@@ -281,11 +281,34 @@ def parse_parameters(
     values["return_full_text"] = default_return_full_text if full_text is None else full_text
     if fields.boolean("watermark"):
         raise invalid("`parameters.watermark` is not supported by this server")
-    for key in ("grammar", "adapter_id"):
-        # Clients send these as null; a value asks for a feature this server does not have.
-        if fields.has(key) and fields.data[key] != "":
-            raise invalid(f"`parameters.{key}` is not supported by this server")
+    values["grammar"] = parse_grammar(fields)
+    # Clients send it as null; a value asks for a feature this server does not have.
+    if fields.has("adapter_id") and fields.data["adapter_id"] != "":
+        raise invalid("`parameters.adapter_id` is not supported by this server")
     return GenerateParameters(**{k: v for k, v in values.items() if v is not None})
+
+
+def parse_grammar(fields: Fields) -> GrammarSpec | None:
+    """TGI's `grammar`: {"type": "json", "value": <JSON schema>} or {"type": "regex",
+    "value": <regex>} (null, or "" as some clients send, for none)."""
+    if not fields.has("grammar") or fields.data["grammar"] == "":
+        return None
+    grammar = fields.obj("grammar")
+    assert grammar is not None
+    kind = grammar.required_string("type")
+    if kind == "regex":
+        return GrammarSpec.regex(grammar.required_string("value"))
+    if kind in ("json", "json_object", "json_schema"):
+        value = grammar.data.get("value")
+        if isinstance(value, str):  # a schema sent as JSON text
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise invalid(f"`{grammar.name('value')}` is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise invalid(f"`{grammar.name('value')}` must be a JSON schema (an object)")
+        return GrammarSpec.json_schema(value)
+    raise invalid(f'`{grammar.name("type")}` must be "json" or "regex", got {kind!r}')
 
 
 def parse_tgi_request(

@@ -1,0 +1,110 @@
+"""Output constrained to a JSON schema or a regular expression, with llguidance.
+
+A request's `GrammarSpec` (tgis.params) is checked when it is validated (schema and regex
+errors, without the tokenizer), compiled into a `Constraint` per sequence when the engine admits
+it, and applied at every step: the constraint gives the bitmask of the tokens its grammar allows
+next, the sampler sets every other token's score to -inf before any processor, and the chosen
+token advances it. The next mask is computed in a worker thread as soon as the token is known
+(llguidance releases the GIL), so it is ready by the time the next forward has run.
+
+Once the grammar is complete it allows only EOS, so a constrained sequence ends with
+`eos_token`; one that cannot complete within max_new_tokens ends with `length`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tgis.params import GrammarSpec
+
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgis-grammar")
+
+
+class GrammarCompiler:
+    """Builds constraints over one tokenizer (its llguidance form is made once, on first use)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer,
+                    n_vocab=len(self.tokenizer),
+                    eos_token=self.eos_token_ids or None,
+                )
+            return self._ll_tokenizer
+
+    def constraint(self, spec: GrammarSpec) -> Constraint:
+        """A new sequence's constraint (its first mask starts computing at once). Raises
+        ValueError when the grammar is unusable."""
+        import llguidance as llg
+
+        tokenizer = self._tokenizer()
+        limits = llg.LLParserLimits(verbose_errors=False)
+        matcher = llg.LLMatcher(tokenizer, spec.grammar(), log_level=0, limits=limits)
+        if matcher.is_error():
+            raise ValueError(f"the grammar cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, tokenizer.vocab_size)
+
+
+class Constraint:
+    """One sequence's grammar state. The engine thread advances it; its masks are computed in
+    a worker thread (one owner at a time: `advance` and `allowed` wait for that work)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._pending: Future[torch.Tensor] | None = _WORKER.submit(self._mask)
+
+    def copy(self) -> Constraint:
+        """An independent constraint in the same state (another best_of candidate)."""
+        self._settle()
+        return Constraint(self._matcher.deep_copy(), self.vocab_size)
+
+    def _settle(self) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def _mask(self) -> torch.Tensor:
+        bitmask = torch.empty(self._words, dtype=torch.int32)
+        self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), self._words * 4)
+        return bitmask
+
+    def allowed(self, width: int) -> torch.Tensor:
+        """The tokens the grammar allows next, as a bool [width] (ids past the tokenizer's
+        vocabulary, a model's padding, are never allowed)."""
+        bitmask = self._settle()
+        if bitmask is None:
+            bitmask = self._mask()
+        self._pending = None
+        bits = (bitmask.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        if width > self.vocab_size:
+            allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))
+        return allowed[:width]
+
+    def advance(self, token_id: int) -> None:
+        """Consume the chosen token and start computing the next mask. Raises ValueError if
+        the grammar does not allow it."""
+        self._settle()
+        if not self._matcher.consume_token(token_id):
+            raise ValueError(f"the grammar does not allow token {token_id}")
+        if not self._matcher.is_stopped():
+            self._pending = _WORKER.submit(self._mask)
+
+    @property
+    def complete(self) -> bool:
+        """The output matches the whole grammar and nothing may follow but EOS."""
+        return bool(self._matcher.is_stopped())
