@@ -519,7 +519,10 @@ OPENAI_RESPONSES: dict[str, Any] = {
         finish_reason=_FINISH,
     ),
     "Completion": obj(
-        _ENV_REQUIRED, **_ENVELOPE, choices=array(ref("CompletionChoice")), usage=ref("Usage")
+        _ENV_REQUIRED,
+        **_ENVELOPE,
+        choices=array(ref("CompletionChoice")),
+        usage=null(ref("Usage")),  # null in stream chunks before the last
     ),
     "ChatMessage": obj(["role", "content"], role=STR, content=null(STR)),
     "ChatChoice": obj(
