@@ -15,6 +15,8 @@ from tgis.errors import InputValidationError
 if TYPE_CHECKING:
     from tgis.config import ServeConfig
 
+# Characters a prompt may have per token of the context (RequestLimits.max_prompt_chars).
+CHARS_PER_TOKEN = 32
 # torch.Generator seeds are unsigned 64-bit integers, as TGI's `seed` (u64).
 MAX_SEED = 2**64 - 1
 
@@ -125,6 +127,13 @@ class RequestLimits:
     max_total_tokens: int
     # The largest max_new_tokens a request may ask for (--max-new-tokens); None: what fits.
     max_new_tokens: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt in characters, refused before tokenizing beyond it: far more
+        than any tokenizer packs into the context, far fewer than a body that only costs
+        tokenizing time."""
+        return CHARS_PER_TOKEN * self.max_total_tokens
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> RequestLimits:

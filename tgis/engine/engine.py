@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
@@ -27,7 +28,7 @@ from tgis.engine.detokenize import special_ids
 from tgis.engine.grammar import GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
-from tgis.engine.sampling import SampleOutput, SamplingBatch
+from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
@@ -307,7 +308,7 @@ class Engine:
         forward = time.perf_counter() - start
         sampled, choice = self._choose(method, lives, logits)
         for i, live in enumerate(lives):
-            if prompt_logits and prompt_logits[i] is not None and live.seq.seq_id in self._live:
+            if prompt_logits and prompt_logits[i] is not None:
                 self._guarded(live, live.record_prefill, prompt_logits[i])
         self._emit(sampled, choice, method, tokens, start, forward, joined, bool(sampled))
 
@@ -342,7 +343,9 @@ class Engine:
         wanted = bool(sampled)
         # The step's K/V are in the cache whatever the sampling does: the scheduler's host
         # bookkeeping runs while the device samples.
-        sampled, choice = self._choose(method, sampled, out.last, self._complete_once(step))
+        sampled, choice = self._choose(
+            method, sampled, out.last, partial(self.scheduler.complete, step)
+        )
         for live, item, part in zip(lives, items, out.prompt, strict=True):
             if part is not None:
                 self._guarded(live, live.add_prompt_logits, item.start, part)
@@ -350,18 +353,6 @@ class Engine:
             self._guarded(live, live.record_prompt_parts)
         ok = bool(sampled) or not wanted
         self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok)
-
-    def _complete_once(self, step: PackedStep) -> Callable[[], None]:
-        done = False
-
-        def complete() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                assert isinstance(self.scheduler, PagedScheduler)
-                self.scheduler.complete(step)
-
-        return complete
 
     def _choose(
         self,
@@ -371,18 +362,22 @@ class Engine:
         meanwhile: Callable[[], None] | None = None,
     ) -> tuple[list[LiveSequence], SampleOutput]:
         """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
-        sequences that got one, and their choice. `meanwhile` runs while the device samples
-        (and once in any case)."""
+        sequences that got one, and their choice. `meanwhile` runs once, while the device
+        samples."""
+        pending: PendingSample | None = None
         try:
             pending = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).launch(logits)
-            if meanwhile is not None:
-                meanwhile()
-            return lives, pending.result()
         except Exception as exc:
-            if meanwhile is not None:
-                meanwhile()
-            if not self._retry_alone(method, lives, exc):
-                return [], SampleOutput.concat([])
+            error = exc
+        if meanwhile is not None:
+            meanwhile()
+        if pending is not None:
+            try:
+                return lives, pending.result()
+            except Exception as exc:
+                error = exc
+        if not self._retry_alone(method, lives, error):
+            return [], SampleOutput.concat([])
         chosen, outputs = [], []
         for i, live in enumerate(lives):
             try:

@@ -21,6 +21,8 @@ import torch
 
 from tgis.params import GrammarSpec
 
+# Token t is bit t % 32 of word t // 32 of llguidance's mask, least significant first.
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgis-grammar")
 
 
@@ -70,7 +72,8 @@ class Constraint:
 
     def copy(self) -> Constraint:
         """An independent constraint in the same state (another best_of candidate)."""
-        self._settle()
+        if self._pending is not None:
+            self._pending.result()  # the matcher has one owner at a time; the mask is kept
         return Constraint(self._matcher.deep_copy(), self.vocab_size)
 
     def _settle(self) -> torch.Tensor | None:
@@ -88,8 +91,7 @@ class Constraint:
         bitmask = self._settle()
         if bitmask is None:
             bitmask = self._mask()
-        self._pending = None
-        bits = (bitmask.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        bits = (bitmask.unsqueeze(1) >> _BIT_SHIFTS) & 1
         allowed = bits.reshape(-1)[: self.vocab_size].bool()
         if width > self.vocab_size:
             allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))

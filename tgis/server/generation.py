@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -113,11 +114,6 @@ async def close_iterator(iterator: Any) -> None:
             await aclose()
 
 
-# Characters a prompt may have per token of the context: far more than any tokenizer packs
-# into a token, far fewer than a body that only costs tokenizing time.
-CHARS_PER_TOKEN = 32
-
-
 class Pipeline:
     """Turns request inputs into engine requests and engine events into results."""
 
@@ -150,7 +146,7 @@ class Pipeline:
     def check_length(self, text: str) -> None:
         """Refuse, before tokenizing, a text longer in characters than any prompt the server
         takes could be: 32 characters per token of max_total_tokens."""
-        limit = CHARS_PER_TOKEN * self.limits.max_total_tokens
+        limit = self.limits.max_prompt_chars
         if len(text) > limit:
             raise InputValidationError(
                 f"`inputs` has {len(text)} characters; prompts of up to "
@@ -199,7 +195,11 @@ class Pipeline:
         # validate takes the length before truncation (it checks `truncate` itself) and
         # returns the parameters normalized, with max_new_tokens filled in.
         prefix_length = prefix.tokens if prefix is not None else 0
-        params = validate(params, len(ids), self.limits, stream=stream, prefix_length=prefix_length)
+        check = partial(
+            validate, params, len(ids), self.limits, stream=stream, prefix_length=prefix_length
+        )
+        # A grammar is compiled to be checked (milliseconds): not on the event loop.
+        params = await anyio.to_thread.run_sync(check) if params.grammar else check()
         ids = truncate_ids(ids, params.truncate)
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,

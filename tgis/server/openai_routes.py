@@ -56,8 +56,10 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     state = get_state(request)
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
-        parse = parse_chat_request if chat else parse_completion_request
-        req = parse(body, state.info, state.pipeline.limits.max_new_tokens)
+        if chat:
+            req = parse_chat_request(body, state.info)
+        else:
+            req = parse_completion_request(body, state.info, state.pipeline.limits.max_new_tokens)
     except ApiError as error:
         state.metrics.request_received("single")
         state.metrics.request_failed(error.error_type)

@@ -175,11 +175,8 @@ def _all_ids(values: list[Any]) -> bool:
     return all(_is_ids(v) for v in values)
 
 
-def parse_chat_request(
-    body: Any, info: ModelInfo, max_new_tokens: int | None = None
-) -> OpenAIRequest:
-    """POST /v1/chat/completions (`max_tokens` defaults to what fits, within
-    `max_new_tokens`)."""
+def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
+    """POST /v1/chat/completions (`max_tokens` defaults to what fits: tgis.params.validate)."""
     f = Fields(body)
     messages = _messages(f)
     if f.has("tools") and f.data["tools"] != []:

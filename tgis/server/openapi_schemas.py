@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tgis.params import MAX_FACTOR, MAX_SEED, MAX_TIME_LIMIT_MS, MIN_POSITIVE, RequestLimits
-from tgis.server.generation import CHARS_PER_TOKEN
 
 # The widest integer a field takes where no other limit applies (a signed 64-bit value).
 MAX_INT = 2**63 - 1
@@ -158,12 +157,8 @@ class RequestSchemas:
         cap = self.limits.max_new_tokens
         return room if cap is None else min(cap, room)
 
-    @property
-    def max_prompt_chars(self) -> int:
-        return CHARS_PER_TOKEN * self.limits.max_total_tokens
-
     def _prompt_text(self) -> dict[str, Any]:
-        return {**STR, "minLength": 1, "maxLength": self.max_prompt_chars}
+        return {**STR, "minLength": 1, "maxLength": self.limits.max_prompt_chars}
 
     def _prefix_id(self) -> dict[str, Any]:
         if self.prefixes:
