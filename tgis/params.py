@@ -21,33 +21,43 @@ CHARS_PER_TOKEN = 32
 MAX_SEED = 2**64 - 1
 
 
-GrammarKind = Literal["json", "regex"]
+GrammarKind = Literal["json", "regex", "lark"]
 # JSON without free whitespace between tokens: a model cannot loop on spaces or newlines.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# (A Lark grammar's `%json` schemas say so in their own "x-guidance" key.)
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request's output must match: a JSON schema (`value` is its JSON text) or a
-    regular expression (Rust `regex` syntax: no lookaround, no backreferences)."""
+    """What a request's output must match: a JSON schema (`value` is its JSON text), a
+    regular expression (Rust `regex` syntax: no lookaround, no backreferences) or a grammar in
+    llguidance's Lark syntax (what tool calls are built into). `source` names the request field
+    the grammar came from, for error messages."""
 
     kind: GrammarKind
     value: str
+    source: str = "grammar"
 
     @classmethod
-    def json_schema(cls, schema: Any) -> GrammarSpec:
-        return cls("json", json.dumps(schema))  # key order kept: properties come in it
+    def json_schema(cls, schema: Any, source: str = "grammar") -> GrammarSpec:
+        return cls("json", json.dumps(schema), source)  # key order kept: properties come in it
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:
         return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str, source: str = "grammar") -> GrammarSpec:
+        return cls("lark", grammar, source)
 
     def grammar(self) -> str:
         """llguidance's grammar text."""
         import llguidance as llg
 
         if self.kind == "json":
-            return llg.LLMatcher.grammar_from_json_schema(self.value, defaults=_JSON_OPTIONS)
+            return llg.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        if self.kind == "lark":
+            return llg.LLMatcher.grammar_from_lark(self.value)
         return llg.LLMatcher.grammar_from_regex(self.value)
 
     def problem(self) -> str | None:
@@ -328,8 +338,8 @@ def _check_grammar(params: GenerateParameters) -> None:
         )
     problem = grammar.problem()
     if problem is not None:
-        what = "JSON schema" if grammar.kind == "json" else "regex"
-        raise _fail(f"`grammar` is not a usable {what}: {problem}")
+        what = {"json": "JSON schema", "regex": "regex", "lark": "grammar"}[grammar.kind]
+        raise _fail(f"`{grammar.source}` is not a usable {what}: {problem}")
 
 
 def _normalize(params: GenerateParameters, max_new_tokens: int, best_of: int) -> GenerateParameters:

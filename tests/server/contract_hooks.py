@@ -5,7 +5,9 @@ Schema can: the prompt's tokens with `max_new_tokens` within `max_total_tokens`,
 `min_new_tokens` within `max_new_tokens` — and whether a grammar's own schema or regex is one
 the grammar engine can use. Cases generated as valid are kept within them here (texts cut to
 200 characters, a minimum lowered to the maximum given, a usable grammar), so that a valid case
-the server refuses is a real disagreement. Cases generated as invalid go out unchanged. tgis.params
+the server refuses is a real disagreement. Tools get distinct names and small argument schemas
+(a schema cannot say that names are unique, nor which schemas the grammar engine can use), and
+a named `tool_choice` names one of them. Cases generated as invalid go out unchanged. tgis.params
 is tested on the token rules directly (tests/test_params.py).
 """
 
@@ -21,6 +23,9 @@ from schemathesis.generation import GenerationMode
 GRAMMAR = {"type": "regex", "value": "[a-z]{1,4}"}
 TEXT = 200  # characters: a few hundred tokens at most, far below the server's input limit
 MESSAGES = 8
+TOOLS = 3
+PARTS, PART = 4, 40  # text parts and tool calls of a message, characters of each
+ARGUMENTS = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
 
 def _cut(value: Any) -> Any:
@@ -55,14 +60,47 @@ def before_call(ctx: Any, case: Any, **kwargs: Any) -> None:
     if isinstance(body.get("messages"), list):
         body["messages"] = body["messages"][:MESSAGES]
         for message in body["messages"]:
-            if isinstance(message, dict) and "content" in message:
-                message["content"] = _cut(message["content"])
+            if isinstance(message, dict):
+                _short_message(message)
     parameters = body.get("parameters")
     if isinstance(parameters, dict):
         _lower(parameters, "min_new_tokens", ("max_new_tokens",))
         if isinstance(parameters.get("grammar"), dict):
             parameters["grammar"] = GRAMMAR
+    _usable_tools(body)
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
         response_format["json_schema"] = {"name": "any", "schema": {"type": "object"}}
     _lower(body, "min_tokens", ("max_completion_tokens", "max_tokens"))
+
+
+def _short_message(message: dict[str, Any]) -> None:
+    """A message's text (a string or text parts) and earlier tool calls, kept short."""
+    content = message.get("content")
+    if isinstance(content, str):
+        message["content"] = _cut(content)
+    elif isinstance(content, list):
+        message["content"] = content = content[:PARTS]
+        for part in content:
+            part["text"] = part["text"][:PART]
+    if isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = calls = message["tool_calls"][:PARTS]
+        for call in calls:
+            call["function"]["name"] = call["function"]["name"][:PART]
+            call["function"]["arguments"] = "{}"
+
+
+def _usable_tools(body: dict[str, Any]) -> None:
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return
+    body["tools"] = tools = tools[:TOOLS]
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        function["name"] = f"f{i}"
+        function.pop("description", None)
+        if function.get("parameters") is not None:
+            function["parameters"] = ARGUMENTS
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and tools:
+        choice["function"]["name"] = "f0"

@@ -209,9 +209,6 @@ def test_chat_without_template_is_a_clear_422(make_app: Any, plain_tokenizer: An
 
 
 def test_unsupported_features_are_refused(client: TestClient) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    error = post(client, "/v1/chat/completions", 422, messages=MESSAGES, tools=tools)
-    assert "`tools` are not supported" in error["error"]["message"]
     error = post(client, "/v1/completions", 422, prompt=PROMPT, suffix="x")
     assert "`suffix` is not supported" in error["error"]["message"]
     error = post(client, "/v1/chat/completions", 422, messages=[])

@@ -98,26 +98,20 @@ def completion_choice(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None
+    index: int, message: dict[str, Any], finish_reason: str, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": {"role": "assistant", **message},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
 
 
 def chat_delta_choice(
-    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:
-    # Every delta names the role: TGI does, and some clients require it.
-    return {
-        "index": index,
-        "delta": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -32,6 +32,12 @@ from tgis.server.openai_stream import stream_response
 from tgis.server.schemas import read_json
 from tgis.server.sse import ClientDisconnected, unless_disconnected
 from tgis.server.state import ServerState, get_state
+from tgis.server.tool_calls import (
+    ToolCallScanner,
+    ToolChoice,
+    prompt_messages,
+    template_takes_tools,
+)
 
 
 async def completions(request: Request) -> Response:
@@ -69,7 +75,9 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     streams: list[EventStream] = []
     try:
         if chat:
-            text = await anyio.to_thread.run_sync(render_chat, state.tokenizer, req.messages)
+            text = await anyio.to_thread.run_sync(
+                render_chat, state.tokenizer, req.messages, req.tools
+            )
             # The template writes the special tokens (BOS) itself.
             inputs: list[tuple[str | Sequence[int], bool]] = [(text, False)]
         else:
@@ -110,18 +118,27 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     return JSONResponse(_response(state, req, prepared, results, envelope, chat, kind))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
-    """The prompt the tokenizer's chat template makes of `messages` (422 without a template)."""
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: ToolChoice | None = None
+) -> str:
+    """The prompt the tokenizer's chat template makes of `messages` and the tools the model
+    may call (tgis.server.tool_calls), 422 without a template."""
     from jinja2 import TemplateError
 
-    if getattr(tokenizer, "chat_template", None) is None:
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
         raise invalid(
             "the model's tokenizer has no chat template, so /v1/chat/completions cannot "
             "build a prompt: use /v1/completions or /generate with a plain prompt"
         )
+    takes_tools = template_takes_tools(template)
+    extra = {"tools": tools.definitions()} if tools is not None and takes_tools else {}
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            prompt_messages(list(messages), tools, takes_tools),
+            tokenize=False,
+            add_generation_prompt=True,
+            **extra,
         )
     except TemplateError as exc:
         raise invalid(f"the chat template failed on these messages: {exc}") from None
@@ -177,7 +194,12 @@ def _response(
                 logprobs = (
                     None if req.logprobs is None else chat_logprobs(tokens, tops, req.logprobs)
                 )
-                choices.append(chat_choice(index, c.generated_text, reason, logprobs))
+                message: dict[str, Any] = {"content": c.generated_text}
+                if req.tools is not None:
+                    output = ToolCallScanner()
+                    output.feed(c.generated_text)
+                    message, reason = output.message(), output.finish_reason(reason)
+                choices.append(chat_choice(index, message, reason, logprobs))
                 continue
             text = prep.prompt + c.generated_text if req.echo else c.generated_text
             logprobs = None

@@ -19,6 +19,7 @@ from tgis.params import GenerateParameters, GrammarSpec
 from tgis.server.http_errors import invalid
 from tgis.server.info import ModelInfo
 from tgis.server.schemas import Fields
+from tgis.server.tool_calls import ToolChoice, parse_message_tool_calls, parse_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -40,6 +41,8 @@ class OpenAIRequest:
     echo: bool = False
     # TGIS's tuned prompt prefix (`prefix_id`, an extension of OpenAI's API).
     prefix_id: str | None = None
+    # Chat: the tools the model may call (None: none, or `tool_choice` "none").
+    tools: ToolChoice | None = None
 
 
 def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
@@ -179,9 +182,15 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
     """POST /v1/chat/completions (`max_tokens` defaults to what fits: tgis.params.validate)."""
     f = Fields(body)
     messages = _messages(f)
-    if f.has("tools") and f.data["tools"] != []:
-        raise invalid("`tools` are not supported by this server")
+    tools = parse_tools(f)
     grammar = _response_format(f)
+    if tools is not None and grammar is not None:
+        raise invalid(
+            '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none"): '
+            "both constrain the output"
+        )
+    if tools is not None:
+        grammar = tools.grammar()
     max_tokens = f.integer("max_completion_tokens", unsigned=True)
     if max_tokens is None:
         max_tokens = f.integer("max_tokens", unsigned=True)
@@ -207,6 +216,7 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         prefix_id=f.string("prefix_id"),
+        tools=tools,
     )
 
 
@@ -220,13 +230,13 @@ def _response_format(f: Fields) -> GrammarSpec | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return GrammarSpec.json_schema({"type": "object"})
+        return GrammarSpec.json_schema({"type": "object"}, source="response_format")
     if kind == "json_schema":
         spec = response_format.obj("json_schema")
         schema = spec.obj("schema") if spec is not None else None
         if schema is None:
             raise invalid("`response_format.json_schema.schema` is required (a JSON schema)")
-        return GrammarSpec.json_schema(schema.data)
+        return GrammarSpec.json_schema(schema.data, source="response_format")
     raise invalid(f"`response_format.type` must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -246,8 +256,13 @@ def _messages(f: Fields) -> tuple[dict[str, Any], ...]:
         elif content is not None and not isinstance(content, str):
             raise invalid(f"`messages[{i}].content` must be a string or an array of text parts")
         message["content"] = content or ""
-        if m.string("name") is not None:
-            message["name"] = m.string("name")
+        for key in ("name", "tool_call_id"):
+            if m.string(key) is not None:
+                message[key] = m.string(key)
+        if m.has("tool_calls"):
+            message["tool_calls"] = parse_message_tool_calls(
+                m.data["tool_calls"], f"messages[{i}].tool_calls"
+            )
         messages.append(message)
     return tuple(messages)
 

@@ -26,6 +26,7 @@ from tgis.server.openai_json import (
 from tgis.server.openai_schemas import OpenAIRequest
 from tgis.server.sse import Emit, EventStreamResponse
 from tgis.server.state import ServerState
+from tgis.server.tool_calls import ToolCallScanner
 
 
 def stream_response(
@@ -42,8 +43,12 @@ def stream_response(
     generated = [0]
 
     def chunk(index: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
-        make = chat_delta_choice if chat else completion_choice
-        return envelope.body([make(index, text, finish, logprobs)], **extra)
+        return envelope.body([completion_choice(index, text, finish, logprobs)], **extra)
+
+    def chat_chunk(
+        index: int, delta: dict[str, Any], finish: str | None, logprobs: Any
+    ) -> dict[str, Any]:
+        return envelope.body([chat_delta_choice(index, delta, finish, logprobs)], **extra)
 
     def logprobs_of(event: TokenEvent, offset: int) -> Any:
         if req.logprobs is None:
@@ -61,12 +66,33 @@ def stream_response(
             async with lock:
                 await emit(sse(data))
 
+        async def send_deltas(
+            index: int, output: ToolCallScanner, text: str, finish: str | None, logprobs: Any
+        ) -> None:
+            """A chat event's chunks: its content, or its tool-call deltas when tools may be
+            called; the finish reason and logprobs go with the last."""
+            if req.tools is None:
+                deltas = [{"content": text}] if text else []
+            else:
+                deltas = output.feed(text)
+                finish = None if finish is None else output.finish_reason(finish)
+            if not deltas and (finish or logprobs):
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                await send(
+                    chat_chunk(index, delta, finish if last else None, logprobs if last else None)
+                )
+
         async def run(job: int, prep: Prepared, events: EventStream, group: Any) -> None:
             offsets = dict.fromkeys(range(req.n), len(prep.prompt) if req.echo else 0)
+            outputs = [ToolCallScanner() for _ in range(req.n)]
             try:
                 for i in range(req.n):
                     if chat:
-                        await send(chunk(job * req.n + i, "", None, None))
+                        # The role, once; content null until text comes when tools may be called.
+                        first = {"role": "assistant", "content": None if req.tools else ""}
+                        await send(chat_chunk(job * req.n + i, first, None, None))
                     elif req.echo:
                         await send(chunk(job * req.n + i, prep.prompt, None, None))
                 remaining = req.n
@@ -74,8 +100,12 @@ def stream_response(
                     finish = event.completion.finish_reason.openai() if event.completion else None
                     logprobs = logprobs_of(event, offsets[event.index])
                     offsets[event.index] += len(event.token.text)
-                    if event.text or finish or logprobs:
-                        await send(chunk(job * req.n + event.index, event.text, finish, logprobs))
+                    index = job * req.n + event.index
+                    if not chat:
+                        if event.text or finish or logprobs:
+                            await send(chunk(index, event.text, finish, logprobs))
+                    else:
+                        await send_deltas(index, outputs[event.index], event.text, finish, logprobs)
                     if event.completion is not None:
                         generated[0] += event.completion.generated_tokens
                         remaining -= 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tgis.params import MAX_FACTOR, MAX_SEED, MAX_TIME_LIMIT_MS, MIN_POSITIVE, RequestLimits
+from tgis.server.tool_calls import NAME_PATTERN
 
 # The widest integer a field takes where no other limit applies (a signed 64-bit value).
 MAX_INT = 2**63 - 1
@@ -100,6 +101,30 @@ RESPONSE_FORMAT: dict[str, Any] = {
         ),
     ]
 }
+TOOL: dict[str, Any] = obj(
+    ["type", "function"],
+    type={"const": "function"},
+    function=obj(
+        ["name"],
+        name={**STR, "pattern": NAME_PATTERN},
+        description=null(STR),
+        parameters=null(
+            {
+                "type": "object",
+                "properties": {"type": {"const": "object"}},
+                "description": "a JSON schema of the arguments, an object (llguidance's subset)",
+            }
+        ),
+        strict=null(BOOL),
+    ),
+)
+TOOL_CHOICE: dict[str, Any] = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        obj(["type", "function"], type={"const": "function"}, function=obj(["name"], name=STR)),
+    ],
+    "description": "names one of `tools`",
+}
 _GRAMMAR_ENDS = (
     "`grammar` cannot be combined with `ignore_eos` or `min_new_tokens`: a complete grammar "
     "ends with EOS"
@@ -114,6 +139,52 @@ _PREFIX_ID = (
 def _given(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """The object has `name`, not null (and matching `schema`)."""
     return {"required": [name], "properties": {name: schema or {"not": NULL}}}
+
+
+def _chat_constraints() -> dict[str, Any]:
+    """What a chat request's response_format and tools allow, as one choice of five (rules
+    stated apart would multiply into more branches than schema tools such as schemathesis
+    expand): no tools or tool_choice "none", with a free output or a response_format; or tools
+    to call, without a response_format. A constrained output ends with EOS: no ignore_eos, no
+    min_tokens."""
+    nonempty = {"type": "array", "minItems": 1}
+    no_tools = {"properties": {"tool_choice": NULL, "tools": null(array({}, maxItems=0))}}
+    tools_unused = {
+        "required": ["tools", "tool_choice"],
+        "properties": {"tools": nonempty, "tool_choice": {"const": "none"}},
+    }
+    calls = {
+        "required": ["tools"],
+        "properties": {
+            "tools": nonempty,
+            "tool_choice": {"anyOf": [NULL, {"enum": ["auto", "required"]}, {"type": "object"}]},
+        },
+    }
+    free = {"properties": {"response_format": null(obj([], type=null({"const": "text"})))}}
+    formatted = _given(
+        "response_format",
+        {"required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+    )
+    ends = {"properties": {"ignore_eos": null({"const": False}), "min_tokens": null({"const": 0})}}
+    return {
+        "anyOf": [
+            {
+                "allOf": [
+                    {"anyOf": [no_tools, tools_unused]},
+                    {"anyOf": [free, {"allOf": [formatted, ends]}]},
+                ]
+            },
+            {"allOf": [calls, free, ends]},
+        ]
+    }
+
+
+_CONSTRAINED_CHAT = _chat_constraints()
+_CONSTRAINED_CHAT_RULE = (
+    '`tool_choice` needs `tools`; `response_format` and `tools` (unless `tool_choice` is "none") '
+    "both constrain the output, so not both; and a constrained output ends with EOS, so neither "
+    "takes `ignore_eos` or `min_tokens`"
+)
 
 
 def _when(condition: dict[str, Any], then: dict[str, Any], rule: str) -> dict[str, Any]:
@@ -372,11 +443,23 @@ class RequestSchemas:
         )
         completion["allOf"] = [*self._openai_rules(), *same, echoed]
         text_part = obj(["type", "text"], type={"const": "text"}, text=STR)
+        called = obj(
+            ["function"],
+            id=null(STR),
+            type=null({"const": "function"}),
+            function=obj(
+                ["name"],
+                name=STR,
+                arguments=null({"anyOf": [STR, {"type": "object"}], "description": "JSON"}),
+            ),
+        )
         message = obj(
             ["role"],
             role=STR,
             content=null({"anyOf": [STR, array(text_part)]}),
             name=null(STR),
+            tool_calls=null(array(called)),
+            tool_call_id=null(STR),
         )
         chat = obj(
             ["messages"],
@@ -384,7 +467,9 @@ class RequestSchemas:
             max_completion_tokens=null(integer(1, self.max_new_tokens)),
             logprobs=null(BOOL),
             top_logprobs=null(integer(0, lim.max_top_n_tokens)),
-            tools=null({"type": "array", "maxItems": 0, "description": "not supported"}),
+            tools=null(array(TOOL)),
+            tool_choice=null(TOOL_CHOICE),
+            parallel_tool_calls=null(BOOL),
             response_format=null(RESPONSE_FORMAT),
             **self._sampling(),
         )
@@ -396,22 +481,7 @@ class RequestSchemas:
                 _given("logprobs", {"const": True}),
                 "`top_logprobs` needs `logprobs` set to true",
             ),
-            _when(
-                _given(
-                    "response_format",
-                    {
-                        "required": ["type"],
-                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                    },
-                ),
-                {
-                    "properties": {
-                        "ignore_eos": null({"const": False}),
-                        "min_tokens": null({"const": 0}),
-                    }
-                },
-                _GRAMMAR_ENDS,
-            ),
+            _ruled(_CONSTRAINED_CHAT, _CONSTRAINED_CHAT_RULE),
         ]
         return {
             "CompletionRequest": completion,
@@ -503,7 +573,21 @@ _USAGE = obj(
 _ENVELOPE = {"id": STR, "object": STR, "created": INT, "model": STR, "system_fingerprint": STR}
 _ENV_REQUIRED = ["id", "object", "created", "model", "choices"]
 _FINISH = null({"type": "string", "enum": ["stop", "length"]})
+_CHAT_FINISH = null({"type": "string", "enum": ["stop", "length", "tool_calls"]})
 _LOGPROBS = null({"type": "object"})
+_FUNCTION_CALL = obj(["name", "arguments"], name=STR, arguments={**STR, "description": "JSON"})
+_TOOL_CALL = obj(
+    ["id", "type", "function"], id=STR, type={"const": "function"}, function=_FUNCTION_CALL
+)
+# A stream's tool-call delta: index, id, type and name in a call's first delta only; the
+# arguments' JSON text in fragments.
+_TOOL_CALL_DELTA = obj(
+    ["index"],
+    index=INT,
+    id=STR,
+    type={"const": "function"},
+    function=obj([], name=STR, arguments=STR),
+)
 
 OPENAI_RESPONSES: dict[str, Any] = {
     "CompletionChoice": obj(
@@ -519,18 +603,22 @@ OPENAI_RESPONSES: dict[str, Any] = {
         choices=array(ref("CompletionChoice")),
         usage=null(ref("Usage")),  # null in stream chunks before the last
     ),
-    "ChatMessage": obj(["role", "content"], role=STR, content=null(STR)),
+    "ChatMessage": obj(
+        ["role", "content"], role=STR, content=null(STR), tool_calls=array(_TOOL_CALL)
+    ),
     "ChatChoice": obj(
         ["index", "message", "finish_reason"],
         index=INT,
         message=ref("ChatMessage"),
         logprobs=_LOGPROBS,
-        finish_reason=_FINISH,
+        finish_reason=_CHAT_FINISH,
     ),
     "ChatCompletion": obj(
         _ENV_REQUIRED, **_ENVELOPE, choices=array(ref("ChatChoice")), usage=ref("Usage")
     ),
-    "ChatDelta": obj([], role=STR, content=null(STR)),
+    "ChatDelta": obj(
+        [], role=STR, content=null(STR), tool_calls=array(_TOOL_CALL_DELTA, minItems=1)
+    ),
     "ChatCompletionChunk": obj(
         _ENV_REQUIRED,
         **_ENVELOPE,
@@ -540,7 +628,7 @@ OPENAI_RESPONSES: dict[str, Any] = {
                 index=INT,
                 delta=ref("ChatDelta"),
                 logprobs=_LOGPROBS,
-                finish_reason=_FINISH,
+                finish_reason=_CHAT_FINISH,
             )
         ),
         usage=null(ref("Usage")),
