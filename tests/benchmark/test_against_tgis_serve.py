@@ -14,6 +14,7 @@ from tests.server.conftest import live_server
 from tgis.benchmark.results import validate_results
 from tgis.cli import app
 from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+from tgis.errors import ConfigError
 from tgis.hub import read_model_config
 from tgis.launch import build_service
 from tgis.server import ModelInfo, create_app
@@ -75,3 +76,33 @@ def test_open_loop_kinds(url: str, tmp_path: Path, kind: str, extra: list[str]) 
     data = run(url, tmp_path, "--profile", "fixed-length", "--kind", kind, *extra, *SMALL, *SHORT)
     assert data["steps"] and all(step["errors"] == {} for step in data["steps"])
     assert sum(step["requests"]["ok"] for step in data["steps"]) > 0
+
+
+@pytest.mark.parametrize("api", ["tgi", "openai-chat"])
+def test_json_schema_constrains_every_answer(url: str, tmp_path: Path, api: str) -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    data = run(
+        url, tmp_path, "--api", api, "--profile", "fixed-length", "--kind", "throughput",
+        "--max-vus", "2", "--json-schema", str(path), *SMALL, *SHORT,
+    )  # fmt: skip
+    (step,) = data["steps"]
+    assert step["requests"]["ok"] > 0 and step["errors"] == {}
+    assert data["config"]["json_schema"] == schema
+    # Answers of at most two integers end well before --decode-tokens: by EOS, not by length.
+    assert step["output_tokens"] < 6 * step["requests"]["ok"]
+
+
+def test_json_schema_needs_an_api_that_takes_one(url: str, tmp_path: Path) -> None:
+    path = tmp_path / "schema.json"
+    path.write_text("[1]")
+    result = runner.invoke(app, ["benchmark", "--url", url, "--json-schema", str(path)])
+    assert isinstance(result.exception, ConfigError)
+    assert "holds no JSON object" in str(result.exception)
+    path.write_text("{}")
+    result = runner.invoke(
+        app, ["benchmark", "--url", url, "--api", "openai-completions", "--json-schema", str(path)]
+    )
+    assert isinstance(result.exception, ConfigError)
+    assert "--json-schema needs TGI's API" in str(result.exception)

@@ -4,6 +4,7 @@ workload, reading compared runs, and writing results and plots."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,40 @@ def build_workload(
         return profile, build_sessions(profile, tokenizer, requests, seed)
     except ValueError as exc:
         raise TgisError(f"cannot build the prompts: {exc}", "try other --prompt-tokens") from None
+
+
+def read_json_schema(path: Path | None) -> dict[str, Any] | None:
+    """--json-schema's file: a JSON object (the schema)."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"--json-schema {path}: {exc}", "give a file holding a JSON schema"
+        ) from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"--json-schema {path} holds no JSON object", "give a JSON schema")
+    return schema
+
+
+def structured_output(api: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+    """The request fields that ask `api` for output matching `schema` (none without one)."""
+    if schema is None:
+        return {}
+    if api == "tgi":
+        return {"grammar": {"type": "json", "value": schema}}
+    if api == "openai-chat":
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema},
+            }
+        }
+    raise ConfigError(
+        f"--json-schema needs TGI's API or OpenAI's chat API, not {api}",
+        "use --api tgi or --api openai-chat",
+    )
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:

@@ -131,6 +131,8 @@ _HTTP_CONFIG = {
         "kind": {"enum": ["throughput", "rate", "sweep"]},
         "profile": {"type": "object", "required": ["name", "prompt", "decode", "turns"]},
         "seed": {"type": "integer"},
+        # The schema every answer had to match (--json-schema), or null.
+        "json_schema": {"type": ["object", "null"]},
     },
 }
 _ENGINE_CONFIG = {

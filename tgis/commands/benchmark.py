@@ -74,6 +74,16 @@ def command(
             "--requests", help="Sessions to prebuild (reused in turn).", rich_help_panel=WORKLOAD
         ),
     ] = 64,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(
+            "--json-schema",
+            help="A JSON schema file every answer must match (TGI's grammar, OpenAI chat's "
+            "response_format): the cost of structured output.",
+            rich_help_panel=WORKLOAD,
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[
         int,
         typer.Option(
@@ -212,7 +222,9 @@ def command(
         build_workload,
         check_options,
         load_compared,
+        read_json_schema,
         save,
+        structured_output,
         token_counter,
     )
     from tgis.benchmark.client import BenchmarkClient
@@ -257,11 +269,13 @@ def command(
     target = detect_target(url, api, api_key)
     tok, tokenizer_name = load_tokenizer(tokenizer, target.model_id)
     chosen, sessions = build_workload(profile, prompt_tokens, decode_tokens, tok, requests, seed)
+    schema = read_json_schema(json_schema)
     client = BenchmarkClient(
         target.url,
         api=target.api,  # type: ignore[arg-type]
         model=target.model_id or "tgi",
         headers=auth_headers(api_key),
+        extra_parameters=structured_output(target.api, schema),
     )
     run = BenchmarkRun(
         client, sessions, kind, duration, warmup, max_vus, rate_list, num_rates, seed
@@ -292,6 +306,7 @@ def command(
         "rates": rate_list,
         "num_rates": num_rates,
         "requests": requests,
+        "json_schema": schema,
         "slos_s": slos,
         "interrupted": interrupted,
     }
