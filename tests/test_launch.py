@@ -61,3 +61,5 @@ def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
     assert isinstance(load_torch_backend(make_config(compile=True), llama), TorchDynamicBackend)
     with pytest.raises(ConfigError, match="--prefix-caching needs the paged engine"):
         load_torch_backend(make_config(prefix_caching=True), gpt2)
+    with pytest.raises(ConfigError, match="--speculate needs the paged engine"):
+        load_torch_backend(make_config(speculate=4), gpt2)

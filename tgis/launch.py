@@ -100,7 +100,11 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
             memory_fraction=config.cuda_memory_fraction,
             cuda_graphs=config.cuda_graphs if config.backend == "cuda" else False,
         )
-    for name, flag in (("prefix_caching", "--prefix-caching"), ("cuda_graphs", "--cuda-graphs")):
+    for name, flag in (
+        ("prefix_caching", "--prefix-caching"),
+        ("cuda_graphs", "--cuda-graphs"),
+        ("speculate", "--speculate"),
+    ):
         if getattr(config, name):
             raise ConfigError(
                 f"{flag} needs the paged engine, which cannot run here: {reason}",
@@ -189,7 +193,7 @@ def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Ba
 
     _refuse_options(
         config,
-        ("prefix_caching", "cuda_graphs", "compile"),
+        ("prefix_caching", "cuda_graphs", "compile", "speculate"),
         "{option} is for decoder-only models; this model is an encoder-decoder one",
     )
     return Seq2SeqBackend.load(
@@ -258,6 +262,7 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         observer,
         prefix_caching=config.prefix_caching is not False,
         on_fatal=exit_soon,
+        speculate=config.speculate,
     )
     engine.start()
     log.info(

@@ -594,6 +594,14 @@ def test_paged_engine_options() -> None:
     assert "PREFIX_CACHING=true needs the paged KV cache of the cpu and cuda backends; " in (
         error_of(env={"PREFIX_CACHING": "true"}, backend="gaudi")
     )
+    assert build(backend="cpu").speculate == 0
+    assert build(backend="cpu", env={"SPECULATE": "4"}).speculate == 4
+    assert build(backend="cuda", speculate=16).speculate == 16
+    assert "--speculate 17 must be in [0, 16]" in error_of(backend="cpu", speculate=17)
+    assert "SPECULATE=-1 must be in [0, 16]" in error_of(backend="cpu", env={"SPECULATE": "-1"})
+    assert "SPECULATE=2 needs the paged engine of the cpu and cuda backends; gaudi" in (
+        error_of(env={"SPECULATE": "2"}, backend="gaudi")
+    )
     assert build(backend="cuda", env={"CUDA_MEMORY_FRACTION": "0.5"}).cuda_memory_fraction == 0.5
     assert "--cuda-memory-fraction 0.9 applies to the cuda backend, not cpu" in error_of(
         backend="cpu", cuda_memory_fraction=0.9

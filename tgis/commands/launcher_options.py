@@ -199,6 +199,16 @@ PrefixCaching = Annotated[
         negatable=True,
     ),
 ]
+Speculate = Annotated[
+    int | None,
+    _opt(
+        "speculate",
+        DEVICE,
+        "cpu/cuda paged engine: speculative decoding, verifying up to N draft tokens (n-gram "
+        "prompt lookup: text the prompt already holds) with each decode step; 0 is off.",
+        "0",
+    ),
+]
 CudaMemoryFraction = Annotated[
     float | None,
     _opt(
@@ -335,6 +345,7 @@ OPTIONS: dict[str, Any] = {
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
     "prefix_caching": PrefixCaching,
+    "speculate": Speculate,
     "cuda_memory_fraction": CudaMemoryFraction,
     "max_concurrent_requests": MaxConcurrentRequests,
     "max_best_of": MaxBestOf,

@@ -137,6 +137,7 @@ def build_serve_config(
         cuda_graphs=values["cuda_graphs"],
         prefix_caching=values["prefix_caching"],
         cuda_memory_fraction=values["cuda_memory_fraction"],
+        speculate=values["speculate"] or 0,
         grpc_port=grpc_port(values, r),
         max_new_tokens=values["max_new_tokens"],
         output_special_tokens=bool(values["output_special_tokens"]),

@@ -15,6 +15,7 @@ from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
 from tgis.config.types import PREFILL_MODES, STATIC_BACKENDS, ServeConfig
 from tgis.errors import ConfigError
+from tgis.params import MAX_SPECULATE
 
 # TGI caps the default context at 4096 tokens to leave room for more concurrent users.
 DEFAULT_MAX_TOTAL_CAP = 4096
@@ -61,6 +62,12 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         raise ConfigError(
             f"{r.label('waiting_served_ratio', values['waiting_served_ratio'])} must be > 0",
             "use a ratio such as 0.3 (TGI's default) or 1.2",
+        )
+    speculate = values["speculate"]
+    if speculate is not None and not 0 <= speculate <= MAX_SPECULATE:
+        raise ConfigError(
+            f"{r.label('speculate', speculate)} must be in [0, {MAX_SPECULATE}]",
+            f"set {flag('speculate')} to the draft tokens to verify per step, such as 4 (0: off)",
         )
     for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
         seconds = values[name]
@@ -247,6 +254,12 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
                 "ways to compile decode",
                 "keep one of them",
             )
+    if values["speculate"] and backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{r.label('speculate', values['speculate'])} needs the paged engine of the cpu and "
+            f"cuda backends; {backend} runs fixed shapes",
+            "drop --speculate (SPECULATE)",
+        )
     if values["prefix_caching"] and backend not in ("cpu", "cuda"):
         raise ConfigError(
             f"{r.label('prefix_caching', 'true')} needs the paged KV cache of the cpu and cuda "

@@ -48,6 +48,7 @@ class LauncherArgs:
     cuda_graphs: bool | None = None
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
+    speculate: int | None = None
     prefix_store_path: str | None = None
     max_request_body_bytes: int | None = None
     header_timeout_s: float | None = None
@@ -212,6 +213,9 @@ class ServeConfig:
     # cuda: the share of the GPU's memory the server may use (weights, activations, KV cache);
     # None: the backend's default.
     cuda_memory_fraction: float | None = None
+    # Speculative decoding: draft tokens (n-gram prompt lookup) verified with each decode step
+    # of the paged engine, at most; 0: off.
+    speculate: int = 0
     # The TGIS gRPC API (fmaas.GenerationService) on its own port; None: not served.
     grpc_port: int | None = None
     # The largest max_new_tokens a request may ask for; gRPC's default ceiling is 1024 (TGIS),

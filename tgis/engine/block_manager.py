@@ -7,7 +7,9 @@ at offset `p % block_size` (`slot`, the flat index the backend writes K/V to).
 
 Admission is by free blocks (`can_allocate`): a sequence takes the blocks its tokens need, one
 more each time decoding crosses a block boundary (`can_append` / `append`), and gives them all
-back when it leaves (`free`): finished, cancelled, or preempted to be recomputed later.
+back when it leaves (`free`): finished, cancelled, or preempted to be recomputed later. Slots
+for speculative tokens are taken ahead of them (`reserve`) and given back when those tokens are
+rejected (`trim`).
 
 With prefix caching, every full block whose KV has been computed (`mark_computed`) is keyed by
 a hash of its tokens and of every token before it (chained block by block, from an optional
@@ -99,7 +101,11 @@ class BlockManager:
 
     def blocks_to_append(self, seq_ids: Sequence[int]) -> int:
         """New blocks one more token for each of `seq_ids` would take."""
-        return sum(1 for s in seq_ids if len(self._seqs[s].tokens) % self.block_size == 0)
+        return sum(1 for s in seq_ids if self._short(self._seqs[s], 1))
+
+    def _short(self, state: _SeqBlocks, extra: int) -> int:
+        """Blocks `state` lacks for `extra` positions after its tokens."""
+        return max(0, self.blocks_for(len(state.tokens) + extra) - len(state.blocks))
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -140,7 +146,7 @@ class BlockManager:
         """Add one token to `seq_id` (taking a block when it starts one); returns its slot."""
         state = self._seqs[seq_id]
         position = len(state.tokens)
-        if position % self.block_size == 0:
+        if self._short(state, 1):
             if not self.free_blocks:
                 raise MemoryError(
                     f"sequence {seq_id} needs a block, none of {self.num_blocks} is free"
@@ -148,6 +154,26 @@ class BlockManager:
             state.blocks.append(self._take_free())
         state.tokens.append(token_id)
         return self.slot(seq_id, position)
+
+    def reserve(self, seq_id: int, extra: int) -> bool:
+        """Give `seq_id` slots for `extra` positions after its tokens (speculative tokens, which
+        may be rejected) when the pool has the blocks: False, and nothing taken, when not."""
+        state = self._seqs[seq_id]
+        short = self._short(state, extra)
+        if short > self.free_blocks:
+            return False
+        state.blocks.extend(self._take_free() for _ in range(short))
+        return True
+
+    def trim(self, seq_id: int) -> None:
+        """Give back the blocks beyond `seq_id`'s tokens (what `reserve` took and no accepted
+        token filled). They hold no full block of tokens, so none is in the prefix cache."""
+        state = self._seqs[seq_id]
+        while len(state.blocks) > max(1, self.blocks_for(len(state.tokens))):
+            block = state.blocks.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
 
     def mark_computed(self, seq_id: int, num_tokens: int | None = None) -> None:
         """The K/V of the first `num_tokens` tokens (default: all) are now in the cache: their

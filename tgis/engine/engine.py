@@ -32,8 +32,10 @@ from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
+from tgis.engine.speculation import NgramProposer, Verified, verify
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
+from tgis.params import MAX_SPECULATE
 
 if TYPE_CHECKING:
     import torch
@@ -61,10 +63,13 @@ class Engine:
         observer: EngineObserver | None = None,
         prefix_caching: bool = False,
         on_fatal: Callable[[], None] | None = None,
+        speculate: int = 0,
     ) -> None:
         """prefix_caching: share the KV blocks of common prompt prefixes (paged backends).
         on_fatal: called if the model thread ever ends other than by `stop` (after every
-        request has its answer); `tgis serve` exits then, so that a supervisor restarts it."""
+        request has its answer); `tgis serve` exits then, so that a supervisor restarts it.
+        speculate: draft tokens (n-gram prompt lookup) verified with each decode, at most
+        (paged backends; 0: none)."""
         self.backend = backend
         self.on_fatal = on_fatal
         self.tokenizer = tokenizer
@@ -75,6 +80,14 @@ class Engine:
             self.scheduler = PagedScheduler(limits, blocks)
         else:
             self.scheduler = Scheduler(limits)
+        if speculate and not isinstance(self.scheduler, PagedScheduler):
+            raise ValueError(
+                f"speculative decoding needs a paged backend; {backend.name} keeps a slot cache"
+            )
+        if not 0 <= speculate <= MAX_SPECULATE:
+            raise ValueError(f"speculate must be in [0, {MAX_SPECULATE}], got {speculate}")
+        self.speculate = speculate
+        self.proposer = NgramProposer()
         self.max_concurrent_requests = max_concurrent_requests
         self.eos_token_ids = tuple(eos_token_ids)
         # Computed once: every sequence checks its tokens against it.
@@ -323,11 +336,12 @@ class Engine:
         for chunk, live in zip(step.chunks, lives, strict=True):
             if not live.started:
                 live.begin(start_time=now)
-            wants = live.wants_prompt_logprobs and not live.prefill
+            wants = live.wants_prompt_logprobs and not live.prefill and not chunk.draft
             items.append(
                 PackedItem(
                     chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
-                    chunk.sample, wants, live.prefix_embeds(chunk.start, chunk.count),
+                    chunk.sample, wants or bool(chunk.draft),
+                    live.prefix_embeds(chunk.start, chunk.count),
                 )
             )  # fmt: skip
         try:
@@ -339,20 +353,35 @@ class Engine:
                 self._run_packed_step(PackedStep(step.kind, (chunk,)), [live], False)
             return
         forward = time.perf_counter() - start
-        sampled = [live for live, chunk in zip(lives, step.chunks, strict=True) if chunk.sample]
-        wanted = bool(sampled)
+        # out.last has a row per sampling chunk, in order; chunks with a draft are verified
+        # from their logits at every position (out.prompt) instead.
+        plain = [lv for lv, c in zip(lives, step.chunks, strict=True) if c.sample and not c.draft]
+        drafted = [
+            (lv, c.draft, part)
+            for lv, c, part in zip(lives, step.chunks, out.prompt, strict=True)
+            if c.draft
+        ]
+        wanted = bool(plain or drafted)
+        logits = out.last
+        if drafted and plain:
+            sampling = [c for c in step.chunks if c.sample]
+            logits = out.last[[i for i, c in enumerate(sampling) if not c.draft]]
         # The step's K/V are in the cache whatever the sampling does: the scheduler's host
         # bookkeeping runs while the device samples.
-        sampled, choice = self._choose(
-            method, sampled, out.last, partial(self.scheduler.complete, step)
-        )
-        for live, item, part in zip(lives, items, out.prompt, strict=True):
-            if part is not None:
-                self._guarded(live, live.add_prompt_logits, item.start, part)
+        complete = partial(self.scheduler.complete, step)
+        if plain:
+            sampled, choice = self._choose(method, plain, logits, complete)
+        else:
+            complete()
+            sampled, choice = [], SampleOutput.concat([])
+        verified = self._verify(method, drafted)
+        for live, chunk, part in zip(lives, step.chunks, out.prompt, strict=True):
+            if part is not None and not chunk.draft:
+                self._guarded(live, live.add_prompt_logits, chunk.start, part)
         for live in sampled:
             self._guarded(live, live.record_prompt_parts)
-        ok = bool(sampled) or not wanted
-        self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok)
+        ok = bool(sampled or verified) or not wanted
+        self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok, verified)
 
     def _choose(
         self,
@@ -388,6 +417,34 @@ class Engine:
             chosen.append(live)
             outputs.append(row)
         return chosen, SampleOutput.concat(outputs)
+
+    def _verify(
+        self, method: str, drafted: list[tuple[LiveSequence, tuple[int, ...], torch.Tensor | None]]
+    ) -> list[tuple[LiveSequence, Verified]]:
+        """The tokens of the sequences whose step verified a draft (alone when the batch's
+        verification raised): the sequences that got them, and what they got."""
+        if not drafted:
+            return []
+        try:
+            results = verify(
+                [lv.row for lv, _, _ in drafted],
+                [part for _, _, part in drafted],  # type: ignore[misc]
+                [draft for _, draft, _ in drafted],
+                self.eos_token_ids,
+            )
+            return [(lv, r) for (lv, _, _), r in zip(drafted, results, strict=True)]
+        except Exception as exc:
+            if not self._retry_alone(method, [lv for lv, _, _ in drafted], exc):
+                return []
+        out = []
+        for live, draft, part in drafted:
+            try:
+                (result,) = verify([live.row], [part], [draft], self.eos_token_ids)  # type: ignore[list-item]
+            except Exception as exc:
+                self._fail_step(method, [live], exc)
+                continue
+            out.append((live, result))
+        return out
 
     def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:
         """A step over `lives` raised `exc`: True when it is worth running each alone (there
@@ -435,8 +492,10 @@ class Engine:
         forward: float,
         joined: bool,
         succeeded: bool = True,
+        verified: Sequence[tuple[LiveSequence, Verified]] = (),
     ) -> None:
-        """Turn each row's sampled token into an event, finish the completed, report.
+        """Turn each row's sampled token into an event, finish the completed, report; then
+        the tokens of the `verified` sequences (speculative decoding), in order.
         `succeeded`: some row of the step got its token (a success ends a run of failures)."""
         if not succeeded:  # every row failed (and was answered): nothing to emit
             self._report_state()
@@ -445,26 +504,66 @@ class Engine:
         touched: dict[int, RequestHandle] = {}
         now = time.monotonic()
         for i, live in enumerate(lives):
-            if live.seq.seq_id not in self._live:
-                continue  # its request failed earlier in this loop (best_of siblings)
-            try:
-                event = live.push(choice, i, now)
-            except Exception as exc:  # detokenizing or a stop rule failed: this request only
-                log.exception("request %s failed after its step", live.handle.request.request_id)
-                live.handle.pending.clear()
-                self._abandon(live.handle, GenerationError(f"{type(exc).__name__}: {exc}"))
-                continue
-            live.handle.pending.append(event)
-            touched[id(live.handle)] = live.handle
-            if event.completion is not None:
-                self._finish(live)
+            self._push(live, choice, i, now, touched)
+        for live, result in verified:
+            for i in range(len(result.choice.token_ids)):
+                if not self._push(live, result.choice, i, now, touched):
+                    break
+            else:
+                assert isinstance(self.scheduler, PagedScheduler)
+                self.scheduler.accept(live.seq, result.accepted)
         for handle in touched.values():
             handle.flush()
+        if self.speculate:
+            self._propose([*lives, *(live for live, _ in verified)])
         if self.observer:
-            self.observer.on_step(method, len(lives), tokens, time.perf_counter() - start, forward)
+            rows = len(lives) + len(verified)
+            self.observer.on_step(method, rows, tokens, time.perf_counter() - start, forward)
             if joined:
                 self.observer.on_concatenation()
+            if verified:
+                self.observer.on_speculation(
+                    sum(v.drafted for _, v in verified),
+                    sum(v.accepted for _, v in verified),
+                    sum(len(v.choice.token_ids) for _, v in verified),
+                )
         self._report_state()
+
+    def _push(
+        self,
+        live: LiveSequence,
+        choice: SampleOutput,
+        row: int,
+        now: float,
+        touched: dict[int, RequestHandle],
+    ) -> bool:
+        """Row `row` of `choice` becomes `live`'s next event: True while the sequence goes on
+        (False: it finished, or its request failed)."""
+        if live.seq.seq_id not in self._live:
+            return False  # its request failed earlier in this step (best_of siblings)
+        try:
+            event = live.push(choice, row, now)
+        except Exception as exc:  # detokenizing or a stop rule failed: this request only
+            log.exception("request %s failed after its step", live.handle.request.request_id)
+            live.handle.pending.clear()
+            self._abandon(live.handle, GenerationError(f"{type(exc).__name__}: {exc}"))
+            return False
+        live.handle.pending.append(event)
+        touched[id(live.handle)] = live.handle
+        if event.completion is not None:
+            self._finish(live)
+            return False
+        return True
+
+    def _propose(self, lives: Sequence[LiveSequence]) -> None:
+        """Drafts for the next step of the sequences that go on (n-gram prompt lookup), up to
+        --speculate tokens and never past max_new_tokens; none under a grammar."""
+        for live in lives:
+            seq = live.seq
+            if seq.seq_id not in self._live or live.row.constraint is not None:
+                continue
+            room = min(self.speculate, seq.remaining_tokens - 1)
+            seq.draft = self.proposer.propose(seq.token_ids, room) if room > 0 else ()
 
     def _report_state(self) -> None:
         """The queue, the batch and the KV pool as they are now (after every change)."""

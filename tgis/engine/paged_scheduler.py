@@ -15,7 +15,10 @@ token each) with prefill chunks of new prompts, of any lengths, without padding:
    tokens it has generated) when blocks are free again. Nothing is lost and nothing runs out of
    memory; with prefix caching most of the recomputation is a cache hit.
 2. Every running sequence is scheduled: a decode (one token) always; a prompt still being
-   prefilled takes its next chunk from the step's prefill budget.
+   prefilled takes its next chunk from the step's prefill budget. A decode carries the
+   sequence's draft (speculative decoding: tokens proposed to follow, verified in the same
+   forward) when the pool has slots for it; the engine reports how many were accepted
+   (`accept`), and the slots of rejected ones go back before the next step.
 3. Waiting sequences are admitted in order while the step has prefill budget, the batch has
    room (`max_batch_size`) and the pool has blocks for the whole prompt (less the blocks the
    prefix cache already holds) beyond the blocks the running decodes need next. The last one
@@ -43,12 +46,14 @@ from tgis.engine.sequence import SeqStatus, Sequence
 class Chunk:
     """Tokens `start`..`start + count - 1` of `seq` computed in one step, with the sequence's
     block table at that time. `sample`: the chunk ends at the last known token, so its logits
-    give the next token."""
+    give the next token. `draft`: speculative tokens after the last known one, computed in the
+    same step (their slots reserved) to verify them."""
 
     seq: Sequence
     start: int
     count: int
     block_table: tuple[int, ...]
+    draft: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -56,7 +61,7 @@ class Chunk:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return tuple(self.seq.token_ids[self.start : self.start + self.count])
+        return tuple(self.seq.token_ids[self.start : self.start + self.count]) + self.draft
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class PackedStep:
 
     @property
     def tokens(self) -> int:
-        return sum(c.count for c in self.chunks)
+        return sum(c.count + len(c.draft) for c in self.chunks)
 
 
 class PagedScheduler:
@@ -118,7 +123,7 @@ class PagedScheduler:
         for seq in self.running:
             need = seq.uncomputed
             if need == 1:
-                chunks.append(self._chunk(seq, 1))
+                chunks.append(self._decode(seq))
             elif need > 1 and budget > 0:
                 take = int(min(need, budget))
                 budget -= take
@@ -154,6 +159,12 @@ class PagedScheduler:
             seq.computed = chunk.start + chunk.count
             self.blocks.mark_computed(seq.seq_id, seq.computed)
 
+    def accept(self, seq: Sequence, count: int) -> None:
+        """The first `count` draft tokens of `seq`'s last step were accepted (and appended to
+        its tokens after `complete`): their K/V, computed in that step, are in the cache too."""
+        if seq.status is SeqStatus.RUNNING:
+            seq.computed += count
+
     def finish(self, seq: Sequence) -> None:
         """A sequence left (finished, cancelled, failed): its blocks go back."""
         if seq.status is SeqStatus.RUNNING:
@@ -166,6 +177,15 @@ class PagedScheduler:
 
     def _chunk(self, seq: Sequence, count: int) -> Chunk:
         return Chunk(seq, seq.computed, count, tuple(self.blocks.block_table(seq.seq_id)))
+
+    def _decode(self, seq: Sequence) -> Chunk:
+        """A decode chunk: the last token, and the sequence's draft when the pool has slots
+        for it (a draft never preempts anyone; without slots the step decodes one token)."""
+        draft, seq.draft = seq.draft, ()
+        if draft and not self.blocks.reserve(seq.seq_id, len(draft)):
+            draft = ()
+        chunk = self._chunk(seq, 1)
+        return Chunk(chunk.seq, chunk.start, 1, chunk.block_table, draft) if draft else chunk
 
     def _extend_blocks(self) -> None:
         """Give each running sequence slots for its sampled tokens, preempting the newest
@@ -182,6 +202,10 @@ class PagedScheduler:
                 self._preempt(self.running[-1])
                 if seq.status is not SeqStatus.RUNNING:
                     return  # it was the newest: everything after it is gone too
+            # Slots reserved for draft tokens that were rejected go back; accepted ones are
+            # computed tokens now, whose full blocks the prefix cache may keep.
+            self.blocks.trim(seq.seq_id)
+            self.blocks.mark_computed(seq.seq_id, seq.computed)
             index += 1
 
     def _preempt(self, seq: Sequence) -> None:

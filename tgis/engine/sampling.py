@@ -31,6 +31,7 @@ len(prompt + generated)` over the prompt too; OpenAI's definition is what client
 
 from __future__ import annotations
 
+import copy
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -212,6 +213,26 @@ class SamplingRow:
                 self._seen.index_fill_(0, token, True)
                 self._counts.index_put_((token,), torch.ones_like(token, dtype=torch.float32), True)
         self.generated += 1
+
+    def ahead(self, tokens: Sequence[int]) -> SamplingRow:
+        """This row as it will be once `tokens` are generated (for scoring speculative
+        positions): its count, penalty history and random draw moved on; the row itself is
+        not changed. Rows under a grammar are never asked (their state cannot be copied
+        ahead cheaply)."""
+        if self.constraint is not None:
+            raise ValueError("a row under a grammar is not scored ahead")
+        row = copy.copy(self)
+        row.generated = self.generated + len(tokens)
+        if self.penalized and tokens:
+            if self._seen is None or self._counts is None:
+                row._ids = [*(self._ids or ()), *tokens]
+            else:
+                ids = torch.tensor(list(tokens), device=self._seen.device)
+                row._seen = self._seen.clone().index_fill_(0, ids, True)
+                row._counts = self._counts.clone().index_add_(
+                    0, ids, torch.ones_like(ids, dtype=torch.float32)
+                )
+        return row
 
     def append(self, token_id: int) -> None:
         """Record a generated token given on the host (SamplingBatch.choose records its own)."""

@@ -39,6 +39,9 @@ class Sequence:
     salt: bytes = b""
     # False: never take cached blocks (the prompt's logits are wanted at every position).
     cache_lookup: bool = True
+    # Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
+    # alongside the last token; set by the engine, cleared when scheduled.
+    draft: tuple[int, ...] = ()
 
     @property
     def reserved_tokens(self) -> int:

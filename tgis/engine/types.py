@@ -173,6 +173,10 @@ class EngineObserver(Protocol):
         looked up in the prefix cache and found there, cached blocks evicted, sequences
         preempted (running totals)."""
 
+    def on_speculation(self, draft_tokens: int, accepted_tokens: int, emitted_tokens: int) -> None:
+        """A step verified `draft_tokens` speculative tokens (speculative decoding), of which
+        `accepted_tokens` were right; its verifying rows emitted `emitted_tokens` in all."""
+
 
 class EngineClient(Protocol):
     """What the HTTP layer needs of the engine."""

@@ -165,6 +165,17 @@ class Metrics:
             "tgis_prefix_cache_evicted_blocks": "Cached KV blocks evicted to make room",
             "tgis_preemptions": "Sequences preempted when the KV cache ran out, to be recomputed",
         }
+        speculation = {
+            "tgis_speculative_draft_tokens": "Speculative tokens proposed and verified "
+            "(--speculate)",
+            "tgis_speculative_accepted_tokens": "Speculative tokens the model accepted (the "
+            "acceptance rate is their ratio to tgis_speculative_draft_tokens)",
+            "tgis_speculative_emitted_tokens": "Tokens emitted by verifying steps (accepted, "
+            "plus one per sequence and step)",
+        }
+        self.speculation = {
+            name: Counter(name, doc, registry=r) for name, doc in speculation.items()
+        }
         self.kv_counters = {
             name: Counter(name, doc, registry=r) for name, doc in kv_counters.items()
         }
@@ -285,6 +296,12 @@ class Metrics:
                 if delta > 0:
                     self.kv_counters[name].inc(delta)
                 self._kv_totals[name] = total
+
+    def on_speculation(self, draft_tokens: int, accepted_tokens: int, emitted_tokens: int) -> None:
+        """A verify step's draft, accepted and emitted tokens (see EngineObserver)."""
+        self.speculation["tgis_speculative_draft_tokens"].inc(draft_tokens)
+        self.speculation["tgis_speculative_accepted_tokens"].inc(accepted_tokens)
+        self.speculation["tgis_speculative_emitted_tokens"].inc(emitted_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
