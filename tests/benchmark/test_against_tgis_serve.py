@@ -49,7 +49,9 @@ def run(url: str, tmp_path: Path, *args: str) -> dict:
     return data
 
 
-@pytest.mark.parametrize("profile", ["chat", "code-generation", "classification", "fixed-length"])
+@pytest.mark.parametrize(
+    "profile", ["chat", "code-generation", "code-editing", "classification", "fixed-length"]
+)
 def test_each_profile_runs_clean(url: str, tmp_path: Path, profile: str) -> None:
     data = run(
         url,

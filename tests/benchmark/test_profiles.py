@@ -10,7 +10,9 @@ from tgis.benchmark.profiles import PROFILES, LengthDistribution, get_profile
 
 
 def test_builtin_profiles() -> None:
-    assert set(PROFILES) == {"chat", "code-generation", "classification", "fixed-length"}
+    assert set(PROFILES) == {
+        "chat", "code-generation", "code-editing", "classification", "fixed-length",
+    }  # fmt: skip
     assert get_profile("chat").turns > 1
     assert get_profile("code-generation").prompt.mean == 4096
     assert get_profile("classification").prompt.mean > get_profile("code-generation").prompt.mean

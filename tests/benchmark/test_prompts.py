@@ -9,7 +9,13 @@ import pytest
 
 from tests.benchmark.conftest import SMALL
 from tgis.benchmark.profiles import LengthDistribution, get_profile
-from tgis.benchmark.prompts import build_sessions, count_tokens, load_corpus, make_prompt
+from tgis.benchmark.prompts import (
+    ECHO_REQUEST,
+    build_sessions,
+    count_tokens,
+    load_corpus,
+    make_prompt,
+)
 
 
 def test_corpus_is_the_standard_library() -> None:
@@ -53,3 +59,13 @@ def test_chat_sessions_have_turns_of_sampled_lengths(tokenizer: Any) -> None:
         assert count_tokens(tokenizer, turn.text) == turn.tokens
         assert 10 <= turn.tokens <= 60
         assert chat.decode.minimum <= turn.max_new_tokens <= chat.decode.maximum
+
+
+def test_code_editing_prompts_hold_their_answer(tokenizer: Any) -> None:
+    profile = get_profile("code-editing").with_lengths(prompt=LengthDistribution.fixed(80))
+    for session in build_sessions(profile, tokenizer, 3, seed=5):
+        (turn,) = session.turns
+        code, rest = turn.text.split(ECHO_REQUEST)
+        assert rest == code.split("\n", 1)[0] + "\n"  # the answer begins as the code did
+        assert count_tokens(tokenizer, code) == 60  # three quarters of the length
+        assert turn.tokens == count_tokens(tokenizer, turn.text)

@@ -65,6 +65,9 @@ class Profile:
     prompt: LengthDistribution
     decode: LengthDistribution
     turns: int = 1
+    # The prompt is a piece of code, a request to write it again, and its beginning: the
+    # answer is mostly in the prompt (editing, reformatting, quoting).
+    echo: bool = False
 
     def __post_init__(self) -> None:
         if self.turns < 1:
@@ -92,6 +95,7 @@ class Profile:
             "prompt": self.prompt.to_dict(),
             "decode": self.decode.to_dict(),
             "turns": self.turns,
+            "echo": self.echo,
         }
 
 
@@ -116,6 +120,14 @@ PROFILES: dict[str, Profile] = {
             "very long documents with a few tokens of answer",
             prompt=LengthDistribution(mean=10000, minimum=8000, maximum=12000, spread=1000),
             decode=LengthDistribution(mean=10, minimum=1, maximum=20, spread=5),
+        ),
+        Profile(
+            "code-editing",
+            "code to write again with a small change: the answer is mostly in the prompt (what "
+            "speculative decoding's prompt lookup drafts from)",
+            prompt=LengthDistribution(mean=300, minimum=100, maximum=600, spread=100),
+            decode=LengthDistribution(mean=128, minimum=32, maximum=256, spread=32),
+            echo=True,
         ),
         Profile(
             "fixed-length",

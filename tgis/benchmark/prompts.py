@@ -123,6 +123,22 @@ def build_sessions(
         for _ in range(profile.turns):
             tokens = profile.prompt.sample(rng)
             new_tokens = profile.decode.sample(rng)
+            if profile.echo:
+                turns.append(_echo_turn(tokenizer, tokens, new_tokens, rng, corpus))
+                continue
             turns.append(Turn(make_prompt(tokenizer, tokens, rng, corpus), tokens, new_tokens))
         sessions.append(Session(tuple(turns)))
     return sessions
+
+
+ECHO_REQUEST = "\n\n# The same code, with its comments kept:\n"
+
+
+def _echo_turn(
+    tokenizer: Any, tokens: int, new_tokens: int, rng: random.Random, corpus: str | None
+) -> Turn:
+    """A code-editing prompt of about `tokens` tokens: a piece of code, a request to write it
+    again, and its first line; the turn records the prompt's exact token count."""
+    code = make_prompt(tokenizer, max(1, tokens * 3 // 4), rng, corpus)
+    text = code + ECHO_REQUEST + code.split("\n", 1)[0] + "\n"
+    return Turn(text, count_tokens(tokenizer, text), new_tokens)
