@@ -196,8 +196,6 @@ MAX_TIME_LIMIT_MS = 2**31 - 1
 # (or the penalty already past any logit's range), and 1 / value leaves float32's normal range
 # on the way to inf * 0 = NaN scores.
 MAX_FACTOR = 1e4
-# The most draft tokens speculative decoding verifies per step (--speculate).
-MAX_SPECULATE = 16
 
 
 def _check_small(name: str, value: float | None) -> None:

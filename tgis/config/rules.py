@@ -13,9 +13,8 @@ from typing import Any
 
 from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
-from tgis.config.types import PREFILL_MODES, STATIC_BACKENDS, ServeConfig
+from tgis.config.types import MAX_SPECULATE, PREFILL_MODES, STATIC_BACKENDS, ServeConfig
 from tgis.errors import ConfigError
-from tgis.params import MAX_SPECULATE
 
 # TGI caps the default context at 4096 tokens to leave room for more concurrent users.
 DEFAULT_MAX_TOTAL_CAP = 4096

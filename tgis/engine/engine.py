@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from tgis.config.types import MAX_SPECULATE
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
@@ -35,7 +36,6 @@ from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import NgramProposer, Verified, verify
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
-from tgis.params import MAX_SPECULATE
 
 if TYPE_CHECKING:
     import torch
