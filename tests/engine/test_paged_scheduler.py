@@ -217,3 +217,44 @@ def test_finish_frees_waiting_and_running() -> None:
     s.finish(b)
     assert not s.has_work and s.blocks.free_blocks == 64
     assert a.status is SeqStatus.FINISHED and b.status is SeqStatus.FINISHED
+
+
+def test_a_draft_rides_in_the_decode_and_its_rejected_slots_go_back() -> None:
+    s = scheduler(blocks=8, block_size=4)
+    a = seq(6, new=20)
+    s.add([a])
+    run(s, s.schedule())  # prefill: 6 prompt tokens, one sampled
+    assert len(a.token_ids) == 7 and a.computed == 6
+    a.draft = (50, 51, 52)
+    step = s.schedule()
+    (chunk,) = step.chunks
+    assert chunk.draft == (50, 51, 52) and chunk.token_ids == (6, 50, 51, 52)
+    assert step.tokens == 4 and a.draft == ()  # the draft is used once
+    assert len(chunk.block_table) == 3  # positions 0..9: slots reserved for the draft
+    s.complete(step)
+    assert a.computed == 7
+    # Two draft tokens accepted, then the verifying token: appended as the engine does.
+    a.token_ids.extend([50, 51, 99])
+    a.generated += 3
+    s.accept(a, 2)
+    assert a.computed == 9
+    nxt = s.schedule()
+    assert nxt.chunks[0].token_ids == (99,) and nxt.chunks[0].start == 9
+    assert s.blocks.num_tokens(a.seq_id) == 10 and len(nxt.chunks[0].block_table) == 3
+
+
+def test_no_one_is_preempted_for_the_slots_of_a_rejected_draft() -> None:
+    # 5 blocks of 4. a (7 prompt tokens) and b (6) hold 2 blocks each; b's draft takes the
+    # last one. Then a's next token starts a block: the pool has one only once b's rejected
+    # draft gives its slots back, and nobody is preempted for it.
+    s = scheduler(blocks=5, block_size=4)
+    a, b = seq(7, new=10), seq(6, new=10)
+    s.add([a, b])
+    run(s, s.schedule())
+    b.draft = (1, 2, 3, 4, 5)  # positions 7..11: a third block
+    step = s.schedule()
+    assert step.chunks[1].draft and s.blocks.free_blocks == 0
+    run(s, step)  # a's new token is at position 8; b's whole draft was rejected
+    step = s.schedule()
+    assert s.preemptions == 0 and len(step.chunks) == 2
+    assert s.blocks.free_blocks == 0 and len(s.blocks.block_table(a.seq_id)) == 3

@@ -165,11 +165,13 @@ class BlockManager:
         state.blocks.extend(self._take_free() for _ in range(short))
         return True
 
-    def trim(self, seq_id: int) -> None:
-        """Give back the blocks beyond `seq_id`'s tokens (what `reserve` took and no accepted
-        token filled). They hold no full block of tokens, so none is in the prefix cache."""
+    def trim(self, seq_id: int, num_tokens: int | None = None) -> None:
+        """Give back the blocks beyond `seq_id`'s first `num_tokens` positions (default: its
+        tokens): what `reserve` took and no accepted token filled. They hold no full block of
+        tokens, so none is in the prefix cache."""
         state = self._seqs[seq_id]
-        while len(state.blocks) > max(1, self.blocks_for(len(state.tokens))):
+        keep = len(state.tokens) if num_tokens is None else max(num_tokens, len(state.tokens))
+        while len(state.blocks) > max(1, self.blocks_for(keep)):
             block = state.blocks.pop()
             self._refs[block] -= 1
             if self._refs[block] == 0:

@@ -190,6 +190,10 @@ class PagedScheduler:
     def _extend_blocks(self) -> None:
         """Give each running sequence slots for its sampled tokens, preempting the newest
         sequences while the pool is short."""
+        # Slots reserved for draft tokens that were rejected go back first, so that no one is
+        # preempted for blocks that only held a rejected draft. (Accepted ones hold K/V.)
+        for seq in self.running:
+            self.blocks.trim(seq.seq_id, len(seq.token_ids))
         index = 0
         while index < len(self.running):
             seq = self.running[index]
@@ -202,9 +206,8 @@ class PagedScheduler:
                 self._preempt(self.running[-1])
                 if seq.status is not SeqStatus.RUNNING:
                     return  # it was the newest: everything after it is gone too
-            # Slots reserved for draft tokens that were rejected go back; accepted ones are
-            # computed tokens now, whose full blocks the prefix cache may keep.
-            self.blocks.trim(seq.seq_id)
+            # Accepted draft tokens are computed tokens now, whose full blocks the prefix
+            # cache may keep.
             self.blocks.mark_computed(seq.seq_id, seq.computed)
             index += 1
 
