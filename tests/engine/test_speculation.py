@@ -1,8 +1,8 @@
 """Speculative decoding: the n-gram proposer; verification scoring each position as a
 one-at-a-time decode would (greedy: the same tokens, with penalties and length rules too;
 sampled: each emitted token distributed as the target, a statistical test); and the paged
-engine with --speculate: greedy output identical alone and in mixed batches, drafts accepted
-(counted for /metrics), blocks all given back, grammar rows left out, seeds replayed."""
+engine with --speculate: greedy output identical alone and in mixed batches, under grammars
+too, drafts accepted (counted for /metrics), blocks all given back, seeds replayed."""
 
 from __future__ import annotations
 
@@ -215,25 +215,38 @@ def test_greedy_output_is_identical_alone_and_in_batches(
     assert blocks.stats.hit_tokens > 0
 
 
-def test_sampled_runs_replay_and_grammar_rows_do_not_speculate(
-    engines: tuple[Engine, Engine, Counts], tokenizer: Any
-) -> None:
+def test_sampled_runs_replay(engines: tuple[Engine, Engine, Counts], tokenizer: Any) -> None:
     _, speculating, counts = engines
     sampled = [
         request(tokenizer, EDIT, f"s{i}", max_new_tokens=20, do_sample=True, seed=11 + i,
                 temperature=0.8, ignore_eos=True)
         for i in range(3)
     ]  # fmt: skip
+    before = counts.drafted
     first = outputs(speculating, sampled)
     assert outputs(speculating, sampled) == first  # seeds replay with speculation too
     assert all(len(ids) == 20 for ids in first)
-    spec = GrammarSpec.regex(r"[0-9]{3}-[a-z]{2,5}")
-    constrained = request(tokenizer, EDIT, "g", max_new_tokens=20, grammar=spec)
-    before = counts.drafted
-    (ids,) = outputs(speculating, [constrained])
-    assert counts.drafted == before  # a grammar row never drafts
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    assert text[:3].isdigit() and text[3] == "-"
+    assert counts.drafted > before
+
+
+def test_grammar_rows_speculate_within_their_grammar(
+    engines: tuple[Engine, Engine, Counts], tokenizer: Any
+) -> None:
+    plain, speculating, counts = engines
+    text = GrammarSpec.regex(r"[^`]{10,300}")  # the model's repetitions fit it
+    narrow = GrammarSpec.regex(r"[0-9]{3}-[a-z]{2,5}")  # the drafts do not
+    reqs = [
+        request(tokenizer, PROMPTS[1], "text", max_new_tokens=60, grammar=text),
+        request(tokenizer, EDIT, "narrow", max_new_tokens=20, grammar=narrow),
+        request(tokenizer, EDIT, "free", max_new_tokens=20, ignore_eos=True),
+    ]
+    expected = [outputs(plain, [r])[0] for r in reqs]
+    before = (counts.drafted, counts.accepted)
+    assert outputs(speculating, [reqs[0]]) == expected[:1]
+    assert counts.drafted > before[0] and counts.accepted > before[1]
+    assert outputs(speculating, reqs) == expected  # mixed with others, the same tokens
+    code = tokenizer.decode(expected[1], skip_special_tokens=True)
+    assert code[:3].isdigit() and code[3] == "-"
 
 
 def test_speculation_needs_the_paged_engine(demo_model_dir: Path, tokenizer: Any) -> None:

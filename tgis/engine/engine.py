@@ -557,10 +557,10 @@ class Engine:
 
     def _propose(self, lives: Sequence[LiveSequence]) -> None:
         """Drafts for the next step of the sequences that go on (n-gram prompt lookup), up to
-        --speculate tokens and never past max_new_tokens; none under a grammar."""
+        --speculate tokens and never past max_new_tokens."""
         for live in lives:
             seq = live.seq
-            if seq.seq_id not in self._live or live.row.constraint is not None:
+            if seq.seq_id not in self._live:
                 continue
             room = min(self.speculate, seq.remaining_tokens - 1)
             seq.draft = self.proposer.propose(seq.token_ids, room) if room > 0 else ()

@@ -14,6 +14,7 @@ Once the grammar is complete it allows only EOS, so a constrained sequence ends 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -106,7 +107,38 @@ class Constraint:
         if not self._matcher.is_stopped():
             self._pending = _WORKER.submit(self._mask)
 
+    def masks_ahead(self, draft: Sequence[int], width: int) -> list[KnownMask | None]:
+        """The masks after each prefix of `draft` (speculative decoding: position j + 1 is
+        scored after draft[:j + 1]), from a copy: this constraint does not move. None from the
+        first draft token the grammar does not allow: that token is rejected (its score is
+        -inf), so nothing after it is scored for use."""
+        walker = self.copy()
+        masks: list[KnownMask | None] = []
+        for token in draft:
+            if masks and masks[-1] is None:
+                masks.append(None)
+                continue
+            try:
+                walker.advance(token)
+            except ValueError:
+                masks.append(None)
+                continue
+            masks.append(KnownMask(walker.allowed(width)))
+        walker._settle()
+        return masks
+
     @property
     def complete(self) -> bool:
         """The output matches the whole grammar and nothing may follow but EOS."""
         return bool(self._matcher.is_stopped())
+
+
+class KnownMask:
+    """A mask computed ahead (`Constraint.masks_ahead`), in the place of a constraint for
+    scoring one speculative position."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self._allowed = allowed
+
+    def allowed(self, width: int) -> torch.Tensor:
+        return self._allowed[:width]

@@ -42,7 +42,7 @@ import torch
 from tgis.params import MAX_SEED, GenerateParameters
 
 if TYPE_CHECKING:
-    from tgis.engine.grammar import Constraint
+    from tgis.engine.grammar import Constraint, KnownMask
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits handled at once by prompt_logprobs ([rows, vocab] float32 temporaries).
@@ -149,8 +149,9 @@ class SamplingRow:
         self.top_p = _active(params.top_p, 1.0)
         self.typical_p = _active(params.typical_p, 1.0)
         self.top_n = params.top_n_tokens or 0
-        # The grammar the row's tokens must follow (set by the engine when one is asked).
-        self.constraint: Constraint | None = None
+        # The grammar the row's tokens must follow (set by the engine when one is asked; a
+        # row scored ahead has the mask of its position instead).
+        self.constraint: Constraint | KnownMask | None = None
         self.prompt_len = len(prompt_ids)
         self.generated = 0
         self.penalized = bool(
@@ -214,14 +215,13 @@ class SamplingRow:
                 self._counts.index_put_((token,), torch.ones_like(token, dtype=torch.float32), True)
         self.generated += 1
 
-    def ahead(self, tokens: Sequence[int]) -> SamplingRow:
+    def ahead(self, tokens: Sequence[int], mask: KnownMask | None = None) -> SamplingRow:
         """This row as it will be once `tokens` are generated (for scoring speculative
-        positions): its count, penalty history and random draw moved on; the row itself is
-        not changed. Rows under a grammar are never asked (their state cannot be copied
-        ahead cheaply)."""
-        if self.constraint is not None:
-            raise ValueError("a row under a grammar is not scored ahead")
+        positions): its count, penalty history and random draw moved on, and its grammar's
+        mask at that point (`mask`, from `Constraint.masks_ahead`; None: unconstrained); the
+        row itself is not changed."""
         row = copy.copy(self)
+        row.constraint = mask
         row.generated = self.generated + len(tokens)
         if self.penalized and tokens:
             if self._seen is None or self._counts is None:

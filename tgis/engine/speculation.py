@@ -21,8 +21,9 @@ their slots), so the model's logits at each of the k + 1 positions come out of o
   bonus when every draft token was accepted, the correction otherwise): every verify step
   gives at least one token.
 
-Rows under a grammar do not speculate (their matcher's state would have to advance through the
-draft to mask each position).
+Rows under a grammar speculate too: a copy of the row's matcher walks the draft and gives
+the mask of each position (`Constraint.masks_ahead`); a draft token the grammar does not allow
+scores -inf, so it is rejected.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tgis.engine.grammar import Constraint, KnownMask
 from tgis.engine.sampling import SampleOutput, SamplingBatch, SamplingRow, to_device, uniforms
 
 # Longest and shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min).
@@ -86,12 +88,16 @@ def verify(
     at the last known token and after each draft token. The rows record what they emit."""
     scored: list[SamplingRow] = []
     owner: list[tuple[int, int]] = []  # (row, position) of each scored position
+    stacked = torch.cat([block.float() for block in logits])  # [positions, vocab]
     for i, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+        constraint = row.constraint
+        masks: list[KnownMask | None] = [None] * len(draft)
+        if isinstance(constraint, Constraint):
+            masks = constraint.masks_ahead(draft, stacked.shape[-1])
         for j in range(len(draft) + 1):
-            scored.append(row if j == 0 else row.ahead(draft[:j]))
+            scored.append(row if j == 0 else row.ahead(draft[:j], masks[j - 1]))
             owner.append((i, j))
     batch = SamplingBatch(scored, eos_token_ids)
-    stacked = torch.cat([block.float() for block in logits])  # [positions, vocab]
     scores = batch.process(stacked)
     device, vocab = scores.device, scores.shape[-1]
     logprobs = torch.log_softmax(scores, dim=-1)
