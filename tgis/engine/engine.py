@@ -33,7 +33,7 @@ from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
-from tgis.engine.speculation import NgramProposer, Verified, verify
+from tgis.engine.speculation import NgramProposer, Proposer, Verified, verify
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
 
@@ -64,12 +64,14 @@ class Engine:
         prefix_caching: bool = False,
         on_fatal: Callable[[], None] | None = None,
         speculate: int = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         """prefix_caching: share the KV blocks of common prompt prefixes (paged backends).
         on_fatal: called if the model thread ever ends other than by `stop` (after every
         request has its answer); `tgis serve` exits then, so that a supervisor restarts it.
-        speculate: draft tokens (n-gram prompt lookup) verified with each decode, at most
-        (paged backends; 0: none)."""
+        speculate: draft tokens verified with each decode, at most (paged backends; 0: none),
+        from `proposer` (default: n-gram prompt lookup; a DraftModelProposer for a draft
+        model)."""
         self.backend = backend
         self.on_fatal = on_fatal
         self.tokenizer = tokenizer
@@ -87,7 +89,7 @@ class Engine:
         if not 0 <= speculate <= MAX_SPECULATE:
             raise ValueError(f"speculate must be in [0, {MAX_SPECULATE}], got {speculate}")
         self.speculate = speculate
-        self.proposer = NgramProposer()
+        self.proposer: Proposer = proposer or NgramProposer()
         self.max_concurrent_requests = max_concurrent_requests
         self.eos_token_ids = tuple(eos_token_ids)
         # Computed once: every sequence checks its tokens against it.
@@ -283,6 +285,7 @@ class Engine:
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq)
         self._live.pop(seq.seq_id, None)
+        self.proposer.release(seq.seq_id)
 
     def _run_step(self, step: Step | PackedStep) -> None:
         lives = [self._live[s.seq_id] for s in step.sequences]
@@ -556,14 +559,20 @@ class Engine:
         return True
 
     def _propose(self, lives: Sequence[LiveSequence]) -> None:
-        """Drafts for the next step of the sequences that go on (n-gram prompt lookup), up to
-        --speculate tokens and never past max_new_tokens."""
-        for live in lives:
-            seq = live.seq
-            if seq.seq_id not in self._live:
-                continue
-            room = min(self.speculate, seq.remaining_tokens - 1)
-            seq.draft = self.proposer.propose(seq.token_ids, room) if room > 0 else ()
+        """Drafts for the next step of the sequences that go on, up to --speculate tokens and
+        never past max_new_tokens."""
+        going = [lv.seq for lv in lives if lv.seq.seq_id in self._live]
+        wanted = [
+            (seq.seq_id, seq.token_ids, min(self.speculate, seq.remaining_tokens - 1))
+            for seq in going
+        ]
+        try:
+            drafts = self.proposer.draft(wanted)
+        except Exception:  # no draft is no harm: the step decodes one token each
+            log.exception("drafting for %d sequences failed; they decode without", len(going))
+            return
+        for seq, draft in zip(going, drafts, strict=True):
+            seq.draft = draft
 
     def _report_state(self) -> None:
         """The queue, the batch and the KV pool as they are now (after every change)."""
@@ -590,6 +599,7 @@ class Engine:
         self._release_slot(live.seq.seq_id)
         self.scheduler.finish(live.seq)
         self._live.pop(live.seq.seq_id, None)
+        self.proposer.release(live.seq.seq_id)
 
     def _release_slot(self, seq_id: int) -> None:
         """A slot backend frees the sequence's KV slot; a paged one keeps no per-sequence

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,19 @@ from tgis.engine.sampling import SampleOutput, SamplingBatch, SamplingRow, to_de
 # Longest and shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min).
 NGRAM_MAX = 3
 NGRAM_MIN = 1
+
+
+class Proposer(Protocol):
+    """Where drafts come from: prompt lookup (`NgramProposer`) or a draft model
+    (tgis.engine.draft.DraftModelProposer)."""
+
+    def draft(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """Drafts for (seq_id, tokens, k) requests, in order: at most k tokens each."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The sequence left: what is kept for it goes."""
+        ...
 
 
 class NgramProposer:
@@ -52,6 +66,13 @@ class NgramProposer:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
+
+    def draft(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
+        """Drafts for (seq_id, tokens, k) requests, in order."""
+        return [self.propose(tokens, k) for _, tokens, k in wanted]
+
+    def release(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
 
     def propose(self, token_ids: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to `k` tokens to follow `token_ids` (none when no n-gram recurs)."""
