@@ -6,7 +6,6 @@ speculation."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.test_engine import PROMPTS, collect, request, run, tokenizer
+from tests.engine.test_engine import PROMPTS, request, tokenizer
 from tests.engine.test_poison_batch import make_engine, paged_backend
-from tests.engine.test_speculation import EDIT, Counts
+from tests.engine.test_speculation import EDIT, Counts, outputs
 from tests.factories import tiny_config
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.engine.draft import DraftModelProposer
@@ -37,14 +36,6 @@ def other_model(vocab: int) -> PagedTorchBackend:
         model.eval(), max_sequences=16, max_sequence_tokens=300, max_prefill_tokens=512,
         kv_tokens=4096,
     )  # fmt: skip
-
-
-def outputs(engine: Engine, reqs: list[GenerationRequest]) -> list[list[int]]:
-    async def together() -> list[list[int]]:
-        results = await asyncio.gather(*(collect(engine.generate(r)) for r in reqs))
-        return [[e.token.id for e in events] for events in results]
-
-    return run(together())
 
 
 def requests(tokenizer: Any) -> list[GenerationRequest]:
