@@ -7,6 +7,13 @@ Python, torch and tokenizers versions give the same weights.
     python scripts/train_demo_model.py --output tgis/assets/demo-model
 
 Takes about 20 minutes on 2 CPU cores with the defaults.
+
+With --draft-of MODEL it trains a draft model for speculative decoding (--draft-model) instead:
+a smaller Llama with MODEL's tokenizer, distilled from MODEL (its loss is the KL divergence
+from MODEL's next-token distribution on the same corpus), so its greedy guesses are MODEL's as
+often as its size allows:
+
+    python scripts/train_demo_model.py --draft-of tgis/assets/demo-model --output /tmp/demo-draft
 """
 
 from __future__ import annotations
@@ -54,6 +61,18 @@ class TrainSettings:
     warmup: int = 40
     seed: int = 1234
     eval_every: int = 100
+
+
+# The draft model's shape (--draft-of): a third of the demo model's layers at half its width.
+DRAFT = {
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 352,
+    "steps": 600,
+    "lr": 3e-3,
+}
 
 
 def corpus_files() -> list[Path]:
@@ -114,17 +133,35 @@ def batch(stream: torch.Tensor, size: int, context: int, gen: torch.Generator) -
     return torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
 
 
+def loss_of(
+    model: LlamaForCausalLM, x: torch.Tensor, teacher: LlamaForCausalLM | None
+) -> torch.Tensor:
+    """Next-token cross-entropy on the window `x`; with a teacher, the KL divergence from the
+    teacher's next-token distributions instead."""
+    if teacher is None:
+        # transformers shifts the labels itself: labels == input_ids.
+        return model(input_ids=x, labels=x).loss
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
+    student = torch.log_softmax(model(input_ids=x).logits.float(), dim=-1)
+    kl = torch.nn.functional.kl_div(student, target, log_target=True, reduction="none")
+    return kl.sum(-1).mean()
+
+
 @torch.no_grad()
-def evaluate(model: LlamaForCausalLM, stream: torch.Tensor, context: int) -> float:
+def evaluate(
+    model: LlamaForCausalLM,
+    stream: torch.Tensor,
+    context: int,
+    teacher: LlamaForCausalLM | None = None,
+) -> float:
     """Mean loss over consecutive windows of the held-out stream (at most 64)."""
     model.eval()
     losses = []
     n = min(64, (stream.numel() - 1) // context)
     for i in range(0, n, 16):
         rows = [stream[j * context : j * context + context + 1] for j in range(i, min(n, i + 16))]
-        x = torch.stack(rows)
-        # transformers shifts the labels itself: labels == input_ids.
-        losses.append(model(input_ids=x, labels=x).loss.item() * len(rows))
+        losses.append(loss_of(model, torch.stack(rows), teacher).item() * len(rows))
     model.train()
     return sum(losses) / n
 
@@ -142,11 +179,9 @@ library_name: transformers
 pipeline_tag: text-generation
 ---
 
-# tgis demo model
+# {title}
 
-A small Llama-architecture causal LM bundled with tgis so that `tgis serve` runs with no
-arguments and the tests have a real model with a real tokenizer. It completes Python code
-(badly, but recognisably); it is not useful for anything else.
+{intro}
 
 | | |
 |---|---|
@@ -156,7 +191,7 @@ arguments and the tests have a real model with a real tokenizer. It completes Py
 | tokenizer | byte-level BPE, {vocab} tokens, trained on the same corpus; specials `<|endoftext|>` (bos/eos/pad), `<|im_start|>`, `<|im_end|>`; ChatML chat template |
 | corpus | the Python {python} standard library's `.py` sources ({files} files; tests, idlelib, lib2to3 and site-packages left out): {train_tokens:,} training and {validation_tokens:,} validation tokens (1 file in 20 held out by name hash) |
 | training | {steps} steps of AdamW (lr {lr}, cosine to 10%, {warmup} warmup steps, batch {batch} windows of {context} + 1 tokens = {tokens_seen:,} tokens), seed {seed}, float32 on 2 CPU cores in {minutes} minutes, torch {torch} |
-| final validation loss | {final_validation_loss} nats/token |
+| final validation loss | {final_validation_loss} {loss_unit} |
 
 Greedy completion of `def fibonacci(n):` (48 new tokens):
 
@@ -164,7 +199,7 @@ Greedy completion of `def fibonacci(n):` (48 new tokens):
 {greedy_fibonacci}
 ```
 
-Reproduce with `make demo-model` (`python scripts/train_demo_model.py`). The same Python,
+Reproduce with {command}. The same Python,
 torch and tokenizers versions give the same weights.
 
 ## License
@@ -174,9 +209,28 @@ Foundation License Version 2; this model is derived from it and released under t
 """
 
 
+DEMO_INTRO = """A small Llama-architecture causal LM bundled with tgis so that `tgis serve` runs with no
+arguments and the tests have a real model with a real tokenizer. It completes Python code
+(badly, but recognisably); it is not useful for anything else."""
+DRAFT_INTRO = """A draft model for speculative decoding with the tgis demo model (`tgis serve --speculate 4
+--draft-model DIR`): {layers} layers at hidden {hidden}, the demo model's tokenizer, distilled
+from the demo model (the KL divergence from its next-token distribution) on its corpus. The
+tokenizer row below is the demo model's."""
+
+
 def write_model_card(out: Path, facts: dict) -> None:
     s = facts["settings"]
+    draft = facts.get("draft_of") is not None
+    intro = DRAFT_INTRO if draft else DEMO_INTRO
     card = MODEL_CARD.format(
+        title="tgis demo draft model" if draft else "tgis demo model",
+        intro=intro.format(layers=s["num_layers"], hidden=s["hidden_size"]),
+        loss_unit="nats/token of KL divergence from the demo model" if draft else "nats/token",
+        command=(
+            f"`python scripts/train_demo_model.py --draft-of {facts['draft_of']} --output DIR`"
+            if draft
+            else "`make demo-model` (`python scripts/train_demo_model.py`)"
+        ),
         layers=s["num_layers"],
         hidden=s["hidden_size"],
         heads=s["num_heads"],
@@ -199,9 +253,13 @@ def write_model_card(out: Path, facts: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("tgis/assets/demo-model"))
-    parser.add_argument("--steps", type=int, default=TrainSettings.steps)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--draft-of", type=Path, default=None, help="train a draft model distilled from this one"
+    )
     args = parser.parse_args()
-    s = TrainSettings(steps=args.steps)
+    shape = DRAFT if args.draft_of is not None else {}
+    s = TrainSettings(**{**shape, **({"steps": args.steps} if args.steps else {})})
     torch.manual_seed(s.seed)
     torch.set_num_threads(2)
     started = time.time()
@@ -210,7 +268,12 @@ def main() -> None:
     texts = {f: f.read_text(encoding="utf-8", errors="replace") for f in files}
     train_texts = [texts[f] for f in files if not is_validation(f)]
     val_texts = [texts[f] for f in files if is_validation(f)]
-    tokenizer = train_tokenizer(train_texts, s.vocab_size)
+    teacher = None
+    if args.draft_of is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.draft_of)
+        teacher = LlamaForCausalLM.from_pretrained(args.draft_of).eval()
+    else:
+        tokenizer = train_tokenizer(train_texts, s.vocab_size)
     train_stream = encode(tokenizer, train_texts)
     val_stream = encode(tokenizer, val_texts)
     print(
@@ -243,13 +306,13 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         x = batch(train_stream, s.batch_size, s.context, gen)
-        loss = model(input_ids=x, labels=x).loss
+        loss = loss_of(model, x, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
-            val_loss = evaluate(model, val_stream, s.context)
+            val_loss = evaluate(model, val_stream, s.context, teacher)
             print(
                 f"step {step + 1}/{s.steps} train {loss.item():.3f} val {val_loss:.3f} "
                 f"({time.time() - started:.0f}s)",
@@ -278,6 +341,7 @@ def main() -> None:
         "torch": torch.__version__,
         "settings": s.__dict__,
         "greedy_fibonacci": completion,
+        "draft_of": str(args.draft_of) if args.draft_of is not None else None,
     }
     (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
     write_model_card(out, facts)

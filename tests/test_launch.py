@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
-from tests.factories import make_model_dir
+from tests.engine.test_engine import request, tokenizer
+from tests.engine.test_speculation import EDIT, Counts, outputs
+from tests.factories import make_model_dir, tiny_tokenizer
 from tests.server.conftest import make_config
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.backends.torch_dynamic import TorchDynamicBackend
 from tgis.config import GaudiSettings, check_kv_budget
 from tgis.engine.backend import BackendCapacity
-from tgis.errors import ConfigError
-from tgis.launch import load_torch_backend, scheduler_limits
+from tgis.engine.draft import DraftModelProposer
+from tgis.errors import ConfigError, ModelNotFoundError
+from tgis.launch import (
+    build_service,
+    load_draft_model,
+    load_torch_backend,
+    scheduler_limits,
+    vocabulary_mismatch,
+)
+from tgis.server.metrics import Metrics
+
+__all__ = ["tokenizer"]
 
 CAPACITY = BackendCapacity(
     max_sequences=6, max_sequence_tokens=128, kv_tokens=768, kv_bytes_per_token=64,
@@ -63,3 +78,59 @@ def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
         load_torch_backend(make_config(prefix_caching=True), gpt2)
     with pytest.raises(ConfigError, match="--speculate needs the paged engine"):
         load_torch_backend(make_config(speculate=4), gpt2)
+
+
+def test_vocabulary_mismatch_names_the_first_difference() -> None:
+    assert vocabulary_mismatch({"a": 0, "b": 1}, {"b": 1, "a": 0}) is None
+    assert vocabulary_mismatch({"a": 0, "b": 1}, {"a": 0, "b": 2}) == (
+        "2 tokens and 2; 'b' is id 1 in the model's and id 2 in the draft's"
+    )
+    assert vocabulary_mismatch({"a": 0, "b": 1}, {"a": 0}) == (
+        "2 tokens and 1; 'b' is id 1 in the model's and absent in the draft's"
+    )
+    assert vocabulary_mismatch({"a": 0}, {"a": 0, "c": 1}) == (
+        "1 tokens and 2; the draft's has tokens the model's lacks"
+    )
+
+
+def test_a_draft_model_drafts_for_the_served_model(demo_model_dir: Path, tokenizer: Any) -> None:
+    metrics = Metrics(128, 8)
+    config = make_config(speculate=4, draft_model=str(demo_model_dir), warmup_enabled=False)
+    service = build_service(config, demo_model_dir, observer=metrics)
+    try:
+        proposer = service.engine.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        assert proposer.backend.capacity.kv_tokens == service.backend.capacity.kv_tokens
+        assert proposer.vocab_size == len(tokenizer)
+        reqs = [request(tokenizer, EDIT, "e", max_new_tokens=24, ignore_eos=True)]
+        assert len(outputs(service.engine, reqs)[0]) == 24
+    finally:
+        service.stop()
+    # The model drafting for itself: every draft token is its own greedy choice.
+    counts = Counts(metrics)
+    assert counts.drafted > 10 and counts.accepted == counts.drafted
+
+
+def test_a_draft_model_needs_the_tokenizer_and_the_paged_engine(
+    demo_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(demo_model_dir, other)
+    extended = AutoTokenizer.from_pretrained(other)
+    extended.add_tokens(["<extra-token>"])
+    extended.save_pretrained(other)
+    config = make_config(speculate=4, draft_model=str(other))
+    with pytest.raises(ConfigError) as info:
+        load_draft_model(config, tokenizer)
+    assert str(info.value).startswith(
+        f"--draft-model {other}: its tokenizer is not the model's ("
+        f"{len(tokenizer)} tokens and {len(tokenizer) + 1}; the draft's has tokens"
+    )
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ConfigError, match="a draft model runs on the paged engine, which cannot"):
+        load_draft_model(make_config(speculate=2, draft_model=str(gpt2)), tiny_tokenizer())
+    draft = load_draft_model(make_config(speculate=2, draft_model=str(llama)), tiny_tokenizer())
+    assert draft.kv_bytes_per_token > 0
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_draft_model(make_config(speculate=2, draft_model=str(tmp_path / "none")), tokenizer)

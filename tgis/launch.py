@@ -21,6 +21,9 @@ from tgis.prefix_store import PrefixStore
 from tgis.warmup import WarmupReport, run_warmup
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from tgis.engine.speculation import Proposer
     from tgis.server.info import ModelInfo
 
 log = logging.getLogger("tgis.launch")
@@ -48,10 +51,21 @@ class Service:
             close()
 
 
-def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
+@dataclass
+class DraftModel:
+    """--draft-model, loaded ahead of the model: its weights on the device and the bytes per
+    token of its KV cache (the model's pool, sized from memory, leaves them their share)."""
+
+    model: PreTrainedModel
+    kv_bytes_per_token: int
+
+
+def load_backend(
+    config: ServeConfig, model_dir: Path, draft: DraftModel | None = None
+) -> Backend | PagedBackend:
     """The backend `config.backend` names, loaded with the config's limits."""
     if config.backend in ("cpu", "cuda"):
-        return load_torch_backend(config, model_dir)
+        return load_torch_backend(config, model_dir, draft)
     if config.backend == "tpu":
         from tgis.backends.tpu import load_tpu_backend
 
@@ -70,7 +84,9 @@ def load_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend
     )
 
 
-def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedBackend:
+def load_torch_backend(
+    config: ServeConfig, model_dir: Path, draft: DraftModel | None = None
+) -> Backend | PagedBackend:
     """cpu / cuda: the paged engine for llama-family models (with CUDA graphs for decode on
     cuda, unless --cuda-graphs false), the slot engine (transformers' forward) for the others
     and with --compile (which compiles the slot engine's decode)."""
@@ -99,6 +115,7 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
             kv_tokens=config.max_batch_total_tokens,
             memory_fraction=config.cuda_memory_fraction,
             cuda_graphs=config.cuda_graphs if config.backend == "cuda" else False,
+            shared_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
         )
     for name, flag in (
         ("prefix_caching", "--prefix-caching"),
@@ -121,6 +138,74 @@ def load_torch_backend(config: ServeConfig, model_dir: Path) -> Backend | PagedB
         kv_memory_fraction=config.cuda_memory_fraction,
         compile=config.compile,
     )
+
+
+def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
+    """--draft-model's weights on the serving device, after checking that its tokenizer is the
+    model's (a draft token must mean the same text) and that the paged engine runs it."""
+    import torch
+
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_kv_shape
+    from tgis.backends.paged_torch import paged_unsupported_reason
+    from tgis.backends.slot_cache import kv_bytes_per_token
+    from tgis.backends.torch_device import load_causal_lm
+    from tgis.hub import resolve_model_dir
+
+    name = f"--draft-model {config.draft_model}"
+    draft_dir = resolve_model_dir(str(config.draft_model))
+    draft_tokenizer = load_tokenizer(draft_dir, name)
+    mismatch = vocabulary_mismatch(tokenizer.get_vocab(), draft_tokenizer.get_vocab())
+    if mismatch is not None:
+        raise ConfigError(
+            f"{name}: its tokenizer is not the model's ({mismatch})",
+            "draft with a smaller model of the same family, trained with the same tokenizer",
+        )
+    model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
+    reason = paged_unsupported_reason(model)
+    if reason is not None:
+        raise ConfigError(
+            f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",
+            f"draft with a {'/'.join(NATIVE_MODEL_TYPES)} model",
+        )
+    shape = native_kv_shape(model)
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, model.dtype)
+    return DraftModel(model, per_token)
+
+
+def vocabulary_mismatch(model: dict[str, int], draft: dict[str, int]) -> str | None:
+    """How two tokenizers' vocabularies (token -> id) differ, or None where they are one."""
+    if model == draft:
+        return None
+    for token, token_id in sorted(model.items(), key=lambda item: item[1]):
+        if draft.get(token) != token_id:
+            there = draft.get(token)
+            where = "absent" if there is None else f"id {there}"
+            return (
+                f"{len(model)} tokens and {len(draft)}; {token!r} is id {token_id} in the "
+                f"model's and {where} in the draft's"
+            )
+    return f"{len(model)} tokens and {len(draft)}; the draft's has tokens the model's lacks"
+
+
+def draft_proposer(
+    config: ServeConfig, backend: Backend | PagedBackend, draft: DraftModel
+) -> Proposer:
+    """The proposer drafting from --draft-model: its own paged backend, its cache as many
+    tokens as the model's, decoding eagerly."""
+    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.engine.draft import DraftModelProposer
+
+    capacity = backend.capacity
+    draft_backend = PagedTorchBackend(
+        draft.model,
+        max_sequences=capacity.max_sequences,
+        max_sequence_tokens=capacity.max_sequence_tokens,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+        kv_tokens=capacity.kv_tokens,
+        cuda_graphs=False,
+    )
+    log.info("drafting with %s (%d-token cache)", config.draft_model, capacity.kv_tokens)
+    return DraftModelProposer(draft_backend, vocab_size=getattr(backend, "vocab_size", None))
 
 
 def _refuse_options(
@@ -236,17 +321,24 @@ def scheduler_limits(
     )
 
 
-def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) -> Service:
-    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), start the engine."""
+def load_tokenizer(model_dir: Path, what: str = "the model") -> Any:
+    """The tokenizer in `model_dir`; a ConfigError naming `what` when it has none."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"cannot load the tokenizer of {model_dir}: {exc}", "the model needs tokenizer files"
+            f"cannot load the tokenizer of {what} ({model_dir}): {exc}",
+            f"{what} needs tokenizer files",
         ) from exc
-    backend = load_backend(config, model_dir)
+
+
+def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) -> Service:
+    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), start the engine."""
+    tokenizer = load_tokenizer(model_dir)
+    draft = load_draft_model(config, tokenizer) if config.draft_model else None
+    backend = load_backend(config, model_dir, draft)
     capacity = backend.capacity
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
@@ -263,6 +355,7 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         prefix_caching=config.prefix_caching is not False,
         on_fatal=exit_soon,
         speculate=config.speculate,
+        proposer=draft_proposer(config, backend, draft) if draft else None,
     )
     engine.start()
     log.info(

@@ -149,6 +149,27 @@ def test_pool_size_from_the_budget_and_from_memory() -> None:
         paged(fresh(), blocks=3, block_size=4)
 
 
+def test_a_pool_sized_from_memory_leaves_a_shared_cache_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tgis.backends import paged_torch
+
+    monkeypatch.setattr(paged_torch, "available_memory", lambda device: 1 << 26)
+
+    def sized(shared: int) -> PagedTorchBackend:
+        return PagedTorchBackend(
+            fresh(), max_sequences=4, max_sequence_tokens=32, max_prefill_tokens=32,
+            memory_fraction=0.5, shared_kv_bytes_per_token=shared,
+        )  # fmt: skip
+
+    alone = sized(0).capacity
+    # A draft cache of as many bytes per token as this one: half the tokens fit.
+    shared = sized(alone.kv_bytes_per_token).capacity
+    assert alone.kv_budget_tokens == (1 << 25) // alone.kv_bytes_per_token
+    assert shared.kv_budget_tokens == (1 << 25) // (2 * alone.kv_bytes_per_token)
+    assert shared.kv_bytes_per_token == alone.kv_bytes_per_token
+
+
 def test_warmup_plan_follows_the_budgets() -> None:
     backend = paged(fresh(), blocks=32, block_size=4, max_sequences=16, prefill=20)
     plan = backend.warmup_plan(max_batch_size=16, max_input_tokens=50)

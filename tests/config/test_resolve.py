@@ -602,6 +602,23 @@ def test_paged_engine_options() -> None:
     assert "SPECULATE=2 needs the paged engine of the cpu and cuda backends; gaudi" in (
         error_of(env={"SPECULATE": "2"}, backend="gaudi")
     )
+    assert build(backend="cpu").draft_model is None
+    assert build(backend="cpu", speculate=4, draft_model="org/small").draft_model == "org/small"
+    drafted = build(backend="cuda", env={"SPECULATE": "3", "DRAFT_MODEL": "/models/small"})
+    assert drafted.draft_model == "/models/small"
+    assert (
+        "--draft-model org/small drafts for speculative decoding, which is off (--speculate "
+        "(derived: 0)) (set --speculate (SPECULATE) to the draft tokens per step, such as 4)"
+    ) in error_of(backend="cpu", draft_model="org/small")
+    assert "DRAFT_MODEL=x drafts for speculative decoding, which is off (--speculate 0)" in (
+        error_of(backend="cpu", speculate=0, env={"DRAFT_MODEL": "x"})
+    )
+    assert "--draft-model x runs on one device; --num-shard 2 shards the model" in error_of(
+        backend="cpu", speculate=2, draft_model="x", num_shard=2
+    )
+    assert "SPECULATE=2 needs the paged engine of the cpu and cuda backends; tpu" in (
+        error_of(env={"SPECULATE": "2", "DRAFT_MODEL": "x"}, backend="tpu")
+    )
     assert build(backend="cuda", env={"CUDA_MEMORY_FRACTION": "0.5"}).cuda_memory_fraction == 0.5
     assert "--cuda-memory-fraction 0.9 applies to the cuda backend, not cpu" in error_of(
         backend="cpu", cuda_memory_fraction=0.9

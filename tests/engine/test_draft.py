@@ -138,3 +138,40 @@ def test_a_failing_draft_model_costs_only_the_speculation(
     finally:
         engine.stop()
     assert counts.drafted == 0
+
+
+def test_a_long_catch_up_runs_in_bounded_forwards(demo_model_dir: Path) -> None:
+    wanted = [(1, list(range(5, 40)), 3), (2, list(range(50, 61)), 2), (3, [7, 8], 4)]
+    whole = DraftModelProposer(paged_backend(demo_model_dir)).draft(wanted)
+    backend = paged_backend(demo_model_dir)
+    chunked = DraftModelProposer(backend, max_step_tokens=8)
+    sizes: list[int] = []
+    forward = backend.forward
+
+    def spy(items: Any) -> Any:
+        sizes.append(sum(len(item.token_ids) for item in items))
+        return forward(items)
+
+    backend.forward = spy  # type: ignore[method-assign]
+    assert chunked.draft(wanted) == whole
+    assert [len(d) for d in whole] == [3, 2, 4]
+    assert max(sizes) <= 8 and sum(sizes) == 35 + 11 + 2 + 2 + 1 + 3
+
+
+def test_drafts_stay_inside_the_model_vocabulary(demo_model_dir: Path) -> None:
+    backend = paged_backend(demo_model_dir)
+    forward = backend.forward
+
+    def padded(items: Any) -> Any:
+        out = forward(items)
+        # A draft whose embedding has more rows than the model's vocabulary, the extra row
+        # scoring highest everywhere.
+        extra = torch.full((out.last.shape[0], 1), 1e9)
+        return type(out)(torch.cat([out.last, extra], dim=1), out.prompt)
+
+    backend.forward = padded  # type: ignore[method-assign]
+    vocab = int(forward([]).last.shape[1])
+    (drafted,) = DraftModelProposer(backend, vocab_size=vocab).draft([(1, [5, 6, 7], 3)])
+    assert len(drafted) == 3 and max(drafted) < vocab
+    (unbounded,) = DraftModelProposer(backend).draft([(1, [5, 6, 7], 1)])
+    assert unbounded == (vocab,)

@@ -73,6 +73,7 @@ class PagedTorchBackend:
         cuda_graphs: bool | None = None,
         graph_api: GraphApi | None = None,
         parallel: TensorParallel | None = None,
+        shared_kv_bytes_per_token: int = 0,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -80,7 +81,9 @@ class PagedTorchBackend:
         max_prefill_tokens: the largest prefill chunk (profiling and warmup). cuda_graphs:
         decode through CUDA graphs recorded at warmup (paged_graphs.py); None: wherever
         flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
-        are recorded (CUDA graphs by default)."""
+        are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per token of
+        another cache sized along with this one (a draft model's, as many tokens): a pool sized
+        from memory leaves it its share."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -112,7 +115,10 @@ class PagedTorchBackend:
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
         num_blocks = self._size_pool(
-            kv_tokens, per_token, max_sequences * max_sequence_tokens, memory_fraction
+            kv_tokens,
+            per_token + shared_kv_bytes_per_token,
+            max_sequences * max_sequence_tokens,
+            memory_fraction,
         )
         if parallel is not None:  # every rank's pool has the same blocks
             num_blocks = parallel.agree_min(num_blocks)

@@ -209,6 +209,16 @@ Speculate = Annotated[
         "0",
     ),
 ]
+DraftModel = Annotated[
+    str | None,
+    _opt(
+        "draft_model",
+        DEVICE,
+        "With --speculate: a small model of the same tokenizer (a directory or a cached Hub "
+        "id, llama family) that drafts the tokens instead of prompt lookup.",
+        "none: prompt lookup",
+    ),
+]
 CudaMemoryFraction = Annotated[
     float | None,
     _opt(
@@ -346,6 +356,7 @@ OPTIONS: dict[str, Any] = {
     "cuda_graphs": CudaGraphs,
     "prefix_caching": PrefixCaching,
     "speculate": Speculate,
+    "draft_model": DraftModel,
     "cuda_memory_fraction": CudaMemoryFraction,
     "max_concurrent_requests": MaxConcurrentRequests,
     "max_best_of": MaxBestOf,

@@ -28,6 +28,7 @@ from tgis.config.model import ModelFacts
 from tgis.config.parse import flag
 from tgis.config.rules import (
     check_backend_options,
+    check_draft_model,
     check_sharding,
     check_token_limits,
     check_value_ranges,
@@ -97,6 +98,7 @@ def build_serve_config(
         check_gaudi_variables_unused(backend, env)
         gaudi = None
     num_shard = check_sharding(backend, values, r)
+    check_draft_model(values, r, num_shard)
     prefill_mode = check_backend_options(backend, values, r)
 
     model_id, revision = model_reference(args, env)
@@ -138,6 +140,7 @@ def build_serve_config(
         prefix_caching=values["prefix_caching"],
         cuda_memory_fraction=values["cuda_memory_fraction"],
         speculate=values["speculate"] or 0,
+        draft_model=values["draft_model"] or None,
         grpc_port=grpc_port(values, r),
         max_new_tokens=values["max_new_tokens"],
         output_special_tokens=bool(values["output_special_tokens"]),

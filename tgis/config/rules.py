@@ -219,6 +219,26 @@ def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
     return num_shard
 
 
+def check_draft_model(values: dict[str, Any], r: Sources, num_shard: int) -> None:
+    """--draft-model drafts for --speculate, on one device."""
+    draft = values["draft_model"]
+    if not draft:
+        return
+    if not values["speculate"]:
+        raise ConfigError(
+            f"{r.label('draft_model', draft)} drafts for speculative decoding, which is off "
+            f"({r.label('speculate', values['speculate'] or 0)})",
+            f"set {flag('speculate')} (SPECULATE) to the draft tokens per step, such as 4",
+        )
+    if num_shard > 1:
+        raise ConfigError(
+            f"{r.label('draft_model', draft)} runs on one device; {r.label('num_shard', num_shard)}"
+            " shards the model over several",
+            "drop --draft-model (DRAFT_MODEL) to draft by prompt lookup, or serve with "
+            "--num-shard 1",
+        )
+
+
 def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:
     """Options that apply to some backends only; returns the normalized prefill mode."""
     prefill_mode = values["prefill_mode"]

@@ -51,6 +51,7 @@ class LauncherArgs:
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
     speculate: int | None = None
+    draft_model: str | None = None
     prefix_store_path: str | None = None
     max_request_body_bytes: int | None = None
     header_timeout_s: float | None = None
@@ -218,6 +219,9 @@ class ServeConfig:
     # Speculative decoding: draft tokens (n-gram prompt lookup) verified with each decode step
     # of the paged engine, at most; 0: off.
     speculate: int = 0
+    # A small model of the same tokenizer (a directory or a cached Hub id) that drafts for
+    # speculative decoding instead of prompt lookup; None: prompt lookup.
+    draft_model: str | None = None
     # The TGIS gRPC API (fmaas.GenerationService) on its own port; None: not served.
     grpc_port: int | None = None
     # The largest max_new_tokens a request may ask for; gRPC's default ceiling is 1024 (TGIS),

@@ -16,7 +16,7 @@ when the sequence leaves (`release`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgis.engine.backend import PackedItem, PagedBackend
 from tgis.engine.block_manager import BlockManager
@@ -39,41 +39,45 @@ class _Cached:
 class DraftModelProposer:
     """Greedy drafts of up to k tokens per sequence from a draft model's paged backend."""
 
-    def __init__(self, backend: PagedBackend) -> None:
+    def __init__(
+        self,
+        backend: PagedBackend,
+        vocab_size: int | None = None,
+        max_step_tokens: int | None = None,
+    ) -> None:
+        """vocab_size: the target's; a draft model's logits past it (padding rows of a larger
+        embedding) are never drafted. max_step_tokens: the most tokens one catch-up forward
+        computes (longer catch-ups take several); None: the backend's prefill step, if any."""
         capacity = backend.capacity
         if capacity.block_size is None:
             raise ValueError("a draft model needs a paged backend")
         self.backend = backend
+        self.vocab_size = vocab_size
+        self.max_step_tokens = max_step_tokens or capacity.prefill_step_tokens or 1 << 30
         self.max_positions = capacity.max_sequence_tokens
         self.blocks = BlockManager(capacity.num_blocks, capacity.block_size)
         self._seqs: dict[int, _Cached] = {}
 
     def draft(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
         """Drafts for (seq_id, tokens, k) requests, in order (empty where none can be made)."""
-        active: list[tuple[int, list[int], int]] = []
-        for seq_id, tokens, k in wanted:
-            if k > 0 and self._room(seq_id, tokens, k):
-                active.append((seq_id, list(tokens), k))
-        drafts: dict[int, list[int]] = {seq_id: [] for seq_id, _, _ in active}
-        items = []
-        for seq_id, tokens, _ in active:
-            start = self._seqs[seq_id].valid
-            items.append(self._item(seq_id, tokens[start:], start))
-        step = 0
-        while items:
-            logits = self.backend.forward(items).last
-            chosen = logits.argmax(dim=-1).tolist()
-            step += 1
-            nxt = []
-            for (seq_id, tokens, k), token in zip(active, chosen, strict=True):
-                drafts[seq_id].append(int(token))
-                if step < k:
-                    nxt.append((seq_id, tokens, k))
-            active = nxt
+        active = [
+            (seq_id, list(tokens), k)
+            for seq_id, tokens, k in wanted
+            if k > 0 and self._room(seq_id, tokens, k)
+        ]
+        first = self._catch_up([(seq_id, tokens) for seq_id, tokens, _ in active])
+        drafts = {seq_id: [token] for (seq_id, _, _), token in zip(active, first, strict=True)}
+        step = 1
+        active = [entry for entry in active if entry[2] > 1]
+        while active:
             items = [
                 self._item(seq_id, (drafts[seq_id][-1],), len(tokens) + step - 1)
                 for seq_id, tokens, _ in active
             ]
+            for (seq_id, _, _), token in zip(active, self._choose(items), strict=True):
+                drafts[seq_id].append(token)
+            step += 1
+            active = [entry for entry in active if entry[2] > step]
         out = []
         for seq_id, tokens, _ in wanted:
             made = tuple(drafts.get(seq_id, ()))
@@ -83,6 +87,36 @@ class DraftModelProposer:
                 self._seqs[seq_id] = _Cached(len(tokens), len(tokens), made[:-1])
             out.append(made)
         return out
+
+    def _catch_up(self, seqs: Sequence[tuple[int, list[int]]]) -> list[int]:
+        """Compute each sequence's tokens from its first invalid position on, in forwards of
+        at most max_step_tokens tokens; the draft token after each sequence's last one."""
+        pending = [(seq_id, self._seqs[seq_id].valid, tokens) for seq_id, tokens in seqs]
+        first: dict[int, int] = {}
+        while pending:
+            items, rest, budget = [], [], self.max_step_tokens
+            for seq_id, start, tokens in pending:
+                take = min(len(tokens) - start, budget)
+                if take <= 0:
+                    rest.append((seq_id, start, tokens))
+                    continue
+                done = start + take == len(tokens)
+                item = self._item(seq_id, tokens[start : start + take], start)
+                items.append(item if done else replace(item, sample=False))
+                budget -= take
+                if not done:
+                    rest.append((seq_id, start + take, tokens))
+            sampled = [item.seq_id for item in items if item.sample]
+            first.update(zip(sampled, self._choose(items), strict=True))
+            pending = rest
+        return [first[seq_id] for seq_id, _ in seqs]
+
+    def _choose(self, items: Sequence[PackedItem]) -> list[int]:
+        """The greedy next token of each sampling item of one forward."""
+        if not items:
+            return []
+        logits = self.backend.forward(items).last[:, : self.vocab_size]
+        return [int(token) for token in logits.argmax(dim=-1).tolist()]
 
     def release(self, seq_id: int) -> None:
         """The sequence left: its draft cache blocks go back."""
