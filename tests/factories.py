@@ -17,7 +17,7 @@ encoder-decoder "t5" (flan-T5's gated-gelu layout) and "bart".
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
@@ -243,3 +243,33 @@ def weight_files(directory: Path) -> list[str]:
     return sorted(
         p.name for p in directory.iterdir() if p.suffix in (".bin", ".safetensors") and p.is_file()
     )
+
+
+def make_lora_adapter(
+    base: PreTrainedModel,
+    directory: Path,
+    seed: int = 1,
+    *,
+    binary: bool = False,
+    **config: Any,
+) -> PreTrainedModel:
+    """Save a PEFT LoRA adapter of `base` with random (non-zero) factors to `directory` and
+    return a copy of `base` with it merged into the weights (the reference it must equal).
+    `config`: LoraConfig's fields (default: rank 4 on every projection, lora_alpha 8)."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    settings: dict[str, Any] = {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"],
+        "init_lora_weights": False,
+        **config,
+    }  # fmt: skip
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**settings))
+    peft_model.save_pretrained(directory, safe_serialization=not binary)
+    return peft_model.merge_and_unload().eval()

@@ -19,7 +19,6 @@ LRU cache bounded in bytes.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -30,17 +29,23 @@ import torch
 
 from tgis.engine.types import PromptPrefix
 from tgis.errors import InputValidationError
+from tgis.peft_files import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    PeftFileError,
+    read_config,
+    read_weights,
+    torch_load,
+)
 
 PREFIX_ID = re.compile(r"[/\w\-]+")
 # Bytes of loaded prefixes kept in memory (a 100-token prefix of a 4096-wide model in bf16
 # is 800 KiB).
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 PEFT_TENSOR = "prompt_embeddings"
 
 
-class PrefixError(Exception):
+class PrefixError(PeftFileError):
     """Why a prefix cannot be used (the reason part of TGIS's message)."""
 
 
@@ -82,7 +87,7 @@ class PrefixStore:
                 return cached
         try:
             prefix = self._load(prefix_id)
-        except PrefixError as exc:
+        except PeftFileError as exc:
             raise InputValidationError(
                 f"can't retrieve prompt prefix with id '{prefix_id}': {exc}"
             ) from None
@@ -112,7 +117,7 @@ class PrefixStore:
             return self._load_encoder_decoder(prefix_id, path)
         decoder = path / "decoder.pt"
         if decoder.is_file():
-            tensor = _torch_load(decoder)
+            tensor = torch_load(decoder)
             source = "decoder.pt"
         elif (path / PEFT_CONFIG).is_file():
             tensor = _peft_prompt(path)
@@ -135,7 +140,7 @@ class PrefixStore:
                 "the directory has neither encoder.pt nor decoder.pt (an encoder-decoder "
                 "model's prefix; PEFT adapters are served for decoder-only models)"
             )
-        tensors = {name: self._check(_torch_load(file), file.name) for name, file in found.items()}
+        tensors = {name: self._check(torch_load(file), file.name) for name, file in found.items()}
         if sum(t.shape[0] for t in tensors.values()) > self.max_length:
             raise PrefixError(
                 f"encoder.pt and decoder.pt have more than {self.max_length} virtual tokens"
@@ -182,37 +187,12 @@ def _key(prefix_id: str, embeddings: torch.Tensor) -> bytes:
     return b"prefix:" + prefix_id.encode() + digest
 
 
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unreadable, not a torch file, or not weights only
-        raise PrefixError(f"cannot read {path.name} as tensors only: {exc}") from None
-
-
 def _peft_prompt(path: Path) -> torch.Tensor:
     """PEFT's saved prompt-tuning embeddings [num_virtual_tokens, token_dim]."""
-    try:
-        config = json.loads((path / PEFT_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise PrefixError(f"cannot read {PEFT_CONFIG}: {exc}") from None
-    kind = config.get("peft_type") if isinstance(config, dict) else None
-    if kind != "PROMPT_TUNING":
-        raise PrefixError(f"the PEFT adapter is {kind!r}; a prefix is a PROMPT_TUNING adapter")
-    weights = next((path / name for name in PEFT_WEIGHTS if (path / name).is_file()), None)
-    if weights is None:
-        raise PrefixError(f"the PEFT adapter has neither {' nor '.join(PEFT_WEIGHTS)}")
-    if weights.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(weights)
-        except (OSError, SafetensorError) as exc:
-            raise PrefixError(f"cannot read {weights.name}: {exc}") from None
-    else:
-        state = _torch_load(weights)
-    if not isinstance(state, dict) or PEFT_TENSOR not in state:
-        raise PrefixError(f"{weights.name} has no {PEFT_TENSOR!r} tensor")
+    config = read_config(path, "PROMPT_TUNING", "a prefix")
+    name, state = read_weights(path)
+    if PEFT_TENSOR not in state:
+        raise PrefixError(f"{name} has no {PEFT_TENSOR!r} tensor")
     tensor = state[PEFT_TENSOR]
     expected = config.get("num_virtual_tokens")
     if isinstance(tensor, torch.Tensor) and expected and tensor.shape[0] != expected:

@@ -10,6 +10,7 @@ from tgis.engine.block_manager import BlockManager
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.sequence import Sequence as SchedSeq
+from tgis.engine.types import LoraAdapter
 
 
 def scheduler_for(
@@ -34,8 +35,10 @@ def greedy(
     prompts: Sequence[Sequence[int]],
     new_tokens: int,
     scheduler: PagedScheduler | None = None,
+    adapters: Sequence[LoraAdapter | None] | None = None,
 ) -> list[list[int]]:
-    """Greedy tokens after each prompt, all requests submitted at once."""
+    """Greedy tokens after each prompt, all requests submitted at once; `adapters`: the
+    LoRA adapter of each prompt's request."""
     sched = scheduler or scheduler_for(backend)
     seqs = [
         SchedSeq(i, f"r{i}", len(p), new_tokens, token_ids=list(p)) for i, p in enumerate(prompts)
@@ -48,7 +51,14 @@ def greedy(
         steps += 1
         out = backend.forward(
             [
-                PackedItem(c.seq.seq_id, c.token_ids, c.start, c.block_table, c.sample)
+                PackedItem(
+                    c.seq.seq_id,
+                    c.token_ids,
+                    c.start,
+                    c.block_table,
+                    c.sample,
+                    adapter=adapters[c.seq.seq_id] if adapters else None,
+                )
                 for c in step.chunks
             ]
         )

@@ -36,6 +36,7 @@ from tgis.backends.hf_forward import KVShape, sliding_windows
 from tgis.backends.slot_cache import KVStep, SlotKVCache
 
 if TYPE_CHECKING:
+    from tgis.backends.lora import LayerLora
     from tgis.backends.parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -213,11 +214,23 @@ class LlamaWeights:
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def _qkv(
-        self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LayerLora | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, hidden], cos/sin [N, 1, head_dim] -> q [N, heads, d], k and v [N, kv_heads, d]."""
+        """x [N, hidden], cos/sin [N, 1, head_dim] -> q [N, heads, d], k and v [N, kv_heads, d].
+        `lora`: the step's LoRA updates of this layer (tgis.backends.lora), or None."""
         h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(x.shape[0], -1, self.head_dim)
+        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        if lora is not None:
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            lora.add(qkv.narrow(1, 0, q), h, "q_proj")
+            lora.add(qkv.narrow(1, q, kv), h, "k_proj")
+            lora.add(qkv.narrow(1, q + kv, kv), h, "v_proj")
+        qkv = qkv.view(x.shape[0], -1, self.head_dim)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = _rotate(qkv[:, :qk_heads], cos, sin)  # q and k rotated together: one op chain
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
@@ -232,9 +245,15 @@ class LlamaWeights:
         """The sum over ranks of a row-parallel projection (itself on one device)."""
         return t if self.parallel is None else self.parallel.all_reduce(t)
 
-    def _finish(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP, residual: x [N, hidden], attn [N, heads * d]."""
-        x = x + self._reduce(F.linear(attn, layer.o_w, layer.o_b))
+    def _finish(
+        self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor, lora: LayerLora | None = None
+    ) -> torch.Tensor:
+        """Output projection, residual, MLP, residual: x [N, hidden], attn [N, heads * d];
+        `lora` as in _qkv."""
+        out = F.linear(attn, layer.o_w, layer.o_b)
+        if lora is not None:
+            lora.add(out, attn, "o_proj")
+        x = x + self._reduce(out)
         h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
         if len(layer.gate_up_w) == 1:
             gate, up = F.linear(h, layer.gate_up_w[0], layer.gate_up_b[0]).chunk(2, dim=-1)
@@ -242,7 +261,14 @@ class LlamaWeights:
             gate, up = (
                 F.linear(h, w, b) for w, b in zip(layer.gate_up_w, layer.gate_up_b, strict=True)
             )
-        return x + self._reduce(F.linear(self.act(gate) * up, layer.down_w, layer.down_b))
+        if lora is None:
+            return x + self._reduce(F.linear(self.act(gate) * up, layer.down_w, layer.down_b))
+        lora.add(gate, h, "gate_proj")
+        lora.add(up, h, "up_proj")
+        mid = self.act(gate) * up
+        down = F.linear(mid, layer.down_w, layer.down_b)
+        lora.add(down, mid, "down_proj")
+        return x + self._reduce(down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: x [rows, hidden] -> float32 logits [rows, vocab]."""

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from tgis.backends.forward import place_embeds
 from tgis.backends.llama_native import LlamaWeights
+from tgis.backends.lora import LoraStep
 from tgis.backends.paged_attention import (
     StepMetadata,
     attend,
@@ -96,17 +97,20 @@ class PagedLlamaForward(LlamaWeights):
         meta: StepMetadata,
         logits_rows: torch.Tensor,
         embeds: Sequence[tuple[int, torch.Tensor | None]] = (),
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """input_ids / positions [tokens] (long, on the device) -> float32 logits of the
         token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
-        rows take those embeddings instead of their tokens' (prompt prefixes)."""
+        rows take those embeddings instead of their tokens' (prompt prefixes); `lora`: the
+        step's rows that go through LoRA adapters."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
+            adapted = lora.layer(index) if lora is not None else None
+            q, k, v = self._qkv(layer, x, cos, sin, adapted)
             keys, values = self.pool.keys[index], self.pool.values[index]
             write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not self.pool.flash)
             out = attend(q, keys, values, meta, self.scaling, layer.window, k, v)
-            x = self._finish(layer, x, out.view(x.shape[0], -1))
+            x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
         return self._logits(x[logits_rows])

@@ -27,6 +27,7 @@ from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
 from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
+from tgis.backends.lora import LoraStep
 from tgis.backends.paged_attention import flash_paged_available, slots_of, step_metadata
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
@@ -143,6 +144,8 @@ class PagedTorchBackend:
             prefill_step_tokens=self.prefill_chunk if cpu else None,
             kv_budget_tokens=self._memory_tokens,
             block_size=self.block_size,
+            # Adapters are not sharded: tensor parallelism serves the base model only.
+            lora=parallel is None,
         )
         logger.info(
             "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
@@ -305,6 +308,7 @@ class PagedTorchBackend:
             meta,
             torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
             [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
+            LoraStep.of([item.adapter for item in items], query_lens, device),
         )
         if not any(item.prompt_logits for item in items):
             # One row per sampling chunk, in order: the logits are the sampled rows already.
@@ -323,13 +327,17 @@ class PagedTorchBackend:
 
     def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:
         """Logits of a decode step replayed from its graph; None when the step runs eagerly
-        (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, or more rows
-        than the largest bucket)."""
+        (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, a LoRA adapter,
+        or more rows than the largest bucket)."""
         graphs = self.graphs
         if graphs is None:
             return None
         if any(
-            len(i.token_ids) != 1 or not i.sample or i.prompt_logits or i.embeds is not None
+            len(i.token_ids) != 1
+            or not i.sample
+            or i.prompt_logits
+            or i.embeds is not None
+            or i.adapter is not None
             for i in items
         ):
             return None

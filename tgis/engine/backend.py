@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from tgis.engine.types import LoraAdapter
+
 
 def prompt_logprobs_refusal(backend: str, encoder_decoder: bool, available: bool) -> str | None:
     """Why a request cannot have prompt logprobs (`decoder_input_details`) here, or None."""
@@ -51,6 +53,8 @@ class BackendCapacity:
     prompt_logprobs: bool = True
     # Whether prompts may start with embeddings instead of tokens (tuned prompt prefixes).
     prompt_prefixes: bool = True
+    # Whether requests may name a LoRA adapter (PackedItem.adapter): the paged engine.
+    lora: bool = False
     # An encoder-decoder model: the prompt is the encoder's input, the output starts anew.
     encoder_decoder: bool = False
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
@@ -103,6 +107,8 @@ class PackedItem:
     # Embeddings [k, hidden] of the chunk's first k tokens, used instead of their tokens'
     # (a prompt prefix's virtual tokens); None: none.
     embeds: torch.Tensor | None = None
+    # The LoRA adapter the item's tokens go through (backends with `lora`); None: the base.
+    adapter: LoraAdapter | None = None
 
 
 @dataclass(frozen=True)

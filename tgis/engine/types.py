@@ -46,6 +46,8 @@ class GenerationRequest:
     arrival: float = 0.0
     # A tuned prompt prefix whose embeddings go before the input's (TGIS's prompt tuning).
     prefix: PromptPrefix | None = None
+    # A LoRA adapter applied to the model for this request; None: the base model.
+    adapter: LoraAdapter | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +72,32 @@ class PromptPrefix:
     def tokens(self) -> int:
         """Every virtual token, encoder's and decoder's: what counts toward the limits."""
         return self.length + (int(self.encoder.shape[0]) if self.encoder is not None else 0)
+
+
+# The projections a LoRA adapter may adapt, as PEFT names the modules of a llama layer.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """A PEFT LoRA adapter on the serving device, in the serving dtype: per layer, for each
+    adapted projection (LORA_MODULES), `a` [in, rank] and `b` [rank, out] with the adapter's
+    scale folded into `b`, so that the projection of x becomes x W^T + (x a) b. `key` keeps the
+    prefix-cache blocks of its requests apart from the base model's and other adapters'."""
+
+    name: str
+    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]
+    key: bytes
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for ab in layer.values()
+            for t in ab
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,226 @@
+"""LoRA adapters (PEFT) for the llama-family paged engine: named at start-up, or found by name
+in a directory on demand, checked against the model and cached.
+
+`--lora-adapters name=path,...` names adapters (a path is a directory or a Hub id in the
+cache; a bare path is also its name); `--lora-adapter-dir DIR` serves every `DIR/<name>`
+holding an adapter, loaded the first time a request names it. An adapter directory holds
+`adapter_config.json` (`peft_type: LORA`) and `adapter_model.safetensors` or
+`adapter_model.bin`, read as tensors only. Served: LoRA on the attention and MLP projections
+(q/k/v/o, gate/up/down) of any layers, with `lora_alpha`, `use_rslora`, `rank_pattern` and
+`alpha_pattern`, ranks up to --max-lora-rank. Refused, naming the reason: DoRA, biases,
+`modules_to_save`, `fan_in_fan_out`, adapted embeddings or lm_head, shapes that are not this
+model's. Loaded adapters live on the serving device in the serving dtype, the factors
+transposed and scaled once (tgis.engine.types.LoraAdapter); at most --max-loras of them stay
+cached (least recently used first out; a request holding one keeps it until it ends).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgis.engine.types import LORA_MODULES, LoraAdapter
+from tgis.errors import InputValidationError
+from tgis.peft_files import PEFT_CONFIG, PeftFileError, read_config, read_weights
+
+ADAPTER_NAME = re.compile(r"[/\w\-.]+")
+# A PEFT LoRA weight: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight.
+_WEIGHT = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(LORA_MODULES) + r")\.lora_([AB])"
+    r"(?:\.[\w\-]+)?\.weight"
+)
+
+
+@dataclass(frozen=True)
+class LoraShapes:
+    """What an adapter must fit: the model's layers and each projection's (in, out) sizes."""
+
+    num_layers: int
+    modules: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, config: Any) -> LoraShapes:
+        """From a llama-family transformers config."""
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = config.num_key_value_heads * head_dim
+        inter = config.intermediate_size
+        return cls(
+            config.num_hidden_layers,
+            {
+                "q_proj": (hidden, heads * head_dim),
+                "k_proj": (hidden, kv),
+                "v_proj": (hidden, kv),
+                "o_proj": (heads * head_dim, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            },
+        )
+
+
+class AdapterStore:
+    """The LoRA adapters one server may apply. Thread-safe; `get` may read files."""
+
+    def __init__(
+        self,
+        shapes: LoraShapes,
+        *,
+        named: Mapping[str, Path] | None = None,
+        directory: Path | None = None,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_loras: int,
+        max_rank: int,
+    ) -> None:
+        self.shapes = shapes
+        self.named = dict(named or {})
+        self.directory = directory.resolve() if directory is not None else None
+        self.dtype, self.device = dtype, device
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        """The adapters requests may name: the named ones, then the directory's, sorted."""
+        found = list(self.named)
+        if self.directory is not None and self.directory.is_dir():
+            for config in sorted(self.directory.rglob(PEFT_CONFIG)):
+                name = config.parent.relative_to(self.directory).as_posix()
+                if name not in self.named and ADAPTER_NAME.fullmatch(name):
+                    found.append(name)
+        return found
+
+    def cached(self) -> list[str]:
+        """Names of the adapters loaded now, least recently used first."""
+        with self._lock:
+            return list(self._cache)
+
+    def get(self, name: str) -> LoraAdapter:
+        """The adapter `name`, from the cache or loaded now; InputValidationError (a 422)
+        naming the reason when there is no such adapter or it cannot be served."""
+        with self._lock:
+            cached = self._cache.get(name)
+            if cached is not None:
+                self._cache.move_to_end(name)
+                return cached
+        try:
+            adapter = self._load(name, self._path(name))
+        except PeftFileError as exc:
+            raise InputValidationError(f"adapter_id '{name}': {exc}") from None
+        with self._lock:
+            if name not in self._cache:
+                self._cache[name] = adapter
+                while len(self._cache) > self.max_loras:
+                    self._cache.popitem(last=False)
+            return self._cache[name]
+
+    def _path(self, name: str) -> Path:
+        path = self.named.get(name)
+        if path is not None:
+            return path
+        known = ", ".join(self.names()) or "none"
+        if self.directory is None:
+            raise PeftFileError(f"no such adapter; this server has: {known}")
+        if not ADAPTER_NAME.fullmatch(name) or ".." in name.split("/"):
+            raise PeftFileError("an adapter id is letters, digits, '_', '-', '.' and '/'")
+        path = (self.directory / name).resolve()
+        if not path.is_relative_to(self.directory):
+            raise PeftFileError("the id resolves outside the adapter directory")
+        if not (path / PEFT_CONFIG).is_file():
+            raise PeftFileError(
+                f"no adapter {name!r} in the adapter directory (no {PEFT_CONFIG}); this "
+                f"server has: {known}"
+            )
+        return path
+
+    def _load(self, name: str, path: Path) -> LoraAdapter:
+        config = read_config(path, "LORA", "a LoRA adapter")
+        for field, refusal in (
+            ("use_dora", "DoRA adapters are not served"),
+            ("modules_to_save", "adapters with modules_to_save (full copies of modules) are not "
+             "served"),
+            ("fan_in_fan_out", "fan_in_fan_out adapters (Conv1D models) are not served"),
+        ):  # fmt: skip
+            if config.get(field):
+                raise PeftFileError(refusal)
+        if config.get("bias", "none") != "none":
+            raise PeftFileError(f"bias {config['bias']!r}: adapters with biases are not served")
+        file, state = read_weights(path)
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        paths: dict[tuple[int, str], str] = {}
+        for key, tensor in state.items():
+            match = _WEIGHT.fullmatch(key)
+            if match is None or not isinstance(tensor, torch.Tensor):
+                raise PeftFileError(
+                    f"{file} holds {key!r}: only LoRA on the projections {', '.join(LORA_MODULES)}"
+                    " is served"
+                )
+            layer, block, module, side = int(match[1]), match[2], match[3], match[4]
+            if layer >= self.shapes.num_layers:
+                raise PeftFileError(
+                    f"{key} is for layer {layer}; the model has {self.shapes.num_layers} layers"
+                )
+            pairs.setdefault((layer, module), {})[side] = tensor
+            paths[(layer, module)] = f"model.layers.{layer}.{block}.{module}"
+        if not pairs:
+            raise PeftFileError(f"{file} holds no LoRA weights")
+        layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(self.shapes.num_layers)
+        ]
+        rank = 0
+        digest = hashlib.sha256()
+        for (layer, module), sides in sorted(pairs.items()):
+            where = f"layer {layer} {module}"
+            if set(sides) != {"A", "B"}:
+                raise PeftFileError(f"{where} has lora_{''.join(sides)} without its pair")
+            a, b = sides["A"], sides["B"]
+            fan_in, fan_out = self.shapes.modules[module]
+            r = a.shape[0]
+            if a.shape != (r, fan_in) or b.shape != (fan_out, r):
+                raise PeftFileError(
+                    f"{where}: lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}; this "
+                    f"model needs (rank, {fan_in}) and ({fan_out}, rank)"
+                )
+            if not 0 < r <= self.max_rank:
+                raise PeftFileError(
+                    f"{where} has rank {r}; this server serves ranks up to {self.max_rank} "
+                    "(--max-lora-rank)"
+                )
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise PeftFileError(f"{where} has values that are not finite numbers")
+            scale = _scale(config, paths[(layer, module)], r)
+            factors = (
+                a.t().to(self.device, self.dtype).contiguous(),
+                (b.float() * scale).t().to(self.device, self.dtype).contiguous(),
+            )
+            layers[layer][module] = factors
+            digest.update(f"{layer}.{module}".encode())
+            digest.update(a.float().numpy().tobytes())
+            digest.update((b.float() * scale).numpy().tobytes())
+            rank = max(rank, r)
+        key = b"lora:" + name.encode() + b":" + digest.digest()[:16]
+        return LoraAdapter(name, tuple(layers), key, rank)
+
+
+def _scale(config: Mapping[str, Any], module_path: str, rank: int) -> float:
+    """The update's scale: lora_alpha (or alpha_pattern's match for this module) over the
+    rank, or over its square root with use_rslora, as PEFT computes it."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module_path):
+            alpha = value
+            break
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+__all__ = ["ADAPTER_NAME", "AdapterStore", "LoraShapes"]
