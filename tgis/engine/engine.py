@@ -163,6 +163,12 @@ class Engine:
                     "Serve the model on the cpu or cuda backend to use them"
                 )
             capacity = self.backend.capacity
+            if request.adapter is not None and not capacity.lora:
+                raise InputValidationError(
+                    f"LoRA adapters (`adapter_id`) are not available on the {self.backend.name} "
+                    "backend: they run in the paged engine of llama-family models on cpu and "
+                    "cuda, on one device"
+                )
             refusal = prompt_logprobs_refusal(
                 self.backend.name, capacity.encoder_decoder, capacity.prompt_logprobs
             )
@@ -248,7 +254,8 @@ class Engine:
                 request.arrival,
                 index,
                 token_ids=list(prompt),
-                salt=prefix.key if prefix else b"",
+                salt=(prefix.key if prefix else b"")
+                + (request.adapter.key if request.adapter else b""),
                 # Every prompt position's logits are computed: none may come from the cache.
                 cache_lookup=not request.params.decoder_input_details,
             )
@@ -344,7 +351,7 @@ class Engine:
                 PackedItem(
                     chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
                     chunk.sample, wants or bool(chunk.draft),
-                    live.prefix_embeds(chunk.start, chunk.count),
+                    live.prefix_embeds(chunk.start, chunk.count), live.handle.request.adapter,
                 )
             )  # fmt: skip
         try:
