@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from tests.engine.test_engine import request, tokenizer
 from tests.engine.test_speculation import EDIT, Counts, outputs
-from tests.factories import make_model_dir, tiny_tokenizer
+from tests.factories import make_lora_adapter, make_model_dir, tiny_model, tiny_tokenizer
 from tests.server.conftest import make_config
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.backends.torch_dynamic import TorchDynamicBackend
@@ -134,3 +134,19 @@ def test_a_draft_model_needs_the_tokenizer_and_the_paged_engine(
     assert draft.kv_bytes_per_token > 0
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         load_draft_model(make_config(speculate=2, draft_model=str(tmp_path / "none")), tokenizer)
+
+
+def test_adapters_need_the_paged_engine_and_servable_adapters(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ConfigError, match="LoRA adapters run in the paged engine of llama-family"):
+        build_service(make_config(lora_adapter_dir=str(tmp_path), warmup_enabled=False), gpt2)
+    # An adapter of another model: its shapes are not the demo model's.
+    make_lora_adapter(tiny_model("llama"), tmp_path / "other", target_modules=["q_proj"])
+    config = make_config(lora_adapters=(("other", str(tmp_path / "other")),), warmup_enabled=False)
+    with pytest.raises(ConfigError) as info:
+        build_service(config, demo_model_dir)
+    assert str(info.value).startswith(
+        f"--lora-adapters other={tmp_path / 'other'}: layer 0 q_proj: lora_A is (4, "
+    )

@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
+from tgis.config.types import ADAPTER_NAME as ADAPTER_NAME_PATTERN
 from tgis.engine.types import LORA_MODULES, LoraAdapter
 from tgis.errors import InputValidationError
 from tgis.peft_files import PEFT_CONFIG, PeftFileError, read_config, read_weights
 
-ADAPTER_NAME = re.compile(r"[/\w\-.]+")
+ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 # A PEFT LoRA weight: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight.
 _WEIGHT = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(LORA_MODULES) + r")\.lora_([AB])"

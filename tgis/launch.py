@@ -23,6 +23,7 @@ from tgis.warmup import WarmupReport, run_warmup
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from tgis.adapter_store import AdapterStore
     from tgis.engine.speculation import Proposer
     from tgis.server.info import ModelInfo
 
@@ -42,6 +43,8 @@ class Service:
     warmup: WarmupReport | None = None
     # Tuned prompt prefixes (--prefix-store-path), or None.
     prefixes: PrefixStore | None = None
+    # LoRA adapters (--lora-adapters, --lora-adapter-dir), or None.
+    adapters: AdapterStore | None = None
 
     def stop(self) -> None:
         """Stop the engine, then the backend's other processes (tensor parallelism)."""
@@ -340,6 +343,15 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, draft)
     capacity = backend.capacity
+    if (config.lora_adapters or config.lora_adapter_dir) and not capacity.lora:
+        raise ConfigError(
+            "--lora-adapters / --lora-adapter-dir: LoRA adapters run in the paged engine of "
+            f"llama-family models on one device; this model runs on the {backend.name} "
+            f"{'slot engine' if capacity.block_size is None else 'backend'}",
+            "serve a llama/mistral/qwen2 model without --compile, or drop the adapters "
+            "(LORA_ADAPTERS, LORA_ADAPTER_DIR)",
+        )
+    adapters = adapter_store(config, model_dir, backend)
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:
@@ -365,7 +377,9 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         kv_tokens,
     )
     prefixes = prefix_store(config, model_dir, backend)
-    return Service(config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes)
+    return Service(
+        config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters
+    )
 
 
 def exit_soon(delay_s: float = 1.0) -> None:
@@ -415,3 +429,39 @@ def prefix_store(
         device=backend.device_obj,  # type: ignore[union-attr]
         encoder_decoder=backend.capacity.encoder_decoder,
     )
+
+
+def adapter_store(
+    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend
+) -> AdapterStore | None:
+    """The LoRA adapters of --lora-adapters (each loaded and checked now) and
+    --lora-adapter-dir, on the backend's device in its dtype; None without either."""
+    if not config.lora_adapters and config.lora_adapter_dir is None:
+        return None
+    from transformers import AutoConfig
+
+    from tgis.adapter_store import AdapterStore, LoraShapes
+    from tgis.errors import InputValidationError
+    from tgis.hub import resolve_model_dir
+
+    named = {name: resolve_model_dir(path) for name, path in config.lora_adapters}
+    store = AdapterStore(
+        LoraShapes.of(AutoConfig.from_pretrained(model_dir).get_text_config()),
+        named=named,
+        directory=Path(config.lora_adapter_dir) if config.lora_adapter_dir else None,
+        dtype=backend.dtype,  # type: ignore[union-attr]
+        device=backend.device_obj,  # type: ignore[union-attr]
+        max_loras=config.max_loras,
+        max_rank=config.max_lora_rank,
+    )
+    for name, path in config.lora_adapters:
+        try:
+            store.get(name)
+        except InputValidationError as exc:
+            reason = exc.message.split(": ", 1)[-1]
+            raise ConfigError(
+                f"--lora-adapters {name}={path}: {reason}",
+                "fix or drop that adapter (LORA_ADAPTERS)",
+            ) from None
+    log.info("LoRA adapters: %s", ", ".join(store.names()) or "none yet (on demand)")
+    return store

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tgis.config import (
@@ -693,3 +695,42 @@ def test_grpc_defaults_of_output() -> None:
     config = build(GPT2, env)
     assert not config.default_include_stop_seqs and config.output_special_tokens
     assert "must be >= 1" in error_of(max_new_tokens=0)
+
+
+def test_lora_adapter_settings(tmp_path: Path) -> None:
+    plain = build(backend="cpu")
+    assert (plain.lora_adapters, plain.lora_adapter_dir) == ((), None)
+    assert (plain.max_loras, plain.max_lora_rank) == (8, 64)
+    config = build(
+        backend="cuda", lora_adapters=" support=/a/support , org/sql-lora,x.y=/b ",
+        lora_adapter_dir=str(tmp_path), max_loras=2, env={"MAX_LORA_RANK": "16"},
+    )  # fmt: skip
+    assert config.lora_adapters == (
+        ("support", "/a/support"), ("org/sql-lora", "org/sql-lora"), ("x.y", "/b"),
+    )  # fmt: skip
+    assert (config.lora_adapter_dir, config.max_loras, config.max_lora_rank) == (
+        str(tmp_path), 2, 16,
+    )  # fmt: skip
+    assert "LORA_ADAPTERS=a=/x,a=/y names 'a' twice" in error_of(
+        backend="cpu", env={"LORA_ADAPTERS": "a=/x,a=/y"}
+    )
+    assert "--lora-adapters =/x: '=/x' is not name=path" in error_of(
+        backend="cpu", lora_adapters="=/x"
+    )
+    assert "--lora-adapters ../up=/x: '../up=/x' is not name=path" in error_of(
+        backend="cpu", lora_adapters="../up=/x"
+    )
+    assert "--max-loras 0 must be in [1, 1024]" in error_of(backend="cpu", max_loras=0)
+    assert "MAX_LORA_RANK=2000 must be in [1, 1024]" in error_of(
+        backend="cpu", env={"MAX_LORA_RANK": "2000"}
+    )
+    assert (
+        "--lora-adapters a=/x: LoRA adapters run in the paged engine of the cpu and cuda "
+        "backends, on one device; not on the gaudi backend"
+    ) in error_of(backend="gaudi", lora_adapters="a=/x")
+    assert "not on --num-shard 2" in error_of(
+        backend="cpu", num_shard=2, lora_adapter_dir=str(tmp_path)
+    )
+    assert f"--lora-adapter-dir {tmp_path / 'none'} is not a directory" in error_of(
+        backend="cpu", lora_adapter_dir=str(tmp_path / "none")
+    )

@@ -22,12 +22,15 @@ FIELDS = {
         ("model_id", 1, T.TYPE_STRING, False),
         ("prefix_id", 2, T.TYPE_STRING, False),
         ("requests", 3, T.TYPE_MESSAGE, True),
+        # The TGIS adapter for vLLM's LoRA adapter field.
+        ("adapter_id", 4, T.TYPE_STRING, False),
         ("params", 10, T.TYPE_MESSAGE, False),
     ],
     "SingleGenerationRequest": [
         ("model_id", 1, T.TYPE_STRING, False),
         ("prefix_id", 2, T.TYPE_STRING, False),
         ("request", 3, T.TYPE_MESSAGE, False),
+        ("adapter_id", 4, T.TYPE_STRING, False),
         ("params", 10, T.TYPE_MESSAGE, False),
     ],
     "BatchedGenerationResponse": [("responses", 1, T.TYPE_MESSAGE, True)],

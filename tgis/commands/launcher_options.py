@@ -324,6 +324,36 @@ PrefixStorePath = Annotated[
         "none",
     ),
 ]
+LoraAdapters = Annotated[
+    str | None,
+    _opt(
+        "lora_adapters",
+        MODEL,
+        "PEFT LoRA adapters requests may select (adapter_id; OpenAI's model; gRPC's "
+        "adapter_id): name=path pairs (a directory or a cached Hub id), separated by commas; "
+        "cpu/cuda paged engine.",
+        "none",
+    ),
+]
+LoraAdapterDir = Annotated[
+    str | None,
+    _opt(
+        "lora_adapter_dir",
+        MODEL,
+        "Directory of LoRA adapters loaded on demand: adapter_id NAME is the adapter in DIR/NAME.",
+        "none",
+    ),
+]
+MaxLoras = Annotated[
+    int | None,
+    _opt("max_loras", MODEL, "LoRA adapters kept loaded (least recently used first out).", "8"),
+]
+MaxLoraRank = Annotated[
+    int | None,
+    _opt(
+        "max_lora_rank", MODEL, "The largest LoRA rank served; larger adapters are refused.", "64"
+    ),
+]
 OutputSpecialTokens = Annotated[
     bool | None,
     _opt("output_special_tokens", SERVER, "gRPC: keep special tokens in the output text.", "off"),
@@ -383,6 +413,10 @@ OPTIONS: dict[str, Any] = {
     "output_special_tokens": OutputSpecialTokens,
     "default_include_stop_seqs": DefaultIncludeStopSeqs,
     "prefix_store_path": PrefixStorePath,
+    "lora_adapters": LoraAdapters,
+    "lora_adapter_dir": LoraAdapterDir,
+    "max_loras": MaxLoras,
+    "max_lora_rank": MaxLoraRank,
     "max_request_body_bytes": MaxRequestBodyBytes,
     "header_timeout_s": HeaderTimeoutS,
     "body_timeout_s": BodyTimeoutS,

@@ -69,7 +69,7 @@ def command(
         info = service_info(service)
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins,
-                         prefixes=service.prefixes,
+                         prefixes=service.prefixes, adapters=service.adapters,
                          prompt_logprobs=service.backend.capacity.prompt_logprobs)  # fmt: skip
         scheme = "https" if config.tls else "http"
         console.print(

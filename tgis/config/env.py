@@ -52,6 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "header_timeout_s": 10.0,
     "body_timeout_s": 60.0,
     "keep_alive_timeout_s": 5.0,
+    "max_loras": 8,
+    "max_lora_rank": 64,
 }
 # The bundled model `tgis serve` runs when no --model-id / MODEL_ID is given.
 DEMO_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "demo-model")

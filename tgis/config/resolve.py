@@ -33,6 +33,7 @@ from tgis.config.rules import (
     check_token_limits,
     check_value_ranges,
     derive_dynamic_defaults,
+    lora_settings,
 )
 from tgis.config.static import apply_static_rules
 from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig, TlsFiles
@@ -99,6 +100,9 @@ def build_serve_config(
         gaudi = None
     num_shard = check_sharding(backend, values, r)
     check_draft_model(values, r, num_shard)
+    lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(
+        backend, values, r, num_shard
+    )
     prefill_mode = check_backend_options(backend, values, r)
 
     model_id, revision = model_reference(args, env)
@@ -141,6 +145,10 @@ def build_serve_config(
         cuda_memory_fraction=values["cuda_memory_fraction"],
         speculate=values["speculate"] or 0,
         draft_model=values["draft_model"] or None,
+        lora_adapters=lora_adapters,
+        lora_adapter_dir=lora_adapter_dir,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
         grpc_port=grpc_port(values, r),
         max_new_tokens=values["max_new_tokens"],
         output_special_tokens=bool(values["output_special_tokens"]),

@@ -8,12 +8,19 @@ tgis.config.static (tpu, neuron) and tgis.config.gaudi.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
-from tgis.config.types import MAX_SPECULATE, PREFILL_MODES, STATIC_BACKENDS, ServeConfig
+from tgis.config.types import (
+    ADAPTER_NAME,
+    MAX_SPECULATE,
+    PREFILL_MODES,
+    STATIC_BACKENDS,
+    ServeConfig,
+)
 from tgis.errors import ConfigError
 
 # TGI caps the default context at 4096 tokens to leave room for more concurrent users.
@@ -237,6 +244,55 @@ def check_draft_model(values: dict[str, Any], r: Sources, num_shard: int) -> Non
             "drop --draft-model (DRAFT_MODEL) to draft by prompt lookup, or serve with "
             "--num-shard 1",
         )
+
+
+def lora_settings(
+    backend: str, values: dict[str, Any], r: Sources, num_shard: int
+) -> tuple[tuple[tuple[str, str], ...], str | None, int, int]:
+    """--lora-adapters parsed into (name, path) pairs, --lora-adapter-dir, --max-loras and
+    --max-lora-rank, checked."""
+    spec, directory = values["lora_adapters"] or "", values["lora_adapter_dir"] or None
+    pairs: list[tuple[str, str]] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+        name, path = name.strip(), path.strip()
+        if not re.fullmatch(ADAPTER_NAME, name) or ".." in name.split("/") or not path:
+            raise ConfigError(
+                f"{r.label('lora_adapters', spec)}: {entry!r} is not name=path",
+                "list adapters as name=directory (or a Hub id in the cache), separated by "
+                "commas; a name is letters, digits, '_', '-', '.' and '/'",
+            )
+        if name in (n for n, _ in pairs):
+            raise ConfigError(
+                f"{r.label('lora_adapters', spec)} names {name!r} twice", "give each a new name"
+            )
+        pairs.append((name, path))
+    limits = {}
+    for name in ("max_loras", "max_lora_rank"):
+        limits[name] = DEFAULTS[name] if values[name] is None else values[name]
+        if not 1 <= limits[name] <= 1024:
+            raise ConfigError(
+                f"{r.label(name, limits[name])} must be in [1, 1024]",
+                f"set {flag(name)} to a count such as {DEFAULTS[name]} (the default)",
+            )
+    if pairs or directory:
+        given = r.label("lora_adapters", spec) if pairs else r.label("lora_adapter_dir", directory)
+        if backend not in ("cpu", "cuda") or num_shard > 1:
+            where = f"the {backend} backend" if num_shard == 1 else f"--num-shard {num_shard}"
+            raise ConfigError(
+                f"{given}: LoRA adapters run in the paged engine of the cpu and cuda backends, "
+                f"on one device; not on {where}",
+                "drop --lora-adapters and --lora-adapter-dir (LORA_ADAPTERS, LORA_ADAPTER_DIR), "
+                "or serve with --backend cpu/cuda and --num-shard 1",
+            )
+    if directory is not None and not Path(directory).is_dir():
+        raise ConfigError(
+            f"{r.label('lora_adapter_dir', directory)} is not a directory",
+            "point --lora-adapter-dir at the directory holding one directory per adapter",
+        )
+    return tuple(pairs), directory, limits["max_loras"], limits["max_lora_rank"]
 
 
 def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:

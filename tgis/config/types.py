@@ -16,6 +16,8 @@ STATIC_BACKENDS = ("tpu", "neuron")
 # The most draft tokens speculative decoding verifies per step (--speculate).
 MAX_SPECULATE = 16
 PREFILL_MODES = ("rebuild", "insert")
+# What a LoRA adapter's name may hold (--lora-adapters, adapter_id, a --lora-adapter-dir entry).
+ADAPTER_NAME = r"[/\w\-.]+"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class LauncherArgs:
     cuda_memory_fraction: float | None = None
     speculate: int | None = None
     draft_model: str | None = None
+    lora_adapters: str | None = None
+    lora_adapter_dir: str | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     prefix_store_path: str | None = None
     max_request_body_bytes: int | None = None
     header_timeout_s: float | None = None
@@ -222,6 +228,13 @@ class ServeConfig:
     # A small model of the same tokenizer (a directory or a cached Hub id) that drafts for
     # speculative decoding instead of prompt lookup; None: prompt lookup.
     draft_model: str | None = None
+    # LoRA adapters (the paged engine): (name, directory or Hub id) pairs named at start-up,
+    # the directory whose subdirectories are loaded on demand, how many stay loaded, and the
+    # largest rank served.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    lora_adapter_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
     # The TGIS gRPC API (fmaas.GenerationService) on its own port; None: not served.
     grpc_port: int | None = None
     # The largest max_new_tokens a request may ask for; gRPC's default ceiling is 1024 (TGIS),

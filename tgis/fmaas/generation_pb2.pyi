@@ -34,28 +34,32 @@ TOKEN_LIMIT: StopReason
 ERROR: StopReason
 
 class BatchedGenerationRequest(_message.Message):
-    __slots__ = ("model_id", "prefix_id", "requests", "params")
+    __slots__ = ("model_id", "prefix_id", "requests", "adapter_id", "params")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     prefix_id: str
     requests: _containers.RepeatedCompositeFieldContainer[GenerationRequest]
+    adapter_id: str
     params: Parameters
-    def __init__(self, model_id: _Optional[str] = ..., prefix_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[GenerationRequest, _Mapping]]] = ..., params: _Optional[_Union[Parameters, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., prefix_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[GenerationRequest, _Mapping]]] = ..., adapter_id: _Optional[str] = ..., params: _Optional[_Union[Parameters, _Mapping]] = ...) -> None: ...
 
 class SingleGenerationRequest(_message.Message):
-    __slots__ = ("model_id", "prefix_id", "request", "params")
+    __slots__ = ("model_id", "prefix_id", "request", "adapter_id", "params")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     prefix_id: str
     request: GenerationRequest
+    adapter_id: str
     params: Parameters
-    def __init__(self, model_id: _Optional[str] = ..., prefix_id: _Optional[str] = ..., request: _Optional[_Union[GenerationRequest, _Mapping]] = ..., params: _Optional[_Union[Parameters, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., prefix_id: _Optional[str] = ..., request: _Optional[_Union[GenerationRequest, _Mapping]] = ..., adapter_id: _Optional[str] = ..., params: _Optional[_Union[Parameters, _Mapping]] = ...) -> None: ...
 
 class BatchedGenerationResponse(_message.Message):
     __slots__ = ("responses",)

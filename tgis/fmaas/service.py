@@ -25,6 +25,7 @@ from tgis.engine.types import (
     Completion,
     FinishReason,
     GenerationRequest,
+    LoraAdapter,
     PromptPrefix,
     TokenInfo,
 )
@@ -101,8 +102,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             self._check_open()
             if not texts:  # before the parameters are read, as TGIS answers it
                 return pb.BatchedGenerationResponse()
-            converted, prefix = await self._convert(request)
-            inputs = [await self._prepare(text, converted, prefix, arrival) for text in texts]
+            converted, prefix, adapter = await self._convert(request)
+            inputs = [
+                await self._prepare(text, converted, prefix, adapter, arrival) for text in texts
+            ]
             self._reserve(len(inputs))
             results = await self._run_all(inputs)
         except Refused as refused:
@@ -125,8 +128,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             self._check_open()
             if not request.HasField("request"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "missing request", "validation")
-            converted, prefix = await self._convert(request)
-            inp = await self._prepare(request.request.text, converted, prefix, arrival)
+            converted, prefix, adapter = await self._convert(request)
+            inp = await self._prepare(request.request.text, converted, prefix, adapter, arrival)
             self._reserve(1)
         except Refused as refused:
             await self._abort(context, refused)
@@ -210,17 +213,26 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
 
     async def _convert(
         self, request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest
-    ) -> tuple[Converted, PromptPrefix | None]:
+    ) -> tuple[Converted, PromptPrefix | None, LoraAdapter | None]:
+        """The request's parameters, its prompt prefix (`prefix_id`) and its LoRA adapter
+        (`adapter_id`, field 4 as the TGIS adapter for vLLM numbers it)."""
         try:
             converted = convert(request.params, self.limits)
             prefix_id = request.prefix_id if request.HasField("prefix_id") else None
             prefix = await self.state.pipeline.prefix(prefix_id)
+            adapter_id = request.adapter_id if request.HasField("adapter_id") else None
+            adapter = await self.state.pipeline.adapter(adapter_id)
         except InputValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
-        return converted, prefix
+        return converted, prefix, adapter
 
     async def _prepare(
-        self, text: str, converted: Converted, prefix: PromptPrefix | None, arrival: float
+        self,
+        text: str,
+        converted: Converted,
+        prefix: PromptPrefix | None,
+        adapter: LoraAdapter | None,
+        arrival: float,
     ) -> Input:
         """Tokenize, truncate (the last truncate_input_tokens are kept), check the lengths
         (the prefix's virtual tokens count)."""
@@ -239,7 +251,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             fitted = converted.fit(len(ids), prefix.tokens if prefix else 0, self.limits)
         except InputValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "validation") from None
-        request = GenerationRequest(uuid.uuid4().hex, tuple(ids), fitted.params, arrival, prefix)
+        request = GenerationRequest(
+            uuid.uuid4().hex, tuple(ids), fitted.params, arrival, prefix, adapter
+        )
         self.metrics.validated(len(ids), fitted.params.max_new_tokens, time.monotonic() - arrival)
         return Input(text, request, fitted.token_limit, fitted.seed)
 

@@ -34,11 +34,13 @@ from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
 from tgis.server.metrics import Metrics
 from tgis.server.openapi import docs, docs_asset, openapi_json
-from tgis.server.openapi_schemas import RequestSchemas
+from tgis.server.openapi_schemas import AdapterChoice, RequestSchemas
 from tgis.server.state import ServerState
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from tgis.adapter_store import AdapterStore
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
 PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
@@ -103,6 +105,7 @@ def create_app(
     cors_origins: Sequence[str] = (),
     prefixes: PrefixStore | None = None,
     prompt_logprobs: bool = True,
+    adapters: AdapterStore | None = None,
 ) -> Starlette:
     """The HTTP server of one model.
 
@@ -112,7 +115,8 @@ def create_app(
     engine as its EngineObserver (one is made otherwise: `app.state.tgis.metrics`).
     `api_key` guards the generation routes; `cors_origins` enables CORS for those origins;
     `prefixes` serves tuned prompt prefixes (`prefix_id`); `prompt_logprobs`: the backend
-    returns prompt logprobs (the API's schema allows `decoder_input_details` only then).
+    returns prompt logprobs (the API's schema allows `decoder_input_details` only then);
+    `adapters`: the LoRA adapters requests may select (`adapter_id`, OpenAI's `model`).
     """
     if metrics is None:
         metrics = Metrics(
@@ -121,12 +125,13 @@ def create_app(
         )
     lifecycle = Lifecycle()
     limits = RequestLimits.from_config(config)
-    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes)
+    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes, adapters)
     schemas = RequestSchemas(
         limits,
         max_client_batch_size=model_info.max_client_batch_size,
         vocab_size=len(tokenizer),
         prefixes=prefixes is not None,
+        adapters=AdapterChoice.of(adapters),
         no_prompt_logprobs=prompt_logprobs_refusal(
             model_info.backend, model_info.model_kind != "decoder_only", prompt_logprobs
         ),

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -21,6 +21,7 @@ from tgis.engine.types import (
     Completion,
     EngineClient,
     GenerationRequest,
+    LoraAdapter,
     PromptPrefix,
     TokenEvent,
     TokenInfo,
@@ -28,6 +29,9 @@ from tgis.engine.types import (
 from tgis.errors import InputValidationError
 from tgis.params import GenerateParameters, RequestLimits, truncate_ids, validate
 from tgis.prefix_store import PrefixStore
+
+if TYPE_CHECKING:
+    from tgis.adapter_store import AdapterStore
 from tgis.server.http_errors import ApiError
 from tgis.server.metrics import Metrics
 
@@ -124,12 +128,14 @@ class Pipeline:
         limits: RequestLimits,
         metrics: Metrics,
         prefixes: PrefixStore | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.prefixes = prefixes
+        self.adapters = adapters
 
     async def prefix(self, prefix_id: str | None) -> PromptPrefix | None:
         """The tuned prompt prefix `prefix_id` (read in a worker thread the first time), or
@@ -142,6 +148,18 @@ class Pipeline:
                 "prompt prefix store (start it with --prefix-store-path)"
             )
         return await anyio.to_thread.run_sync(self.prefixes.get, prefix_id)
+
+    async def adapter(self, adapter_id: str | None) -> LoraAdapter | None:
+        """The LoRA adapter `adapter_id` (read in a worker thread the first time), or None
+        for the base model (no id, or an empty one). Raises InputValidationError."""
+        if not adapter_id:
+            return None
+        if self.adapters is None:
+            raise InputValidationError(
+                f"adapter_id '{adapter_id}': this server has no LoRA adapters (start it with "
+                "--lora-adapters or --lora-adapter-dir)"
+            )
+        return await anyio.to_thread.run_sync(self.adapters.get, adapter_id)
 
     def check_length(self, text: str) -> None:
         """Refuse, before tokenizing, a text longer in characters than any prompt the server
@@ -171,13 +189,16 @@ class Pipeline:
         stream: bool,
         add_special_tokens: bool = True,
         prefix_id: str | None = None,
+        adapter_id: str | None = None,
     ) -> Prepared:
         """Tokenize (unless given ids), truncate to `params.truncate`, validate; with
-        `prefix_id`, the prompt prefix goes first and counts toward the limits.
+        `prefix_id`, the prompt prefix goes first and counts toward the limits; with
+        `adapter_id`, the request goes through that LoRA adapter.
 
         Raises InputValidationError (HTTP 422) with tgis.params's message.
         """
         prefix = await self.prefix(prefix_id)
+        adapter = await self.adapter(adapter_id)
         if isinstance(prompt, str):
             self.check_length(prompt)
             ids = await self.encode(prompt, add_special_tokens)
@@ -207,6 +228,7 @@ class Pipeline:
             params=params,
             arrival=arrival,
             prefix=prefix,
+            adapter=adapter,
         )
         validation_s = time.monotonic() - arrival
         self.metrics.validated(len(ids), params.max_new_tokens, validation_s)

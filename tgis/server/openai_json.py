@@ -23,13 +23,20 @@ class Envelope:
     created: int
 
     @staticmethod
-    def new(request_id: str, chat: bool, stream: bool, info: ModelInfo) -> Envelope:
+    def new(
+        request_id: str, chat: bool, stream: bool, info: ModelInfo, adapter: str | None = None
+    ) -> Envelope:
+        """`model` is the served model's id, or the LoRA adapter's name the request chose."""
         if chat:
             prefix, obj = "chatcmpl-", "chat.completion.chunk" if stream else "chat.completion"
         else:
             prefix, obj = "cmpl-", "text_completion"
         return Envelope(
-            prefix + request_id, obj, info.model_id, info.system_fingerprint, int(time.time())
+            prefix + request_id,
+            obj,
+            adapter or info.model_id,
+            info.system_fingerprint,
+            int(time.time()),
         )
 
     def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

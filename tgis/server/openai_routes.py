@@ -51,10 +51,34 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """GET /v1/models: the one served model, as TGI lists it."""
-    model_id = get_state(request).info.model_id
-    card = {"id": model_id, "object": "model", "created": 0, "owned_by": model_id}
-    return JSONResponse({"object": "list", "data": [card]})
+    """GET /v1/models: the served model, as TGI lists it, then its LoRA adapters (each with
+    the model as `parent`, as vLLM lists them)."""
+    state = get_state(request)
+    model_id = state.info.model_id
+    cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]
+    adapters = state.pipeline.adapters
+    if adapters is not None:
+        names = await anyio.to_thread.run_sync(adapters.names)
+        cards.extend(
+            {"id": n, "object": "model", "created": 0, "owned_by": model_id, "parent": model_id}
+            for n in names
+        )
+    return JSONResponse({"object": "list", "data": cards})
+
+
+def adapter_of(pipeline: Pipeline, model_id: str, model: str | None) -> str | None:
+    """The LoRA adapter OpenAI's `model` selects: None for the served model (its id, or any
+    name on a server without adapters, as TGI ignores it); a 422 for a name that is neither
+    the model nor an adapter on a server with adapters."""
+    adapters = pipeline.adapters
+    if adapters is None or model is None or model in ("", model_id):
+        return None
+    if model in adapters.named or adapters.directory is not None:
+        return model
+    raise invalid(
+        f"`model` '{model}' is neither the served model ('{model_id}') nor one of its LoRA "
+        f"adapters ({', '.join(adapters.names())}); GET /v1/models lists them"
+    )
 
 
 async def _serve(request: Request, *, chat: bool) -> Response:
@@ -82,6 +106,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
             inputs: list[tuple[str | Sequence[int], bool]] = [(text, False)]
         else:
             inputs = [(prompt, True) for prompt in req.prompts]
+        adapter_id = adapter_of(state.pipeline, state.info.model_id, req.model)
         prepared = []
         for prompt, add_special in inputs:
             # stream=False: OpenAI streams carry any number of choices, so n > 1 streams too.
@@ -93,13 +118,16 @@ async def _serve(request: Request, *, chat: bool) -> Response:
                     stream=False,
                     add_special_tokens=add_special,
                     prefix_id=req.prefix_id,
+                    adapter_id=adapter_id,
                 )
             )
         state.contract.check("ChatRequest" if chat else "CompletionRequest", body)
         streams = await unless_disconnected(
             request.receive, lambda: _start_all(state.pipeline, prepared)
         )
-        envelope = Envelope.new(prepared[0].request.request_id, chat, req.stream, state.info)
+        envelope = Envelope.new(
+            prepared[0].request.request_id, chat, req.stream, state.info, adapter_id
+        )
         if req.stream:
             return stream_response(state, req, prepared, streams, envelope, chat, kind)
         results = [

@@ -43,6 +43,8 @@ class OpenAIRequest:
     prefix_id: str | None = None
     # Chat: the tools the model may call (None: none, or `tool_choice` "none").
     tools: ToolChoice | None = None
+    # `model` as sent: the served model, or one of its LoRA adapters.
+    model: str | None = None
 
 
 def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
@@ -137,6 +139,7 @@ def parse_completion_request(
         logprobs=logprobs,
         echo=echo,
         prefix_id=f.string("prefix_id"),
+        model=f.string("model"),
     )
 
 
@@ -217,6 +220,7 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         logprobs=logprobs,
         prefix_id=f.string("prefix_id"),
         tools=tools,
+        model=f.string("model"),
     )
 
 

@@ -209,6 +209,35 @@ def _ruled(schema: dict[str, Any], rule: str) -> dict[str, Any]:
     return {**out, "x-rule": rule}
 
 
+_ADAPTER_ID = (
+    'a LoRA adapter of the server\'s --lora-adapters or --lora-adapter-dir (null or "": the '
+    "base model)"
+)
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """What `adapter_id` may be: the adapters named at start-up, and whether a directory
+    serves others on demand (any name then, checked when asked for)."""
+
+    names: tuple[str, ...] = ()
+    on_demand: bool = False
+
+    @staticmethod
+    def of(store: Any) -> AdapterChoice:
+        """The choice a tgis.adapter_store.AdapterStore (or None) offers."""
+        if store is None:
+            return AdapterChoice()
+        return AdapterChoice(tuple(store.named), store.directory is not None)
+
+    def schema(self) -> dict[str, Any]:
+        if self.on_demand:
+            return null({**STR, "pattern": r"^[/\w\-.]*$", "description": _ADAPTER_ID})
+        if self.names:
+            return null({"enum": ["", *self.names], "description": _ADAPTER_ID})
+        return null({"const": "", "description": "this server has no LoRA adapters"})
+
+
 @dataclass(frozen=True)
 class RequestSchemas:
     """The request bodies this server takes, from its limits and its model."""
@@ -217,6 +246,8 @@ class RequestSchemas:
     max_client_batch_size: int
     vocab_size: int
     prefixes: bool  # a prompt prefix store is configured
+    # The LoRA adapters `adapter_id` may name.
+    adapters: AdapterChoice = AdapterChoice()
     # Why the server cannot return prompt logprobs (`decoder_input_details`), or None: it can.
     no_prompt_logprobs: str | None = None
 
@@ -288,7 +319,7 @@ class RequestSchemas:
             prefix_id=self._prefix_id(),
             watermark=null({"const": False, "description": "not supported"}),
             grammar=null({"anyOf": [{"const": ""}, GRAMMAR]}),
-            adapter_id=null({"const": "", "description": "not supported"}),
+            adapter_id=self.adapters.schema(),
         )
         several = _given("best_of", {"type": "integer", "minimum": 2})
         schema["allOf"] = [
@@ -637,7 +668,9 @@ OPENAI_RESPONSES: dict[str, Any] = {
     "ModelList": obj(
         ["object", "data"],
         object=STR,
-        data=array(obj(["id", "object"], id=STR, object=STR, created=INT, owned_by=STR)),
+        data=array(
+            obj(["id", "object"], id=STR, object=STR, created=INT, owned_by=STR, parent=STR)
+        ),
     ),
     "OpenAIError": obj(
         ["error"],

@@ -229,6 +229,8 @@ class TgiRequest:
     stream: bool = False
     # TGIS's tuned prompt prefix (`parameters.prefix_id`, an extension of TGI's API).
     prefix_id: str | None = None
+    # TGI's `parameters.adapter_id`: a LoRA adapter (None or "": the base model).
+    adapter_id: str | None = None
 
 
 # TGI's optional parameters and TGIS's extras, by JSON type.
@@ -282,9 +284,6 @@ def parse_parameters(
     if fields.boolean("watermark"):
         raise invalid("`parameters.watermark` is not supported by this server")
     values["grammar"] = parse_grammar(fields)
-    # Clients send it as null; a value asks for a feature this server does not have.
-    if fields.has("adapter_id") and fields.data["adapter_id"] != "":
-        raise invalid("`parameters.adapter_id` is not supported by this server")
     return GenerateParameters(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -324,4 +323,5 @@ def parse_tgi_request(
     params = parse_parameters(parameters, default_return_full_text)
     stream = bool(fields.boolean("stream")) if compat else False
     prefix_id = parameters.string("prefix_id") if parameters is not None else None
-    return TgiRequest(inputs=inputs, params=params, stream=stream, prefix_id=prefix_id)
+    adapter_id = parameters.string("adapter_id") if parameters is not None else None
+    return TgiRequest(inputs, params, stream, prefix_id, adapter_id)

@@ -72,8 +72,9 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
     state.metrics.request_received("stream" if stream else "single")
     try:
         prepared = await state.pipeline.prepare(
-            req.inputs, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id
-        )
+            req.inputs, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id,
+            adapter_id=req.adapter_id,
+        )  # fmt: skip
         state.contract.check(_SCHEMAS[compat, stream], body)
         events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
         if stream:
