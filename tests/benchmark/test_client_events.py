@@ -87,3 +87,18 @@ def test_openai_finish_reason_is_recorded_from_the_chunks() -> None:
 def test_wrong_shapes_are_malformed(api: str, events: list[Any]) -> None:
     record = send(api, events)
     assert record.error == "malformed", record
+
+
+def test_requests_go_through_the_adapters_in_turn() -> None:
+    turn = Turn("hi", 1, 8)
+    tgi = BenchmarkClient("http://test", api="tgi", adapters=("", "a", "b"))
+    chat_client = BenchmarkClient("http://test", api="openai-chat", model="m", adapters=("a", ""))
+    try:
+        ids = [tgi.body(turn, ())["parameters"].get("adapter_id") for _ in range(4)]
+        assert ids == [None, "a", "b", None]
+        assert [chat_client.body(turn, ())["model"] for _ in range(3)] == ["a", "m", "a"]
+        plain = BenchmarkClient("http://test", api="tgi")
+        assert "adapter_id" not in plain.body(turn, ())["parameters"]
+    finally:
+        for client in (tgi, chat_client, plain):
+            asyncio.run(client.aclose())

@@ -100,6 +100,13 @@ def test_engine_needs_a_model_id() -> None:
     assert "--model-id" in str(result.exception)
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--adapters", "a,b"), ("--json-schema", "s.json")])
+def test_load_test_workload_flags_are_refused_with_engine(flag: str, value: str) -> None:
+    result = runner.invoke(app, ["benchmark", "--engine", "--model-id", "m", flag, value])
+    assert isinstance(result.exception, ConfigError)
+    assert f"{flag} applies to a load test of a server" in str(result.exception)
+
+
 def test_engine_results_name_their_bad_fields(demo_model_dir: Path) -> None:
     from tgis.benchmark.engine_mode import run_engine
 

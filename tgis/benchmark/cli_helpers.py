@@ -104,6 +104,13 @@ def read_json_schema(path: Path | None) -> dict[str, Any] | None:
     return schema
 
 
+def adapter_list(spec: str | None) -> tuple[str, ...]:
+    """--adapters: the names, in order ("" for the base model); none when not given."""
+    if spec is None:
+        return ()
+    return tuple(name.strip() for name in spec.split(","))
+
+
 def structured_output(api: str, schema: dict[str, Any] | None) -> dict[str, Any]:
     """The request fields that ask `api` for output matching `schema` (none without one)."""
     if schema is None:

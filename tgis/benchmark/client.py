@@ -21,6 +21,7 @@ marker or an event that is not the JSON the API promises becomes the record's `e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -99,7 +100,10 @@ class BenchmarkClient:
         extra_parameters: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        adapters: Sequence[str] = (),
     ) -> None:
+        """`adapters`: LoRA adapters the requests go through in turn (TGI's adapter_id,
+        OpenAI's model; "" is the base model); none: every request is the model's."""
         if api not in PATHS:
             raise ValueError(f"unknown api {api!r}: choose one of {', '.join(APIS)}")
         if request_timeout <= 0 or stall_timeout <= 0:
@@ -108,6 +112,8 @@ class BenchmarkClient:
         self.model = model
         self.request_timeout = request_timeout
         self.extra_parameters = dict(extra_parameters or {})
+        self.adapters = tuple(adapters)
+        self._sent = itertools.count()
         # trust_env=False: a proxy set in the environment must not sit between us and the server.
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
@@ -124,11 +130,14 @@ class BenchmarkClient:
 
     def body(self, turn: Turn, history: Sequence[tuple[Turn, RequestRecord]]) -> dict[str, Any]:
         """The JSON body of a streaming request for `turn` after `history`."""
+        adapter = self.adapters[next(self._sent) % len(self.adapters)] if self.adapters else ""
         if self.api == "tgi":
             parameters = {"max_new_tokens": turn.max_new_tokens, **self.extra_parameters}
+            if adapter:
+                parameters["adapter_id"] = adapter
             return {"inputs": prompt_text(turn, history), "parameters": parameters}
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": adapter or self.model,
             "max_tokens": turn.max_new_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -133,6 +133,8 @@ _HTTP_CONFIG = {
         "seed": {"type": "integer"},
         # The schema every answer had to match (--json-schema), or null.
         "json_schema": {"type": ["object", "null"]},
+        # The LoRA adapters requests went through in turn (--adapters; "" the base model).
+        "adapters": {"type": "array", "items": {"type": "string"}},
     },
 }
 _ENGINE_CONFIG = {

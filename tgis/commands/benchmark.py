@@ -84,6 +84,16 @@ def command(
             show_default=False,
         ),
     ] = None,
+    adapters: Annotated[
+        str | None,
+        typer.Option(
+            "--adapters",
+            help="LoRA adapters the requests go through in turn, separated by commas (TGI's "
+            "adapter_id, OpenAI's model; an empty name is the base model: ',a,b').",
+            rich_help_panel=WORKLOAD,
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[
         int,
         typer.Option(
@@ -219,6 +229,7 @@ def command(
     from rich.console import Console
 
     from tgis.benchmark.cli_helpers import (
+        adapter_list,
         build_workload,
         check_options,
         load_compared,
@@ -249,6 +260,15 @@ def command(
             save(console, None, plot, [(name_a, a), (name_b, b)])
         return
     if engine:
+        for given, flag in ((json_schema is not None, "--json-schema"), (adapters, "--adapters")):
+            if given:
+                from tgis.errors import ConfigError
+
+                raise ConfigError(
+                    f"{flag} applies to a load test of a server; --engine times the backend's "
+                    "steps on fixed prompts",
+                    f"drop {flag}, or load-test a server (--url)",
+                )
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
             dtype, seed, compile, num_shard,
@@ -276,6 +296,7 @@ def command(
         model=target.model_id or "tgi",
         headers=auth_headers(api_key),
         extra_parameters=structured_output(target.api, schema),
+        adapters=adapter_list(adapters),
     )
     run = BenchmarkRun(
         client, sessions, kind, duration, warmup, max_vus, rate_list, num_rates, seed
@@ -307,6 +328,7 @@ def command(
         "num_rates": num_rates,
         "requests": requests,
         "json_schema": schema,
+        "adapters": list(adapter_list(adapters)),
         "slos_s": slos,
         "interrupted": interrupted,
     }
