@@ -99,6 +99,24 @@ def test_a_mixed_step_gives_each_row_its_merged_model(
     assert not torch.allclose(whole[0], reference(base, PROMPTS[0]), atol=1e-2)
 
 
+def test_fused_gate_up_takes_the_stacked_update_in_one_piece(
+    base: PreTrainedModel,
+    adapters: dict[str, tuple[Path, PreTrainedModel]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # cuda fuses gate and up into one matmul; the cpu runs them apart (FUSE_GATE_UP).
+    from tgis.backends import llama_native
+
+    monkeypatch.setitem(llama_native.FUSE_GATE_UP, "cpu", True)
+    served = store(base, {name: path for name, (path, _) in adapters.items()})
+    backend = paged(copy.deepcopy(base))
+    assert backend.path.fuse_gate_up
+    got = prompt_logits(backend, [served.get("patterns"), served.get("all"), None])
+    models = [adapters["patterns"][1], adapters["all"][1], base]
+    for logits, model, prompt in zip(got, models, PROMPTS, strict=True):
+        torch.testing.assert_close(logits, reference(model, prompt), atol=2e-4, rtol=1e-4)
+
+
 def test_greedy_decoding_with_adapters_matches_merged_generate(
     base: PreTrainedModel, adapters: dict[str, tuple[Path, PreTrainedModel]]
 ) -> None:

@@ -226,10 +226,7 @@ class LlamaWeights:
         h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
         qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
         if lora is not None:
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            lora.add(qkv.narrow(1, 0, q), h, "q_proj")
-            lora.add(qkv.narrow(1, q, kv), h, "k_proj")
-            lora.add(qkv.narrow(1, q + kv, kv), h, "v_proj")
+            lora.add(qkv, h, "qkv")
         qkv = qkv.view(x.shape[0], -1, self.head_dim)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = _rotate(qkv[:, :qk_heads], cos, sin)  # q and k rotated together: one op chain
@@ -256,15 +253,19 @@ class LlamaWeights:
         x = x + self._reduce(out)
         h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
         if len(layer.gate_up_w) == 1:
-            gate, up = F.linear(h, layer.gate_up_w[0], layer.gate_up_b[0]).chunk(2, dim=-1)
+            fused = F.linear(h, layer.gate_up_w[0], layer.gate_up_b[0])
+            if lora is not None:
+                lora.add(fused, h, "gate_up")
+            gate, up = fused.chunk(2, dim=-1)
         else:
             gate, up = (
                 F.linear(h, w, b) for w, b in zip(layer.gate_up_w, layer.gate_up_b, strict=True)
             )
+            if lora is not None:
+                lora.add(gate, h, "gate_proj")
+                lora.add(up, h, "up_proj")
         if lora is None:
             return x + self._reduce(F.linear(self.act(gate) * up, layer.down_w, layer.down_b))
-        lora.add(gate, h, "gate_proj")
-        lora.add(up, h, "up_proj")
         mid = self.act(gate) * up
         down = F.linear(mid, layer.down_w, layer.down_b)
         lora.add(down, mid, "down_proj")

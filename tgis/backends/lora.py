@@ -1,15 +1,19 @@
 """LoRA adapters in the packed forward of the llama family (the paged engine).
 
-A step's token rows are grouped by the adapter of the item they belong to; in every layer each
-adapted projection adds, to each group's rows, the group's low-rank update: for rows R of an
-adapter with factors a [in, r] and b [r, out] (scale folded in), out[R] += (x[R] a) b. That is
-one pair of small matmuls per adapter, projection and layer, however the adapters and the base
-model's rows are mixed in the step; rows of the base model are left as they are, and no
-adapter is ever merged into the weights.
+A step's adapters (those of its items; rows of the base model have none) are stacked, per
+layer and fused projection, into one pair of factors: A [in, R] holds each adapter's `a`
+columns side by side and B [R, out] their `b` rows, each adapter's block padded to its rank.
+Every adapted projection then adds `((x A) * M) B` to its output, where the mask M [rows, R]
+keeps for each row only its own adapter's columns (none for the base model's rows): two
+matmuls per projection and layer, whatever the mix of adapters in the step, and no adapter is
+ever merged into the weights. q/k/v and gate/up are stacked as the forward fuses them, so their
+update lands on the fused output in one piece. Stacked factors are cached per combination of
+adapters (a few combinations recur while the same requests run).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,47 +21,130 @@ import torch
 
 from tgis.engine.types import LoraAdapter
 
+# The projections the forward computes as one matmul, as stacked here: name -> the modules
+# whose outputs it concatenates, in order.
+FUSED_QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+# Combinations of adapters whose stacked factors stay cached.
+STACKS_CACHED = 8
+
+Factors = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
-class LoraGroup:
-    """The rows [n] (long, on the device) of a step that go through `adapter`; `whole`: they
-    are all the step's rows, in order."""
+class Stack:
+    """The stacked factors of some adapters: per layer, per projection name (`qkv`, `o_proj`,
+    `gate_up` or `gate_proj` / `up_proj`, `down_proj`), (A, B) or absent where none of them
+    adapts it; `owner[name]` [R] the index of the adapter each column belongs to."""
 
-    rows: torch.Tensor
-    adapter: LoraAdapter
-    whole: bool
+    layers: tuple[dict[str, Factors], ...]
+    owner: dict[str, torch.Tensor]
+
+
+def _groups(fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
+    mlp = {"gate_up": GATE_UP} if fuse_gate_up else {m: (m,) for m in GATE_UP}
+    return {"qkv": FUSED_QKV, "o_proj": ("o_proj",), **mlp, "down_proj": ("down_proj",)}
+
+
+def stack(adapters: Sequence[LoraAdapter], out_sizes: dict[str, int], fuse_gate_up: bool) -> Stack:
+    """Stack `adapters` (in order) for a model whose projections have `out_sizes` outputs."""
+    some = next(
+        (ab[0] for adapter in adapters for layer in adapter.layers for ab in layer.values()), None
+    )
+    assert some is not None, "an adapter adapts some projection"
+    device, dtype = some.device, some.dtype
+    groups = _groups(fuse_gate_up)
+    owner = {}
+    for name, modules in groups.items():
+        widths = [adapter.rank * len(modules) for adapter in adapters]
+        owner[name] = torch.repeat_interleave(
+            torch.arange(len(adapters), device=device), torch.tensor(widths, device=device)
+        )
+    layers: list[dict[str, Factors]] = []
+    for index in range(len(adapters[0].layers)):
+        stacked: dict[str, Factors] = {}
+        for name, modules in groups.items():
+            present = [
+                (g, j, adapter.layers[index][m])
+                for g, adapter in enumerate(adapters)
+                for j, m in enumerate(modules)
+                if m in adapter.layers[index]
+            ]
+            if not present:
+                continue
+            fan_in = present[0][2][0].shape[0]
+            width = int(owner[name].numel())
+            outs = [out_sizes[m] for m in modules]
+            a_all = torch.zeros(fan_in, width, device=device, dtype=dtype)
+            b_all = torch.zeros(width, sum(outs), device=device, dtype=dtype)
+            starts = [
+                sum(a.rank * len(modules) for a in adapters[:g]) for g in range(len(adapters))
+            ]
+            for g, j, (a, b) in present:
+                col = starts[g] + j * adapters[g].rank
+                out = sum(outs[:j])
+                a_all[:, col : col + a.shape[1]] = a
+                b_all[col : col + b.shape[0], out : out + outs[j]] = b
+            stacked[name] = (a_all, b_all)
+        layers.append(stacked)
+    return Stack(tuple(layers), owner)
 
 
 class LoraStep:
-    """The adapters of one packed step, grouped by rows."""
+    """The adapters of one packed step: their stack and each row's adapter."""
 
-    def __init__(self, groups: Sequence[LoraGroup]) -> None:
-        self.groups = tuple(groups)
+    def __init__(self, stacked: Stack, rows: torch.Tensor | None) -> None:
+        """rows: one-hot [N, adapters] of each row's adapter (all zero for the base model's
+        rows); None when every row has the one adapter."""
+        self.stack = stacked
+        self.rows = rows
+        self._masks: dict[str, torch.Tensor] = {}
 
     @classmethod
     def of(
         cls,
         adapters: Sequence[LoraAdapter | None],
         lengths: Sequence[int],
-        device: torch.device,
+        out_sizes: dict[str, int],
+        fuse_gate_up: bool,
+        cache: OrderedDict[tuple[bytes, ...], Stack],
     ) -> LoraStep | None:
         """The step of items with `adapters` (None: the base model) and `lengths` token rows
-        each, packed in order; None when no item has an adapter."""
-        rows: dict[int, list[int]] = {}
-        chosen: dict[int, LoraAdapter] = {}
-        offset = 0
-        for adapter, n in zip(adapters, lengths, strict=True):
-            if adapter is not None:
-                rows.setdefault(id(adapter), []).extend(range(offset, offset + n))
-                chosen[id(adapter)] = adapter
-            offset += n
-        if not rows:
+        each, packed in order; None when no item has an adapter. `cache` keeps the stacks of
+        recent combinations (at most STACKS_CACHED)."""
+        chosen = {a.key: a for a in adapters if a is not None}
+        if not chosen:
             return None
-        groups = [
-            LoraGroup(torch.tensor(r, dtype=torch.long).to(device), chosen[k], len(r) == offset)
-            for k, r in rows.items()
-        ]
-        return cls(groups)
+        keys = tuple(sorted(chosen))
+        stacked = cache.get(keys)
+        if stacked is None:
+            stacked = stack([chosen[k] for k in keys], out_sizes, fuse_gate_up)
+            cache[keys] = stacked
+            while len(cache) > STACKS_CACHED:
+                cache.popitem(last=False)
+        cache.move_to_end(keys)
+        if len(keys) == 1 and all(a is not None for a in adapters):
+            return cls(stacked, None)
+        index = {k: g for g, k in enumerate(keys)}
+        owners = []
+        for adapter, n in zip(adapters, lengths, strict=True):
+            owners.extend([index[adapter.key] if adapter is not None else len(keys)] * n)
+        some = stacked.owner["o_proj"]
+        # One column past the adapters for the base model's rows, dropped: all zero.
+        onehot = torch.eye(len(keys) + 1, len(keys), device=some.device)
+        dtype = next(iter(next(layer for layer in stacked.layers if layer).values()))[0].dtype
+        rows = onehot[torch.tensor(owners, device=some.device)].to(dtype)
+        return cls(stacked, rows)
+
+    def mask(self, name: str) -> torch.Tensor | None:
+        """[N, R] of projection `name`: 1 where the column is the row's adapter's."""
+        if self.rows is None:
+            return None
+        mask = self._masks.get(name)
+        if mask is None:
+            mask = self.rows.index_select(1, self.stack.owner[name])
+            self._masks[name] = mask
+        return mask
 
     def layer(self, index: int) -> LayerLora:
         """The step's updates in layer `index`."""
@@ -66,20 +153,20 @@ class LoraStep:
 
 @dataclass(frozen=True)
 class LayerLora:
-    """One layer of a LoraStep: `add` applies its updates to one projection."""
+    """One layer of a LoraStep: `add` applies its updates to one projection's output."""
 
     step: LoraStep
     index: int
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, module: str) -> None:
-        """out [N, out] (a view may do) += each group's update of `module` from x [N, in]."""
-        for group in self.step.groups:
-            factors = group.adapter.layers[self.index].get(module)
-            if factors is None:
-                continue
-            a, b = factors
-            if group.whole:
-                out.add_(torch.mm(torch.mm(x, a), b))
-            else:
-                update = torch.mm(torch.mm(x.index_select(0, group.rows), a), b)
-                out.index_add_(0, group.rows, update)
+    def add(self, out: torch.Tensor, x: torch.Tensor, name: str) -> None:
+        """out [N, out] += the step's update of projection `name` (`qkv`, `o_proj`, `gate_up`,
+        `gate_proj`, `up_proj`, `down_proj`) from its input x [N, in]."""
+        factors = self.step.stack.layers[self.index].get(name)
+        if factors is None:
+            return
+        a, b = factors
+        low = torch.mm(x, a)
+        mask = self.step.mask(name)
+        if mask is not None:
+            low.mul_(mask)
+        out.addmm_(low, b)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
 from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
-from tgis.backends.lora import LoraStep
+from tgis.backends.lora import LoraStep, Stack
 from tgis.backends.paged_attention import flash_paged_available, slots_of, step_metadata
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
@@ -126,6 +127,15 @@ class PagedTorchBackend:
         with torch.inference_mode():
             # With graphs, one more block than the scheduler knows: padding rows write there.
             self.path.pool = self._allocate_pool(num_blocks + int(graphs))
+        # LoRA (tgis.backends.lora): each projection's outputs, and recent adapters' stacks.
+        config, path = model.config, self.path
+        kv_out = path.num_kv_heads * path.head_dim
+        self._lora_outputs = {
+            "q_proj": path.num_heads * path.head_dim, "k_proj": kv_out, "v_proj": kv_out,
+            "o_proj": path.hidden, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size, "down_proj": path.hidden,
+        }  # fmt: skip
+        self._lora_stacks: OrderedDict[tuple[bytes, ...], Stack] = OrderedDict()
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -308,7 +318,13 @@ class PagedTorchBackend:
             meta,
             torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
             [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
-            LoraStep.of([item.adapter for item in items], query_lens, device),
+            LoraStep.of(
+                [item.adapter for item in items],
+                query_lens,
+                self._lora_outputs,
+                self.path.fuse_gate_up,
+                self._lora_stacks,
+            ),
         )
         if not any(item.prompt_logits for item in items):
             # One row per sampling chunk, in order: the logits are the sampled rows already.
