@@ -22,12 +22,12 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tgis.backends.lora import LoraShapes
 from tgis.config.types import ADAPTER_NAME as ADAPTER_NAME_PATTERN
 from tgis.engine.types import LORA_MODULES, LoraAdapter
 from tgis.errors import InputValidationError
@@ -39,34 +39,6 @@ _WEIGHT = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(LORA_MODULES) + r")\.lora_([AB])"
     r"(?:\.[\w\-]+)?\.weight"
 )
-
-
-@dataclass(frozen=True)
-class LoraShapes:
-    """What an adapter must fit: the model's layers and each projection's (in, out) sizes."""
-
-    num_layers: int
-    modules: Mapping[str, tuple[int, int]]
-
-    @classmethod
-    def of(cls, config: Any) -> LoraShapes:
-        """From a llama-family transformers config."""
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = config.num_key_value_heads * head_dim
-        inter = config.intermediate_size
-        return cls(
-            config.num_hidden_layers,
-            {
-                "q_proj": (hidden, heads * head_dim),
-                "k_proj": (hidden, kv),
-                "v_proj": (hidden, kv),
-                "o_proj": (heads * head_dim, hidden),
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            },
-        )
 
 
 class AdapterStore:
@@ -129,9 +101,8 @@ class AdapterStore:
         path = self.named.get(name)
         if path is not None:
             return path
-        known = ", ".join(self.names()) or "none"
         if self.directory is None:
-            raise PeftFileError(f"no such adapter; this server has: {known}")
+            raise PeftFileError(f"no such adapter; this server has: {self._known()}")
         if not ADAPTER_NAME.fullmatch(name) or ".." in name.split("/"):
             raise PeftFileError("an adapter id is letters, digits, '_', '-', '.' and '/'")
         path = (self.directory / name).resolve()
@@ -140,9 +111,13 @@ class AdapterStore:
         if not (path / PEFT_CONFIG).is_file():
             raise PeftFileError(
                 f"no adapter {name!r} in the adapter directory (no {PEFT_CONFIG}); this "
-                f"server has: {known}"
+                f"server has: {self._known()}"
             )
         return path
+
+    def _known(self) -> str:
+        """The adapters there are, for a refusal's message."""
+        return ", ".join(self.names()) or "none"
 
     def _load(self, name: str, path: Path) -> LoraAdapter:
         config = read_config(path, "LORA", "a LoRA adapter")
@@ -199,15 +174,14 @@ class AdapterStore:
                 )
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 raise PeftFileError(f"{where} has values that are not finite numbers")
-            scale = _scale(config, paths[(layer, module)], r)
-            factors = (
+            scaled = b.float() * _scale(config, paths[(layer, module)], r)
+            layers[layer][module] = (
                 a.t().to(self.device, self.dtype).contiguous(),
-                (b.float() * scale).t().to(self.device, self.dtype).contiguous(),
+                scaled.t().to(self.device, self.dtype).contiguous(),
             )
-            layers[layer][module] = factors
             digest.update(f"{layer}.{module}".encode())
             digest.update(a.float().numpy().tobytes())
-            digest.update((b.float() * scale).numpy().tobytes())
+            digest.update(scaled.numpy().tobytes())
             rank = max(rank, r)
         key = b"lora:" + name.encode() + b":" + digest.digest()[:16]
         return LoraAdapter(name, tuple(layers), key, rank)

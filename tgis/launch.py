@@ -148,9 +148,8 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_kv_shape
-    from tgis.backends.paged_torch import paged_unsupported_reason
-    from tgis.backends.slot_cache import kv_bytes_per_token
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
+    from tgis.backends.paged_torch import paged_kv_bytes_per_token, paged_unsupported_reason
     from tgis.backends.torch_device import load_causal_lm
     from tgis.hub import resolve_model_dir
 
@@ -170,9 +169,7 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",
             f"draft with a {'/'.join(NATIVE_MODEL_TYPES)} model",
         )
-    shape = native_kv_shape(model)
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, model.dtype)
-    return DraftModel(model, per_token)
+    return DraftModel(model, paged_kv_bytes_per_token(model))
 
 
 def vocabulary_mismatch(model: dict[str, int], draft: dict[str, int]) -> str | None:
@@ -208,7 +205,11 @@ def draft_proposer(
         cuda_graphs=False,
     )
     log.info("drafting with %s (%d-token cache)", config.draft_model, capacity.kv_tokens)
-    return DraftModelProposer(draft_backend, vocab_size=getattr(backend, "vocab_size", None))
+    # Catch-ups in chunks of the draft's prefill step (cpu), else of --max-batch-prefill-tokens.
+    step = draft_backend.capacity.prefill_step_tokens or config.max_batch_prefill_tokens
+    return DraftModelProposer(
+        draft_backend, vocab_size=getattr(backend, "vocab_size", None), max_step_tokens=step
+    )
 
 
 def _refuse_options(

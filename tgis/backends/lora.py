@@ -14,8 +14,9 @@ adapters (a few combinations recur while the same requests run).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,34 @@ Factors = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class LoraShapes:
+    """What an adapter must fit: the model's layers and each projection's (in, out) sizes."""
+
+    num_layers: int
+    modules: Mapping[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, config: Any) -> LoraShapes:
+        """From a llama-family transformers config."""
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = config.num_key_value_heads * head_dim
+        inter = config.intermediate_size
+        return cls(
+            config.num_hidden_layers,
+            {
+                "q_proj": (hidden, heads * head_dim),
+                "k_proj": (hidden, kv),
+                "v_proj": (hidden, kv),
+                "o_proj": (heads * head_dim, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            },
+        )
+
+
+@dataclass(frozen=True)
 class Stack:
     """The stacked factors of some adapters: per layer, per projection name (`qkv`, `o_proj`,
     `gate_up` or `gate_proj` / `up_proj`, `down_proj`), (A, B) or absent where none of them
@@ -39,6 +68,7 @@ class Stack:
 
     layers: tuple[dict[str, Factors], ...]
     owner: dict[str, torch.Tensor]
+    dtype: torch.dtype
 
 
 def _groups(fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
@@ -46,24 +76,25 @@ def _groups(fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
     return {"qkv": FUSED_QKV, "o_proj": ("o_proj",), **mlp, "down_proj": ("down_proj",)}
 
 
-def stack(adapters: Sequence[LoraAdapter], out_sizes: dict[str, int], fuse_gate_up: bool) -> Stack:
-    """Stack `adapters` (in order) for a model whose projections have `out_sizes` outputs."""
+def stack(adapters: Sequence[LoraAdapter], shapes: LoraShapes, fuse_gate_up: bool) -> Stack:
+    """Stack `adapters` (in order) for a model of `shapes`."""
     some = next(
         (ab[0] for adapter in adapters for layer in adapter.layers for ab in layer.values()), None
     )
     assert some is not None, "an adapter adapts some projection"
     device, dtype = some.device, some.dtype
-    groups = _groups(fuse_gate_up)
-    owner = {}
-    for name, modules in groups.items():
+    owner: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Factors]] = [{} for _ in range(shapes.num_layers)]
+    for name, modules in _groups(fuse_gate_up).items():
+        # Each adapter's block: its rank's columns for each module, side by side.
         widths = [adapter.rank * len(modules) for adapter in adapters]
+        starts = [sum(widths[:g]) for g in range(len(adapters))]
         owner[name] = torch.repeat_interleave(
             torch.arange(len(adapters), device=device), torch.tensor(widths, device=device)
         )
-    layers: list[dict[str, Factors]] = []
-    for index in range(len(adapters[0].layers)):
-        stacked: dict[str, Factors] = {}
-        for name, modules in groups.items():
+        outs = [shapes.modules[m][1] for m in modules]
+        fan_in = shapes.modules[modules[0]][0]
+        for index, stacked in enumerate(layers):
             present = [
                 (g, j, adapter.layers[index][m])
                 for g, adapter in enumerate(adapters)
@@ -72,22 +103,51 @@ def stack(adapters: Sequence[LoraAdapter], out_sizes: dict[str, int], fuse_gate_
             ]
             if not present:
                 continue
-            fan_in = present[0][2][0].shape[0]
-            width = int(owner[name].numel())
-            outs = [out_sizes[m] for m in modules]
-            a_all = torch.zeros(fan_in, width, device=device, dtype=dtype)
-            b_all = torch.zeros(width, sum(outs), device=device, dtype=dtype)
-            starts = [
-                sum(a.rank * len(modules) for a in adapters[:g]) for g in range(len(adapters))
-            ]
+            a_all = torch.zeros(fan_in, sum(widths), device=device, dtype=dtype)
+            b_all = torch.zeros(sum(widths), sum(outs), device=device, dtype=dtype)
             for g, j, (a, b) in present:
-                col = starts[g] + j * adapters[g].rank
-                out = sum(outs[:j])
+                col, out = starts[g] + j * adapters[g].rank, sum(outs[:j])
                 a_all[:, col : col + a.shape[1]] = a
                 b_all[col : col + b.shape[0], out : out + outs[j]] = b
             stacked[name] = (a_all, b_all)
-        layers.append(stacked)
-    return Stack(tuple(layers), owner)
+    return Stack(tuple(layers), owner, dtype)
+
+
+class LoraStacks:
+    """A backend's adapter stacks: built for each new combination of adapters in a step, the
+    last STACKS_CACHED kept."""
+
+    def __init__(self, shapes: LoraShapes, fuse_gate_up: bool) -> None:
+        self.shapes = shapes
+        self.fuse_gate_up = fuse_gate_up
+        self._cache: OrderedDict[tuple[bytes, ...], Stack] = OrderedDict()
+
+    def step(
+        self, adapters: Sequence[LoraAdapter | None], lengths: Sequence[int]
+    ) -> LoraStep | None:
+        """The step of items with `adapters` (None: the base model) and `lengths` token rows
+        each, packed in order; None when no item has an adapter."""
+        chosen = {a.key: a for a in adapters if a is not None}
+        if not chosen:
+            return None
+        keys = tuple(sorted(chosen))
+        stacked = self._cache.get(keys)
+        if stacked is None:
+            stacked = stack([chosen[k] for k in keys], self.shapes, self.fuse_gate_up)
+            self._cache[keys] = stacked
+            while len(self._cache) > STACKS_CACHED:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(keys)
+        if len(keys) == 1 and all(a is not None for a in adapters):
+            return LoraStep(stacked, None)
+        index = {k: g for g, k in enumerate(keys)}
+        owners = []
+        for adapter, n in zip(adapters, lengths, strict=True):
+            owners.extend([index[adapter.key] if adapter is not None else len(keys)] * n)
+        device = stacked.owner["o_proj"].device
+        # One row past the adapters' for the base model's rows: all zero.
+        onehot = torch.eye(len(keys) + 1, len(keys), device=device, dtype=stacked.dtype)
+        return LoraStep(stacked, onehot[torch.tensor(owners, device=device)])
 
 
 class LoraStep:
@@ -99,42 +159,6 @@ class LoraStep:
         self.stack = stacked
         self.rows = rows
         self._masks: dict[str, torch.Tensor] = {}
-
-    @classmethod
-    def of(
-        cls,
-        adapters: Sequence[LoraAdapter | None],
-        lengths: Sequence[int],
-        out_sizes: dict[str, int],
-        fuse_gate_up: bool,
-        cache: OrderedDict[tuple[bytes, ...], Stack],
-    ) -> LoraStep | None:
-        """The step of items with `adapters` (None: the base model) and `lengths` token rows
-        each, packed in order; None when no item has an adapter. `cache` keeps the stacks of
-        recent combinations (at most STACKS_CACHED)."""
-        chosen = {a.key: a for a in adapters if a is not None}
-        if not chosen:
-            return None
-        keys = tuple(sorted(chosen))
-        stacked = cache.get(keys)
-        if stacked is None:
-            stacked = stack([chosen[k] for k in keys], out_sizes, fuse_gate_up)
-            cache[keys] = stacked
-            while len(cache) > STACKS_CACHED:
-                cache.popitem(last=False)
-        cache.move_to_end(keys)
-        if len(keys) == 1 and all(a is not None for a in adapters):
-            return cls(stacked, None)
-        index = {k: g for g, k in enumerate(keys)}
-        owners = []
-        for adapter, n in zip(adapters, lengths, strict=True):
-            owners.extend([index[adapter.key] if adapter is not None else len(keys)] * n)
-        some = stacked.owner["o_proj"]
-        # One column past the adapters for the base model's rows, dropped: all zero.
-        onehot = torch.eye(len(keys) + 1, len(keys), device=some.device)
-        dtype = next(iter(next(layer for layer in stacked.layers if layer).values()))[0].dtype
-        rows = onehot[torch.tensor(owners, device=some.device)].to(dtype)
-        return cls(stacked, rows)
 
     def mask(self, name: str) -> torch.Tensor | None:
         """[N, R] of projection `name`: 1 where the column is the row's adapter's."""

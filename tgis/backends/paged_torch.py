@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +27,7 @@ from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
 from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
-from tgis.backends.lora import LoraStep, Stack
+from tgis.backends.lora import LoraShapes, LoraStacks
 from tgis.backends.paged_attention import flash_paged_available, slots_of, step_metadata
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
@@ -50,6 +49,13 @@ BLOCK_SIZE = {"cuda": 256, "cpu": 16}
 CPU_PREFILL_STEP_TOKENS = 512
 # Prompt length of the short sequences warmup decodes with.
 WARMUP_PROMPT = 8
+
+
+def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes the paged pool holds per token of `model`: every layer's K and V, in its dtype."""
+    shape = native_kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
 
 
 def paged_unsupported_reason(model: PreTrainedModel, compile: bool = False) -> str | None:
@@ -106,11 +112,8 @@ class PagedTorchBackend:
         cpu = self.name == "cpu"
         self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
         self.block_size = block_size or BLOCK_SIZE.get(self.name, 16)
-        shape = native_kv_shape(model)
-        self.kv_shape = shape
-        per_token = kv_bytes_per_token(
-            shape.num_layers, shape.num_heads, shape.head_dim, self.dtype
-        )
+        self.kv_shape = native_kv_shape(model)
+        per_token = paged_kv_bytes_per_token(model)
         # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
             self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
@@ -127,15 +130,8 @@ class PagedTorchBackend:
         with torch.inference_mode():
             # With graphs, one more block than the scheduler knows: padding rows write there.
             self.path.pool = self._allocate_pool(num_blocks + int(graphs))
-        # LoRA (tgis.backends.lora): each projection's outputs, and recent adapters' stacks.
-        config, path = model.config, self.path
-        kv_out = path.num_kv_heads * path.head_dim
-        self._lora_outputs = {
-            "q_proj": path.num_heads * path.head_dim, "k_proj": kv_out, "v_proj": kv_out,
-            "o_proj": path.hidden, "gate_proj": config.intermediate_size,
-            "up_proj": config.intermediate_size, "down_proj": path.hidden,
-        }  # fmt: skip
-        self._lora_stacks: OrderedDict[tuple[bytes, ...], Stack] = OrderedDict()
+        # LoRA adapters' stacks (tgis.backends.lora), for the model's projections.
+        self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -318,13 +314,7 @@ class PagedTorchBackend:
             meta,
             torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
             [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
-            LoraStep.of(
-                [item.adapter for item in items],
-                query_lens,
-                self._lora_outputs,
-                self.path.fuse_gate_up,
-                self._lora_stacks,
-            ),
+            self.lora.step([item.adapter for item in items], query_lens),
         )
         if not any(item.prompt_logits for item in items):
             # One row per sampling chunk, in order: the logits are the sampled rows already.
