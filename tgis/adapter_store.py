@@ -21,7 +21,8 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,10 @@ class AdapterStore:
         device: torch.device,
         max_loras: int,
         max_rank: int,
+        model_thread: Callable[[Callable[[], LoraAdapter]], LoraAdapter] | None = None,
     ) -> None:
+        """model_thread: runs a load (which moves tensors to the device) on the thread that
+        runs the model (`Engine.call`); None: on the calling thread."""
         self.shapes = shapes
         self.named = dict(named or {})
         self.directory = directory.resolve() if directory is not None else None
@@ -62,6 +66,7 @@ class AdapterStore:
         self.max_loras, self.max_rank = max_loras, max_rank
         self._cache: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()
+        self._model_thread = model_thread
 
     def names(self) -> list[str]:
         """The adapters requests may name: the named ones, then the directory's, sorted."""
@@ -87,7 +92,9 @@ class AdapterStore:
                 self._cache.move_to_end(name)
                 return cached
         try:
-            adapter = self._load(name, self._path(name))
+            path = self._path(name)
+            load = partial(self._load, name, path)
+            adapter = load() if self._model_thread is None else self._model_thread(load)
         except PeftFileError as exc:
             raise InputValidationError(f"adapter_id '{name}': {exc}") from None
         with self._lock:

@@ -252,18 +252,25 @@ def load_sharded_backend(
         "{option} and " + flag + ": sharded steps run eagerly",
         ", or serve on one device",
     )
-    if config.backend == "cuda":
-        import torch
+    import torch
 
-        if torch.cuda.device_count() < config.num_shard:
-            raise ConfigError(
-                f"{flag} needs {config.num_shard} GPUs; {torch.cuda.device_count()} are visible",
-                "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
-            )
+    from tgis.backends.torch_device import resolve_dtype
+
+    if config.backend == "cuda" and torch.cuda.device_count() < config.num_shard:
+        raise ConfigError(
+            f"{flag} needs {config.num_shard} GPUs; {torch.cuda.device_count()} are visible",
+            "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
+        )
+    # Resolved once here, so that every rank computes in the same dtype.
+    hidden = int(model_config.get("hidden_size", 2048))
+    shape = (hidden, int(model_config.get("intermediate_size", 4 * hidden)))
+    dtype = resolve_dtype(
+        torch.device(config.backend), config.dtype, model_config.get("dtype"), shape
+    )
     settings = ShardSettings(
         model_dir=str(model_dir),
         device=config.backend,
-        dtype=config.dtype,
+        dtype=str(dtype).removeprefix("torch."),
         max_sequences=slots,
         max_sequence_tokens=config.max_total_tokens,
         max_prefill_tokens=config.max_batch_prefill_tokens,
@@ -338,8 +345,12 @@ def load_tokenizer(model_dir: Path, what: str = "the model") -> Any:
         ) from exc
 
 
-def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) -> Service:
-    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), start the engine."""
+def build_service(
+    config: ServeConfig, model_dir: Path, observer: Any = None, start_engine: bool = True
+) -> Service:
+    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), build the engine
+    and, with `start_engine`, start its loop on a thread of its own. `tgis serve` runs the
+    loop on this (its main) thread instead: `service.engine.run()`."""
     tokenizer = load_tokenizer(model_dir)
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, draft)
@@ -352,7 +363,6 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
             "serve a llama/mistral/qwen2 model without --compile, or drop the adapters "
             "(LORA_ADAPTERS, LORA_ADAPTER_DIR)",
         )
-    adapters = adapter_store(config, model_dir, backend)
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:
@@ -370,14 +380,16 @@ def build_service(config: ServeConfig, model_dir: Path, observer: Any = None) ->
         speculate=config.speculate,
         proposer=draft_proposer(config, backend, draft) if draft else None,
     )
-    engine.start()
+    adapters = adapter_store(config, model_dir, backend, engine)
+    prefixes = prefix_store(config, model_dir, backend, engine)
+    if start_engine:
+        engine.start()
     log.info(
         "engine ready: %d sequences x %d tokens, KV budget %d tokens",
         capacity.max_sequences,
         capacity.max_sequence_tokens,
         kv_tokens,
     )
-    prefixes = prefix_store(config, model_dir, backend)
     return Service(
         config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters
     )
@@ -413,7 +425,7 @@ def service_info(service: Service) -> ModelInfo:
 
 
 def prefix_store(
-    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend
+    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend, engine: Engine
 ) -> PrefixStore | None:
     """The prompt-prefix store of --prefix-store-path, in the backend's dtype and device."""
     if config.prefix_store_path is None:
@@ -429,11 +441,12 @@ def prefix_store(
         dtype=backend.dtype,  # type: ignore[union-attr]
         device=backend.device_obj,  # type: ignore[union-attr]
         encoder_decoder=backend.capacity.encoder_decoder,
+        model_thread=engine.call,
     )
 
 
 def adapter_store(
-    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend
+    config: ServeConfig, model_dir: Path, backend: Backend | PagedBackend, engine: Engine
 ) -> AdapterStore | None:
     """The LoRA adapters of --lora-adapters (each loaded and checked now) and
     --lora-adapter-dir, on the backend's device in its dtype; None without either."""
@@ -454,6 +467,7 @@ def adapter_store(
         device=backend.device_obj,  # type: ignore[union-attr]
         max_loras=config.max_loras,
         max_rank=config.max_lora_rank,
+        model_thread=engine.call,
     )
     for name, path in config.lora_adapters:
         try:

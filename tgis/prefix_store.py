@@ -22,6 +22,8 @@ import hashlib
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,10 @@ class PrefixStore:
         device: torch.device,
         capacity_bytes: int = DEFAULT_CACHE_BYTES,
         encoder_decoder: bool = False,
+        model_thread: Callable[[Callable[[], PromptPrefix]], PromptPrefix] | None = None,
     ) -> None:
+        """model_thread: runs a load (which moves tensors to the device) on the thread that
+        runs the model (`Engine.call`); None: on the calling thread."""
         self.root = root.resolve()
         self.encoder_decoder = encoder_decoder
         self.hidden_size = hidden_size
@@ -72,6 +77,7 @@ class PrefixStore:
         self._cache: OrderedDict[str, PromptPrefix] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._model_thread = model_thread
 
     @property
     def cached_bytes(self) -> int:
@@ -86,7 +92,8 @@ class PrefixStore:
                 self._cache.move_to_end(prefix_id)
                 return cached
         try:
-            prefix = self._load(prefix_id)
+            load = partial(self._load, prefix_id)
+            prefix = load() if self._model_thread is None else self._model_thread(load)
         except PeftFileError as exc:
             raise InputValidationError(
                 f"can't retrieve prompt prefix with id '{prefix_id}': {exc}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import tgis
-from tgis.config import DEMO_MODEL, LauncherArgs, model_reference, prepare_process_env
+from tgis.config import DEMO_MODEL, LauncherArgs, model_reference
 from tgis.config.env import Sources, env_bool, env_int, use_inductor_cache
 from tgis.errors import ConfigError
 
@@ -54,11 +54,6 @@ def test_model_reference_defaults_to_the_demo_model() -> None:
 
 def test_process_settings_written_into_the_mapping_given(tmp_path: Path) -> None:
     env: dict[str, str] = {}
-    prepare_process_env(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    prepare_process_env(env)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"  # an explicit setting wins
     use_inductor_cache(tmp_path / "cache", env)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "cache").resolve())
 

@@ -43,8 +43,13 @@ def tokenizer(demo_model_dir: Path):
 
 
 def make_engine(
-    demo_model_dir: Path, tokenizer, max_concurrent: int = 64, **limit_kw: object
+    demo_model_dir: Path,
+    tokenizer,
+    max_concurrent: int = 64,
+    start: bool = True,
+    **limit_kw: object,
 ) -> Engine:
+    """The engine over the demo model; `start`: its loop on a thread of its own."""
     # float32: greedy tokens are compared with transformers' float32 generate.
     backend = TorchDynamicBackend.load(
         demo_model_dir, "cpu", "float32", max_sequences=16, max_sequence_tokens=256
@@ -60,7 +65,8 @@ def make_engine(
     engine = Engine(
         backend, tokenizer, limits, max_concurrent, eos_token_ids(demo_model_dir, tokenizer)
     )
-    engine.start()
+    if start:
+        engine.start()
     return engine
 
 
@@ -79,6 +85,15 @@ def request(tokenizer, prompt: str, rid: str = "r", **params: object) -> Generat
 
 async def collect(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
     return [event async for event in stream]
+
+
+async def slots_freed(engine: Engine, failure: str) -> None:
+    """Wait (5 s at most) until the engine runs no sequence and its backend holds none."""
+    for _ in range(100):
+        if not engine.scheduler.running and engine.backend.running == 0:  # type: ignore[union-attr]
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(failure)
 
 
 def run(coro):
@@ -225,11 +240,7 @@ def test_cancel_frees_the_slot_at_the_next_step(engine: Engine, tokenizer) -> No
         )
         await stream.__anext__()
         await stream.aclose()
-        for _ in range(100):
-            if not engine.scheduler.running and engine.backend.running == 0:  # type: ignore[attr-defined]
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError("the cancelled sequence still holds its slot")
+        await slots_freed(engine, "the cancelled sequence still holds its slot")
 
     run(start_and_abandon())
     assert engine.in_flight == 0

@@ -15,6 +15,7 @@ from tests.engine.test_engine import PROMPTS, collect, request, run, tokenizer
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.backends.torch_device import load_causal_lm
 from tgis.engine import live as live_module
+from tgis.engine import output as output_module
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import GenerationRequest
@@ -82,17 +83,34 @@ def expected(demo_model_dir: Path, tokenizer: Any) -> list[list[int] | str]:
         engine.stop()
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        # The model thread's half (grammar, stop rules) and the consumer's (detokenizing).
+        (live_module.LiveSequence, "advance", lambda self: self.handle.request.request_id),
+        (output_module.SequenceText, "event", lambda self: self.request.request_id),
+    ],
+    ids=["model-thread", "consumer"],
+)
 def test_a_request_failing_after_its_step_fails_alone(
-    demo_model_dir: Path, tokenizer: Any, expected: list[list[int] | str], monkeypatch: Any
+    demo_model_dir: Path,
+    tokenizer: Any,
+    expected: list[list[int] | str],
+    monkeypatch: Any,
+    where: tuple[type, str, Any],
 ) -> None:
-    push = live_module.LiveSequence.push
+    owner, name, request_id = where
+    original = getattr(owner, name)
+    calls = {"n": 0}
 
-    def failing_push(self: Any, *args: Any) -> Any:
-        if self.handle.request.request_id == "bad" and self.seq.generated == 3:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return push(self, *args)
+    def failing(self: Any, *args: Any) -> Any:
+        if request_id(self) == "bad":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return original(self, *args)
 
-    monkeypatch.setattr(live_module.LiveSequence, "push", failing_push)
+    monkeypatch.setattr(owner, name, failing)
     engine = make_engine(demo_model_dir, tokenizer)
     try:
         got = outcomes(engine, batch_of(tokenizer, bad="bad"))

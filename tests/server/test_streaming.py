@@ -6,19 +6,25 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from tests.server.conftest import live_server
+from tests.factories import tiny_tokenizer
+from tests.server.conftest import live_server, make_config
 from tests.server.fakes import FakeEngine
+from tgis.server import ModelInfo, create_app, serve
+from tgis.server.lifecycle import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello world"
@@ -224,6 +230,34 @@ asyncio.run(serve(app, "127.0.0.1", int(sys.argv[1]), shutdown_grace_s=10, log_l
 """
 
 
+# As `tgis serve` runs: the servers on an event loop in a thread of their own, the main thread
+# busy the whole time (there, the model's loop), SIGTERM forwarded to the servers.
+THREADED_SERVER_SCRIPT = """
+import sys, threading
+from tests.factories import tiny_tokenizer
+from tests.server.conftest import make_config
+from tests.server.fakes import FakeEngine
+from tgis.server import ModelInfo, create_app, serve
+from tgis.server.lifecycle import ServerThread
+
+tokenizer = tiny_tokenizer()
+config = make_config()
+app = create_app(FakeEngine(tokenizer, delay=0.02), tokenizer, config, ModelInfo.from_config(config))
+stopped = threading.Event()
+
+async def main(server_ready):
+    await serve(app, "127.0.0.1", int(sys.argv[1]), shutdown_grace_s=10, log_level="warning",
+                server_ready=server_ready)
+
+http = ServerThread(main, on_exit=stopped.set)
+http.start()
+while not stopped.wait(0.05):
+    pass
+http.join()
+sys.exit(1 if http.failure else 0)
+"""
+
+
 def _free_port() -> int:
     import socket
 
@@ -232,10 +266,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_sigterm_drains_in_flight_streams() -> None:
+@pytest.mark.parametrize(
+    "script", [SERVER_SCRIPT, THREADED_SERVER_SCRIPT], ids=["main-thread", "server-thread"]
+)
+def test_sigterm_drains_in_flight_streams(script: str) -> None:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(port)], cwd=ROOT, env=env)
+    process = subprocess.Popen([sys.executable, "-c", script, str(port)], cwd=ROOT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -261,3 +298,23 @@ def test_sigterm_drains_in_flight_streams() -> None:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=5)
+
+
+def test_a_server_thread_that_cannot_listen_says_so() -> None:
+    tokenizer = tiny_tokenizer()
+    config = make_config()
+    app = create_app(FakeEngine(tokenizer), tokenizer, config, ModelInfo.from_config(config))
+    stopped = threading.Event()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+
+        async def main(server_ready: Any) -> None:
+            await serve(app, "127.0.0.1", port, log_level="critical", server_ready=server_ready)
+
+        http = ServerThread(main, on_exit=stopped.set)
+        http.start()
+        assert stopped.wait(30)  # on_exit ran: `tgis serve` stops its engine there
+        http.join()
+    assert isinstance(http.failure, SystemExit)

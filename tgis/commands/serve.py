@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tgis.commands.launcher_options import launcher_options, resolve_launcher_config
+
+if TYPE_CHECKING:
+    from tgis.server.lifecycle import GracefulServer
 
 
 @launcher_options()
@@ -40,18 +44,14 @@ def command(
       tgis serve --model-id bigscience/bloom-560m --max-total-tokens 2048 --port 8080
       tgis serve --check --backend tpu --max-batch-size 4 --max-total-tokens 1024
     """
-    import asyncio
     import logging
-
-    from tgis.config import prepare_process_env
-
-    prepare_process_env()  # before torch is imported
 
     from rich.console import Console
 
     from tgis.commands.show_config import render_config
     from tgis.launch import build_service, service_info
     from tgis.server import Metrics, create_app, serve
+    from tgis.server.lifecycle import ServerThread
 
     config, model_dir = resolve_launcher_config(launcher)
     console = Console()
@@ -64,7 +64,8 @@ def command(
     metrics = Metrics(
         config.max_total_tokens, config.max_batch_size or config.max_concurrent_requests
     )
-    service = build_service(config, model_dir, observer=metrics)
+    # The model loads, warms up and runs on this thread: torch keeps one OpenMP team.
+    service = build_service(config, model_dir, observer=metrics, start_engine=False)
     try:
         info = service_info(service)
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
@@ -77,7 +78,7 @@ def command(
             + (f", gRPC on port {config.grpc_port}" if config.grpc_port else "")
         )
 
-        async def run() -> None:
+        async def run(server_ready: Callable[[GracefulServer], None]) -> None:
             companions = []
             if config.grpc_port:
                 from tgis.fmaas.server import GrpcServer
@@ -89,6 +90,7 @@ def command(
                 config.hostname,
                 config.port,
                 shutdown_grace_s=shutdown_grace,
+                server_ready=server_ready,
                 tls=config.tls,
                 companions=companions,
                 header_timeout_s=config.header_timeout_s,
@@ -96,6 +98,13 @@ def command(
                 keep_alive_timeout_s=config.keep_alive_timeout_s,
             )
 
-        asyncio.run(run())
+        http = ServerThread(run, on_exit=service.engine.stop)
+        http.start()
+        # Until the HTTP server has drained and stopped it (or it fails: on_fatal then ends
+        # the process non-zero).
+        service.engine.run()
+        http.join()
     finally:
         service.stop()
+    if http.failure is not None:
+        raise typer.Exit(1)

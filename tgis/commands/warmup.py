@@ -44,10 +44,6 @@ def command(
       tgis warmup --model-id ./llama --backend tpu --compile-cache /data/xla-cache
       tgis warmup --backend cpu --max-batch-size 16 --output warmup.json
     """
-    from tgis.config import prepare_process_env
-
-    prepare_process_env()  # before torch is imported
-
     import logging
 
     from rich.console import Console

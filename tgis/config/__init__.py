@@ -22,7 +22,6 @@ from tgis.config.env import (
     debug_enabled,
     default_env,
     model_reference,
-    prepare_process_env,
     use_inductor_cache,
 )
 from tgis.config.model import ModelFacts, NeuronExport
@@ -66,6 +65,5 @@ __all__ = [
     "normalize_dtype",
     "parse_bool",
     "parse_int",
-    "prepare_process_env",
     "use_inductor_cache",
 ]

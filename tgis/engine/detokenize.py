@@ -8,8 +8,8 @@ ends with U+FFFD (an incomplete UTF-8 sequence split across byte-level tokens) n
 emitted. The window starts on the last prompt tokens, so the first generated token keeps its
 leading space as it would in the middle of the text (TGI does the same).
 
-`TextStream` combines it with `tgis.engine.stopping` into the one object the engine calls per
-generated token.
+`TextStream` combines it with `tgis.engine.stopping` into the one object a sequence's consumer
+calls per generated token (tgis.engine.output).
 """
 
 from __future__ import annotations
@@ -150,9 +150,13 @@ class TextStream:
         """The sequence was scheduled for the first time: start its time limit."""
         self.criteria.start(now)
 
-    def push(self, token_id: int, now: float | None = None) -> Pushed:
+    def push(
+        self, token_id: int, now: float | None = None, ended: FinishReason | None = None
+    ) -> Pushed:
         """Add one generated token. Returns the text it makes visible and, on the last token,
-        why the sequence stopped. After that, `final_text()` is the generated text."""
+        why the sequence stopped. After that, `final_text()` is the generated text.
+        `ended`: the reason the engine loop's own stop rules ended the sequence on this token
+        (they are these rules, so they agree; it ends here whatever the clock says)."""
         if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason.value})")
         piece = self._visible.push(token_id)
@@ -167,7 +171,7 @@ class TextStream:
                 cut = match.end if self.params.include_stop_sequence else match.start
                 self._text = self._text[:cut]
         if reason is None:
-            reason = self.criteria.limit_reached(now)
+            reason = self.criteria.limit_reached(now) or ended
         if reason is not None:
             if reason is not FinishReason.STOP_SEQUENCE:
                 self._text += self._visible.flush()

@@ -1,8 +1,13 @@
-"""The engine loop: schedule -> backend step -> sample -> stop/detokenize -> emit.
+"""The engine loop: schedule -> backend step -> sample -> stop rules -> hand tokens over.
 
-One dedicated thread runs the model; the server's event loop only submits requests and reads
-token events. Requests and cancellations reach the thread through a queue; events go back to
-each request's asyncio queue with one `call_soon_threadsafe` per request per step.
+One thread runs the model, and every piece of torch work of the process: `tgis serve` runs the
+loop on the process's main thread (the thread that loaded and warmed up the model, so torch
+keeps one OpenMP team), the HTTP and gRPC servers on an event loop in another thread. Tests and
+embedded users may `start()` it on a thread of its own instead. Requests, cancellations and
+work that must touch the model's tensors (`call`: loading a LoRA adapter or a prompt prefix)
+reach the loop through a queue. A step's sampled tokens go back to their requests with one
+`call_soon_threadsafe` per event loop; each request's consumer turns them into TokenEvents
+(text, stop sequences, details: tgis.engine.output) on its own side, off the model's thread.
 
 Two kinds of backend: a paged one (`PagedBackend`, capacity.block_size set) runs packed steps
 that the `PagedScheduler` plans over its block pool (chunked prefill, preemption, prefix
@@ -13,6 +18,7 @@ prefill and decode steps that the `Scheduler` plans over worst-case reservations
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -20,14 +26,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tgis.config.types import MAX_SPECULATE
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
 from tgis.engine.grammar import GrammarCompiler
-from tgis.engine.live import LiveSequence, RequestHandle
+from tgis.engine.live import LiveSequence, RequestHandle, post_step
+from tgis.engine.output import SampledToken, SequenceText
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
 from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
 from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
@@ -48,6 +55,8 @@ MAX_FAILED_STEPS = 3
 PREFIX_PLACEHOLDER_ID = 0
 
 log = logging.getLogger("tgis.engine")
+
+T = TypeVar("T")
 
 
 class Engine:
@@ -96,7 +105,7 @@ class Engine:
         self.special_ids = special_ids(tokenizer)
         self.observer = observer
         self.grammars = GrammarCompiler(tokenizer, list(self.eos_token_ids))
-        self._inbox: queue.SimpleQueue[tuple[str, RequestHandle | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[int, LiveSequence] = {}
         self._seq_ids = itertools.count()
         self._in_flight = 0
@@ -104,25 +113,63 @@ class Engine:
         self._failed_steps = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tgis-engine", daemon=True)
+        self._thread: threading.Thread | None = None  # start(): a thread of its own
+        # The thread running the loop (None before it runs); `call` runs work there.
+        self._model_thread: threading.Thread | None = None
+        self._running = False
 
     # --- the asyncio side --------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the loop on a thread of its own (tests, embedding); `tgis serve` calls `run`
+        on its main thread instead."""
+        self._thread = threading.Thread(target=self.run, name="tgis-engine", daemon=True)
+        self._running = True
         self._thread.start()
 
+    def run(self) -> bool:
+        """Run the loop on the calling thread until `stop`: False when it ended otherwise (a
+        failure; `on_fatal` has been called)."""
+        self._model_thread = threading.current_thread()
+        self._running = True
+        return self._run()
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the model thread; requests still running end with a GenerationError."""
+        """Stop the loop (from any thread); requests still running end with a
+        GenerationError. Waits for a loop started by `start`."""
         self._stopping.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def healthy(self) -> bool:
         """Running, and its last MAX_FAILED_STEPS steps did not all fail."""
         return self._alive() and self._failed_steps < MAX_FAILED_STEPS
 
     def _alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return self._running and not self._stopping.is_set()
+
+    def call(self, work: Callable[[], T]) -> T:
+        """Run `work` on the model thread and return its result (or raise its exception): the
+        one thread of the process that runs torch, so that torch keeps a single OpenMP team.
+        Runs at once when called on that thread, or before the loop has started; from
+        another thread it waits for the loop to take it between two steps."""
+        here = threading.current_thread()
+        if not self._running or here is self._model_thread or here is self._thread:
+            return work()
+        if not self._alive():
+            raise GenerationError("the engine is not running", "check the server log")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(("call", (work, future)))
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                # The loop ended after the call was queued: nobody will take it.
+                if not self._running and future.cancel():
+                    raise GenerationError(
+                        "the engine is not running", "check the server log"
+                    ) from None
 
     @property
     def in_flight(self) -> int:
@@ -174,14 +221,18 @@ class Engine:
             )
             if params.decoder_input_details and refusal is not None:
                 raise InputValidationError(refusal)
-            handle = RequestHandle(request, asyncio.get_running_loop(), params.best_of or 1)
+            candidates = params.best_of or 1
+            handle = RequestHandle(request, asyncio.get_running_loop(), candidates)
+            texts = [self._sequence_text(request, candidates) for _ in range(candidates)]
             self._inbox.put(("add", handle))
             try:
                 while not handle.done:
                     for item in await handle.next_batch():
                         if isinstance(item, BaseException):
                             raise item
-                        yield item
+                        event = self._event(texts[item.index], item, handle)
+                        if event is not None:
+                            yield event
             finally:
                 if not handle.done:
                     handle.cancelled = True
@@ -190,9 +241,35 @@ class Engine:
             with self._lock:
                 self._in_flight -= 1
 
+    def _sequence_text(self, request: GenerationRequest, candidates: int) -> SequenceText:
+        return SequenceText(
+            request,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.special_ids,
+            keep_details=request.params.details or candidates > 1,
+            encoder_decoder=self.backend.capacity.encoder_decoder,
+        )
+
+    def _event(
+        self, text: SequenceText, item: SampledToken, handle: RequestHandle
+    ) -> TokenEvent | None:
+        """On the consumer's side: a sampled token becomes its TokenEvent (text, stop
+        sequences, details). A sequence a stop sequence ended is dropped from the loop."""
+        try:
+            event = text.event(item)
+        except Exception as exc:  # detokenizing or a stop rule failed: this request only
+            log.exception("request %s failed after its step", handle.request.request_id)
+            raise GenerationError(f"{type(exc).__name__}: {exc}") from exc
+        if event is not None and event.completion is not None:
+            handle.completed += 1
+            if text.finished_here:
+                self._inbox.put(("drop", (handle, item.index)))
+        return event
+
     # --- the model thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self) -> bool:
         fatal = False
         try:
             while not self._stopping.is_set():
@@ -200,34 +277,50 @@ class Engine:
                 step = self.scheduler.schedule()
                 if step is not None:
                     self._run_step(step)
-        except BaseException:  # the thread must never die silently
-            log.exception("engine thread failed")
+        except BaseException:  # the loop must never die silently
+            log.exception("engine loop failed")
             fatal = True
         finally:
+            self._running = False
+            self._fail_calls()
             self._fail_all(
                 GenerationError("the server is shutting down", "retry on another replica")
             )
         if fatal and self.on_fatal is not None:
             self.on_fatal()
+        return not fatal
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            kind, handle = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            if kind == "add" and handle is not None and not handle.cancelled:
+            if kind == "add" and not item.cancelled:
                 try:
-                    self._admit(handle)
+                    self._admit(item)
                 except Exception as exc:  # this request's failure alone
-                    log.exception("admitting request %s failed", handle.request.request_id)
-                    self._abandon(handle, GenerationError(f"{type(exc).__name__}: {exc}"))
-            elif kind == "cancel" and handle is not None:
-                for live in list(handle.sequences):
+                    log.exception("admitting request %s failed", item.request.request_id)
+                    self._abandon(item, GenerationError(f"{type(exc).__name__}: {exc}"))
+            elif kind == "cancel":
+                for live in list(item.sequences):
                     self._drop(live)
                 self._report_state()
+            elif kind == "drop":  # one sequence that its consumer ended (a stop sequence)
+                handle, index = item
+                for live in handle.sequences:
+                    if live.seq.index == index:
+                        self._drop(live)
+                self._report_state()
+            elif kind == "call":
+                work, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(work())
+                    except BaseException as exc:  # the caller's failure, not the loop's
+                        future.set_exception(exc)
             try:
-                kind, handle = self._inbox.get_nowait()
+                kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -260,9 +353,8 @@ class Engine:
                 cache_lookup=not request.params.decoder_input_details,
             )
             live = LiveSequence(
-                seq, handle, self.tokenizer, self.eos_token_ids, self.special_ids,
-                self.backend.capacity.encoder_decoder,
-            )  # fmt: skip
+                seq, handle, self.eos_token_ids, self.backend.capacity.encoder_decoder
+            )
             if constraint is not None:
                 live.row.constraint = constraint if index == 0 else constraint.copy()
             self._live[seq.seq_id] = live
@@ -346,7 +438,7 @@ class Engine:
         for chunk, live in zip(step.chunks, lives, strict=True):
             if not live.started:
                 live.begin(start_time=now)
-            wants = live.wants_prompt_logprobs and not live.prefill and not chunk.draft
+            wants = live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft
             items.append(
                 PackedItem(
                     chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
@@ -522,8 +614,7 @@ class Engine:
             else:
                 assert isinstance(self.scheduler, PagedScheduler)
                 self.scheduler.accept(live.seq, result.accepted)
-        for handle in touched.values():
-            handle.flush()
+        post_step(touched.values())
         if self.speculate:
             self._propose([*lives, *(live for live, _ in verified)])
         if self.observer:
@@ -552,15 +643,15 @@ class Engine:
         if live.seq.seq_id not in self._live:
             return False  # its request failed earlier in this step (best_of siblings)
         try:
-            event = live.push(choice, row, now)
-        except Exception as exc:  # detokenizing or a stop rule failed: this request only
+            sampled = live.advance(choice, row, now)
+        except Exception as exc:  # the grammar or a stop rule failed: this request only
             log.exception("request %s failed after its step", live.handle.request.request_id)
             live.handle.pending.clear()
             self._abandon(live.handle, GenerationError(f"{type(exc).__name__}: {exc}"))
             return False
-        live.handle.pending.append(event)
+        live.handle.pending.append(sampled)
         touched[id(live.handle)] = live.handle
-        if event.completion is not None:
+        if sampled.finish is not None:
             self._finish(live)
             return False
         return True
@@ -613,6 +704,18 @@ class Engine:
         state (the scheduler's `finish` gives the blocks back)."""
         if isinstance(self.scheduler, Scheduler):
             self.backend.release(seq_id)  # type: ignore[union-attr]
+
+    def _fail_calls(self) -> None:
+        """Calls still queued when the loop ends get an error instead of a result."""
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                item[1].set_exception(
+                    GenerationError("the engine is not running", "check the server log")
+                )
 
     def _fail_all(self, error: TgisError) -> None:
         for live in list(self._live.values()):

@@ -1,4 +1,10 @@
-"""Per-request and per-sequence runtime state of the engine (sampling, text, details)."""
+"""Per-request and per-sequence runtime state of the engine loop (sampling, stop rules,
+prompt details), and the handle that links a request's sequences to its consumer.
+
+The loop hands each generated token over as a `SampledToken` (ids and numbers only); turning
+it into text, stop sequences and TokenEvents is the consumer's work (tgis.engine.output),
+done on the event loop's side rather than between two steps of the model.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,20 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tgis.engine.backend import PrefillItem
-from tgis.engine.detokenize import TextStream, token_texts
-from tgis.engine.sampling import SampleOutput, SamplingRow, derive_seed, prompt_details
+from tgis.engine.output import SampledToken
+from tgis.engine.sampling import (
+    PromptDetails,
+    SampleOutput,
+    SamplingRow,
+    derive_seed,
+    prompt_details,
+)
 from tgis.engine.sequence import Sequence as SchedSeq
-from tgis.engine.types import Completion, GenerationRequest, Timings, TokenEvent, TokenInfo
+from tgis.engine.stopping import StoppingCriteria
+from tgis.engine.types import FinishReason, GenerationRequest
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +42,7 @@ class RequestHandle:
         self.candidates = candidates
         self.sequences: list[LiveSequence] = []
         self.cancelled = False
-        self.pending: list[TokenEvent] = []  # model thread: this step's events
+        self.pending: list[SampledToken] = []  # model thread: this step's tokens
         self.completed = 0  # event loop: candidates whose last event was consumed
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
         params = request.params
@@ -48,61 +60,67 @@ class RequestHandle:
         return None if self.base_seed is None else derive_seed(self.base_seed, index)
 
     def post(self, items: Iterable[Any]) -> None:
-        """From the model thread: hand events (or an exception) to the consumer."""
+        """From the model thread: hand items (tokens, or an exception) to the consumer."""
         batch = list(items)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
             self.loop.call_soon_threadsafe(self._queue.put_nowait, batch)
 
-    def flush(self) -> None:
-        if self.pending:
-            self.post(self.pending)
-            self.pending = []
+    def take_pending(self) -> list[SampledToken]:
+        """This step's tokens, handed over once (see `deliver`)."""
+        batch, self.pending = self.pending, []
+        return batch
 
     async def next_batch(self) -> list[Any]:
-        batch = await self._queue.get()
-        self.completed += sum(
-            1 for e in batch if isinstance(e, TokenEvent) and e.completion is not None
-        )
-        return batch
+        return await self._queue.get()
+
+
+def deliver(batches: list[tuple[RequestHandle, list[Any]]]) -> None:
+    """On the event loop: one step's items of every request of that loop, in one callback."""
+    for handle, batch in batches:
+        handle._queue.put_nowait(batch)
+
+
+def post_step(handles: Iterable[RequestHandle]) -> None:
+    """From the model thread: the step's tokens of `handles`, one `call_soon_threadsafe` per
+    event loop (not per request)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[Any]]]] = {}
+    for handle in handles:
+        if handle.pending:
+            by_loop.setdefault(handle.loop, []).append((handle, handle.take_pending()))
+    for loop, batches in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            loop.call_soon_threadsafe(deliver, batches)
 
 
 class LiveSequence:
-    """One sequence being generated: its sampling row, text stream and collected details."""
+    """One sequence being generated, as the model thread sees it: its sampling row, its
+    token-level stop rules (EOS, length, time limit) and its prompt details."""
 
     def __init__(
         self,
         seq: SchedSeq,
         handle: RequestHandle,
-        tokenizer: Any,
         eos_token_ids: Sequence[int],
-        special_ids: frozenset[int],
         encoder_decoder: bool = False,
     ) -> None:
         request = handle.request
         self.seq = seq
         self.handle = handle
-        self.tokenizer = tokenizer
         self.params = request.params
-        # An encoder-decoder model's output starts anew: the input seeds neither the
-        # penalties nor the detokenizer's window.
+        # An encoder-decoder model's output starts anew: the input seeds no penalty.
         self.encoder_decoder = encoder_decoder
         context = () if encoder_decoder else request.input_ids
         self.row = SamplingRow(self.params, context, seed=handle.seed_for(seq.index))
-        self.text = TextStream(tokenizer, self.params, eos_token_ids, context)
-        self.special_ids = special_ids
-        # Details are kept when asked, and for best_of, whose best candidate is chosen by them.
-        self.keep_details = self.params.details or handle.candidates > 1
+        self.criteria = StoppingCriteria(self.params, eos_token_ids)
         self.last_token = -1
-        self.tokens: list[TokenInfo] = []
-        self.top_tokens: list[tuple[TokenInfo, ...]] = []
-        self.prefill: tuple[TokenInfo, ...] = ()
-        # The top_n_tokens alternatives at each prompt position (the first has none).
-        self.prefill_top: tuple[tuple[TokenInfo, ...], ...] = ()
+        # The prompt's details, computed once (a preempted sequence is not asked again) and
+        # handed over with the first token.
+        self.prompt: PromptDetails | None = None
+        self.prompt_recorded = False
         # Prompt logits of a chunked prefill so far (paged backends), in position order.
         self.prompt_parts: list[torch.Tensor] = []
         self.started = 0.0
-        self.first_token_at: float | None = None
-        self.finish_reason = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -145,7 +163,7 @@ class LiveSequence:
         arrival (TGIS), or from here when the request has none."""
         self.started = start_time
         self.seq.started = start_time
-        self.text.start(self.handle.request.arrival or start_time)
+        self.criteria.start(self.handle.request.arrival or start_time)
 
     def add_prompt_logits(self, start: int, logits: torch.Tensor) -> None:
         """Logits of prompt positions start.. from one prefill chunk; a chunk at 0 begins anew
@@ -163,85 +181,38 @@ class LiveSequence:
             self.prompt_parts.clear()
 
     def record_prefill(self, logits: torch.Tensor) -> None:
-        """Prompt tokens with the logprob and rank the model gave each, and the top_n_tokens
+        """The logprob and rank the model gave each prompt token, and the top_n_tokens
         alternatives at each position when asked ([len, vocab] logits)."""
-        ids = self.handle.request.input_ids
         # Rows of a prompt prefix's virtual tokens predict nothing the client sent.
         logits = logits[self.prefix_length :]
-        details = prompt_details(logits, ids, self.params.top_n_tokens or 0)
-        texts = token_texts(self.tokenizer, ids)
-        first = TokenInfo(ids[0], texts[0], None, ids[0] in self.special_ids)
-        rest = (
-            TokenInfo(i, t, lp, i in self.special_ids, rank)
-            for i, t, lp, rank in zip(
-                ids[1:], texts[1:], details.logprobs, details.ranks, strict=True
-            )
-        )
-        self.prefill = (first, *rest)
-        self.prefill_top = (
-            (),
-            *(
-                self._alternatives(i, lp)
-                for i, lp in zip(details.top_ids, details.top_logprobs, strict=True)
-            ),
-        )
+        ids = self.handle.request.input_ids
+        self.prompt = prompt_details(logits, ids, self.params.top_n_tokens or 0)
+        self.prompt_recorded = True
 
-    def _alternatives(self, ids: list[int], logprobs: list[float]) -> tuple[TokenInfo, ...]:
-        texts = token_texts(self.tokenizer, ids) if ids else []
-        return tuple(
-            TokenInfo(i, t, lp, i in self.special_ids)
-            for i, t, lp in zip(ids, texts, logprobs, strict=True)
-        )
-
-    def push(self, choice: SampleOutput, row: int, now: float) -> TokenEvent:
-        """Turn this row's sampled token into a TokenEvent (with a Completion if it is the last)."""
+    def advance(self, choice: SampleOutput, row: int, now: float) -> SampledToken:
+        """Take this row's sampled token: the grammar and the stop rules move on; the token
+        goes to the consumer, with the reason the sequence ends if it is the last."""
         token_id = choice.token_ids[row]
         if self.row.constraint is not None:
             self.row.constraint.advance(token_id)
-        pushed = self.text.push(token_id, now)
+        reason = self.criteria.on_token(token_id)
         self.seq.generated += 1
         self.seq.token_ids.append(token_id)
         self.last_token = token_id
-        first = self.first_token_at is None
-        if first:
-            self.first_token_at = now
-        token = TokenInfo(
+        if reason is None:
+            reason = self.criteria.limit_reached(now)
+        self.finish_reason = reason
+        prompt, self.prompt = self.prompt, None
+        return SampledToken(
+            self.seq.index,
             token_id,
-            self.text.token_text,
             choice.logprobs[row],
-            token_id in self.special_ids,
             choice.ranks[row],
-        )
-        top = self._alternatives(choice.top_ids[row], choice.top_logprobs[row])
-        if self.keep_details:
-            self.tokens.append(token)
-            self.top_tokens.append(top)
-        completion = None
-        if pushed.finish is not None:
-            self.finish_reason = pushed.finish
-            completion = self._completion(now)
-        event = TokenEvent(token, pushed.text, top, completion, self.seq.index)
-        if first and self.prefill:  # the prompt's details go out with the first token
-            event = replace(event, prefill=self.prefill, prefill_top=self.prefill_top)
-        return event
-
-    def _completion(self, now: float) -> Completion:
-        request = self.handle.request
-        arrival = request.arrival or self.started
-        return Completion(
-            finish_reason=self.text.finish_reason,  # type: ignore[arg-type]
-            generated_text=self.text.final_text(),
-            generated_tokens=self.text.generated_tokens,
-            input_length=len(request.input_ids),
-            seed=self.row.seed,
-            prefill=self.prefill,
-            prefill_top=self.prefill_top,
-            tokens=tuple(self.tokens),
-            top_tokens=tuple(self.top_tokens),
-            timings=Timings(
-                queue=max(0.0, self.started - arrival),
-                inference=max(0.0, now - self.started),
-                first_token=max(0.0, (self.first_token_at or now) - arrival),
-            ),
-            stop_sequence=self.text.stop_sequence,
+            choice.top_ids[row],
+            choice.top_logprobs[row],
+            reason,
+            now,
+            self.started,
+            self.row.seed,
+            prompt,
         )

@@ -15,7 +15,7 @@ import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from ssl import CERT_REQUIRED
 from types import FrameType
 from typing import Any, Protocol
@@ -196,6 +196,79 @@ class GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+class ServerThread:
+    """The HTTP and gRPC servers on an event loop in a thread of their own, so that the
+    process's main thread can run the model (the engine's loop). Python delivers SIGTERM and
+    SIGINT to the main thread: `start` installs handlers there that hand them to the server,
+    which then drains as it would on the main thread.
+
+    `main(server_ready)` is the coroutine that serves (it passes `server_ready` to `serve`);
+    `on_exit` runs on the server's thread once it has stopped, however it stopped (`tgis
+    serve` stops the engine's loop there)."""
+
+    def __init__(
+        self,
+        main: Callable[[Callable[[GracefulServer], None]], Awaitable[None]],
+        on_exit: Callable[[], None],
+    ) -> None:
+        self._main = main
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._server: GracefulServer | None = None
+        self._signals: list[int] = []  # received before the server existed
+        self._original: dict[int, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="tgis-http", daemon=True)
+        # Why the servers ended other than by a signal: an exception, or SystemExit (uvicorn
+        # exits 1 when it cannot listen); None after a clean shutdown.
+        self.failure: BaseException | None = None
+
+    def start(self) -> None:
+        """Install the signal handlers (on the main thread) and start serving."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._original[sig] = signal.signal(sig, self._on_signal)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the servers to stop, then restore the signal handlers."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)  # short waits: signal handlers run in between
+        for sig, handler in self._original.items():
+            signal.signal(sig, handler)
+
+    def shutdown(self) -> None:
+        """Start a graceful shutdown, as SIGTERM does (from any thread)."""
+        self._on_signal(signal.SIGTERM, None)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        with self._lock:
+            server = self._server
+            if server is None:
+                self._signals.append(sig)
+        if server is not None:
+            server.handle_exit(sig, frame)
+
+    def _ready(self, server: GracefulServer) -> None:
+        with self._lock:
+            self._server = server
+            pending, self._signals = self._signals, []
+        for sig in pending:
+            server.handle_exit(sig, None)
+
+    def _run(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.run(self._main(self._ready))  # type: ignore[arg-type]
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                self.failure = exc
+        except BaseException as exc:
+            logger.exception("the HTTP server failed")
+            self.failure = exc
+        finally:
+            self._on_exit()
 
 
 def lifecycle_of(app: Any) -> Lifecycle:
