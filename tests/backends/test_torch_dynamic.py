@@ -19,7 +19,7 @@ from tests.backends.conftest import (
 )
 from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
 from tests.factories import make_model_dir, tiny_model
-from tgis.backends import torch_dynamic
+from tgis.backends import torch_device, torch_dynamic
 from tgis.backends.hf_forward import HFForward, pad_groups
 from tgis.backends.torch_device import cpu_has_native_bf16, resolve_dtype
 from tgis.backends.torch_dynamic import TorchDynamicBackend
@@ -325,7 +325,7 @@ def test_load_from_a_model_directory(tmp_path: Path) -> None:
 def test_dtype_rules() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     native_bf16 = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    assert resolve_dtype(cpu, None, torch.float32) == native_bf16
+    assert resolve_dtype(cpu, None, torch.float32, (64, 128)) in (native_bf16, torch.float32)
     assert resolve_dtype(cpu, "bfloat16", None) == native_bf16
     assert resolve_dtype(cpu, "float32", torch.bfloat16) == torch.float32
     assert resolve_dtype(cpu, "float16", None) == torch.float32
@@ -334,6 +334,44 @@ def test_dtype_rules() -> None:
     assert resolve_dtype(cuda, None, torch.float16) == torch.float16
     with pytest.raises(ValueError, match="not one of"):
         resolve_dtype(cpu, "int8", None)
+
+
+@pytest.mark.parametrize(
+    ("bf16_ms", "f32_ms", "chosen"),
+    [(2.0, 3.0, torch.bfloat16), (3.3, 2.7, torch.float32)],
+    ids=["bf16-faster", "bf16-slower"],
+)
+def test_auto_dtype_on_a_native_bf16_cpu_is_the_faster_measured(
+    monkeypatch: pytest.MonkeyPatch, bf16_ms: float, f32_ms: float, chosen: torch.dtype
+) -> None:
+    monkeypatch.setattr(torch_device, "cpu_has_native_bf16", lambda: True)
+    timed: list[tuple[torch.dtype, int, int]] = []
+
+    def probe(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
+        timed.append((dtype, hidden, intermediate))
+        return (bf16_ms if dtype == torch.bfloat16 else f32_ms) / 1000
+
+    monkeypatch.setattr(torch_device, "_probe_seconds", probe)
+    dtype, why = torch_device.choose_cpu_dtype(576, 1536)
+    assert dtype == chosen
+    assert f"bfloat16 {bf16_ms:.2f} ms, float32 {f32_ms:.2f} ms" in why
+    assert sorted(str(t) for t in timed) == sorted(
+        str((d, 576, 1536)) for d in (torch.float32, torch.bfloat16)
+    )
+    assert resolve_dtype(torch.device("cpu"), None, None, (576, 1536)) == chosen
+    # Asked for, bf16 is what runs; float32 asked for is float32 whatever is faster.
+    assert resolve_dtype(torch.device("cpu"), "bfloat16", None) == torch.bfloat16
+    assert resolve_dtype(torch.device("cpu"), "float32", None) == torch.float32
+
+
+def test_auto_dtype_without_native_bf16_is_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_device, "cpu_has_native_bf16", lambda: False)
+    dtype, why = torch_device.choose_cpu_dtype(64, 128)
+    assert dtype == torch.float32 and "no native bfloat16" in why
+
+
+def test_the_dtype_probe_times_real_matmuls() -> None:
+    assert 0 < torch_device._probe_seconds(torch.float32, 64, 128) < 5
 
 
 @cuda_only

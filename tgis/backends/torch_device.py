@@ -58,19 +58,35 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_dtype(device: torch.device, requested: str | None, model_dtype: object) -> torch.dtype:
+# The decode-shaped work the CPU dtype probe times: batch sizes, and rounds of each.
+PROBE_BATCHES = (1, 16)
+PROBE_ROUNDS = 5
+
+
+def resolve_dtype(
+    device: torch.device,
+    requested: str | None,
+    model_dtype: object,
+    probe_shape: tuple[int, int] = (2048, 5632),
+) -> torch.dtype:
     """The dtype to load the model in.
 
-    CPU: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX: about twice the decode
-    speed of float32) unless float32 was asked for; float32 elsewhere, since emulated bf16 or
-    fp16 matmuls are several times slower than fp32. CUDA: what was asked for, else the
-    checkpoint's half-precision dtype, else bfloat16 where supported, else float16.
+    CPU: float32 where the CPU has no native bf16 (emulated bf16 or fp16 matmuls are several
+    times slower); bfloat16 where it has (AVX512-BF16 / AMX) and bfloat16 was asked for; with
+    no dtype asked for, whichever of the two `choose_cpu_dtype` measures faster on this CPU
+    for a layer of `probe_shape` (hidden, intermediate): native bf16 is not always faster.
+    CUDA: what was asked for, else the checkpoint's half-precision dtype, else bfloat16 where
+    supported, else float16.
     """
     if requested is not None:
         torch_dtype(requested)  # refuse unknown names on every device
     if device.type == "cpu":
-        if requested in (None, "bfloat16") and cpu_has_native_bf16():
+        if requested == "bfloat16" and cpu_has_native_bf16():
             return torch.bfloat16
+        if requested is None:
+            chosen, why = choose_cpu_dtype(*probe_shape)
+            logger.info("dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+            return chosen
         return torch.float32
     if requested is not None:
         return torch_dtype(requested)
@@ -79,6 +95,54 @@ def resolve_dtype(device: torch.device, requested: str | None, model_dtype: obje
     if isinstance(model_dtype, str) and model_dtype in ("float16", "bfloat16"):
         return torch_dtype(model_dtype)
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def choose_cpu_dtype(hidden: int, intermediate: int) -> tuple[torch.dtype, str]:
+    """float32 or bfloat16 for a model whose layers are `hidden` wide with an MLP of
+    `intermediate`, and why. Without native bf16: float32. With it: each dtype runs a
+    decoder layer's matmuls (q/k/v/o and the MLP) at decode's batch sizes (PROBE_BATCHES),
+    on this thread and its OpenMP team; bf16 is chosen only where its total time is lower."""
+    if not cpu_has_native_bf16():
+        return torch.float32, "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
+    times = {dtype: _probe_seconds(dtype, hidden, intermediate) for dtype in PROBE_DTYPES}
+    f32, bf16 = times[torch.float32], times[torch.bfloat16]
+    measured = f"decode-shaped matmuls: bfloat16 {bf16 * 1e3:.2f} ms, float32 {f32 * 1e3:.2f} ms"
+    if bf16 < f32:
+        return torch.bfloat16, f"{measured}; bfloat16 is {f32 / bf16:.2f}x faster here"
+    return torch.float32, f"{measured}; native bfloat16 is {bf16 / f32:.2f}x slower here"
+
+
+PROBE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _probe_seconds(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
+    """Seconds one decoder layer's matmuls take in `dtype` at each of PROBE_BATCHES (the
+    fastest of PROBE_ROUNDS rounds each, added up). Random weights: only the time counts."""
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [
+        torch.randn(rows, cols, generator=generator).to(dtype)
+        for rows, cols in (
+            (3 * hidden, hidden),  # fused q/k/v (at most; GQA makes it smaller)
+            (hidden, hidden),  # o
+            (2 * intermediate, hidden),  # fused gate/up
+            (hidden, intermediate),  # down
+        )
+    ]
+    total = 0.0
+    with torch.inference_mode():
+        for batch in PROBE_BATCHES:
+            x = torch.randn(batch, hidden, generator=generator).to(dtype)
+            wide = torch.randn(batch, intermediate, generator=generator).to(dtype)
+            best = math.inf
+            for _ in range(PROBE_ROUNDS + 1):  # the first round warms the kernels up
+                start = time.perf_counter()
+                for w in weights:
+                    torch.nn.functional.linear(wide if w.shape[1] == intermediate else x, w)
+                best = min(best, time.perf_counter() - start)
+            total += best
+    return total
 
 
 def cpu_threads() -> int:
@@ -145,7 +209,12 @@ def load_causal_lm(
     elif device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
     config = AutoConfig.from_pretrained(model_dir)
-    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None))
+    text = config.get_text_config()
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", 2048)
+    intermediate = (
+        getattr(text, "intermediate_size", None) or getattr(text, "d_ff", None) or 4 * hidden
+    )
+    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), (hidden, intermediate))
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
