@@ -109,17 +109,25 @@ class Result:
 
 
 async def closed_loop(
-    url: str, model: str, texts: list[str], streams: int, new_tokens: int
+    url: str,
+    model: str,
+    texts: list[str],
+    streams: int,
+    new_tokens: int,
+    api: str = "openai-chat",
+    parameters: dict[str, Any] | None = None,
 ) -> Result:
     """`streams` clients, each sending the next prompt as soon as its previous one finished,
-    through tgis.benchmark's OpenAI chat client (token times taken from the stream)."""
+    through tgis.benchmark's client of `api` (token times taken from the stream), greedy
+    unless `parameters` say otherwise."""
     from tgis.benchmark.client import BenchmarkClient
     from tgis.benchmark.prompts import Turn
 
     res = Result()
     queue = list(texts)
-    client = BenchmarkClient(url, api="openai-chat", model=model, request_timeout=600.0,
-                             stall_timeout=300.0, extra_parameters={"temperature": 0.0})  # fmt: skip
+    client = BenchmarkClient(url, api=api, model=model, request_timeout=600.0,
+                             stall_timeout=300.0,
+                             extra_parameters=parameters or {"temperature": 0.0})  # fmt: skip
 
     async def user() -> None:
         while queue:
@@ -196,6 +204,8 @@ def run_server(
     model: str,
     new_tokens: int,
     warm: list[str],
+    api: str = "openai-chat",
+    parameters: dict[str, Any] | None = None,
 ) -> list[tuple[Result, float]]:
     with log.open("w") as out:
         # Both servers run offline: the model is local and nothing may be fetched mid-run.
@@ -203,10 +213,11 @@ def run_server(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
         wait_ready(url, proc, 600, ready_path)
-        asyncio.run(closed_loop(url, model, warm, min(4, len(warm)), 8))  # first-request costs
+        # First-request costs.
+        asyncio.run(closed_loop(url, model, warm, min(4, len(warm)), 8, api, parameters))
         results = []
         for streams, texts in loads:
-            res = asyncio.run(closed_loop(url, model, texts, streams, new_tokens))
+            res = asyncio.run(closed_loop(url, model, texts, streams, new_tokens, api, parameters))
             results.append((res, peak_rss_mb(proc.pid)))
         return results
     finally:

@@ -1,0 +1,183 @@
+"""`make bench` with LLAMA_SERVER set: tgis serve vs llama.cpp's llama-server, same weights.
+
+The runtime's targets are ratios against llama.cpp's server on the same CPU and the same
+weights in float32 (converted to GGUF by llama.cpp's own convert_hf_to_gguf.py; llama.cpp is
+built and the models converted outside this repository, see docs/performance.md):
+
+- the bundled demo model: ITL p50 at 1 stream, output tokens/s at 16 and 64 streams;
+- a random SmolLM2-135M-shaped Llama (scripts/bench_serve.py builds it): ITL p50 at 1 stream,
+  tokens/s at 16 streams, and tgis's bare in-process decode step at batch 1 (no server).
+
+Both servers take the same closed-loop load through OpenAI's streaming /v1/completions: 100-token
+prompts cut from the standard library with the model's tokenizer, 64 new tokens, greedy, EOS
+ignored, one server at a time, nothing else running.
+
+    python scripts/bench_llamacpp.py --llama-server BIN --demo-gguf demo-f32.gguf \
+        --smol-gguf smol-f32.gguf --workdir /tmp/tgis-bench --output runtime.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve import (
+    ROOT,
+    Result,
+    bare_decode_ms,
+    build_model,
+    pct,
+    prompts,
+    run_server,
+)
+
+DEMO_MODEL = ROOT / "tgis" / "assets" / "demo-model"
+# Greedy, and every answer runs to its max_tokens (llama-server and tgis both take ignore_eos).
+PARAMETERS = {"temperature": 0.0, "ignore_eos": True}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+            return [f for f in line.split(":", 1)[1].split() if f in wanted]
+    return []
+
+
+def serve_both(
+    name: str,
+    model_dir: Path,
+    gguf: Path,
+    llama_server: str,
+    loads: list[tuple[int, int]],
+    new_tokens: int,
+    workdir: Path,
+    port: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each load (streams, requests) on tgis serve, then on llama-server."""
+    texts = prompts(model_dir, sum(n for _, n in loads) + 4, 100, seed=0)
+    warm, rest = texts[:4], texts[4:]
+    load_texts = []
+    for streams, count in loads:
+        load_texts.append((streams, rest[:count]))
+        rest = rest[count:]
+    most = max(s for s, _ in loads)
+    url = f"http://127.0.0.1:{port}"
+    tgis_cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--port",
+                str(port), "--hostname", "127.0.0.1", "--no-grpc", "--dtype", "float32",
+                "--max-total-tokens", "512", "--max-batch-size", str(most)]  # fmt: skip
+    # One slot per stream, each with room for a prompt and its answer.
+    llama_cmd = [llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                 "-np", str(most), "-c", str(most * 512), "-t", str(os.cpu_count() or 1),
+                 "--no-webui"]  # fmt: skip
+    out: dict[str, list[dict[str, Any]]] = {}
+    for server, cmd in (("tgis", tgis_cmd), ("llama.cpp", llama_cmd)):
+        results = run_server(
+            cmd, url, "/health", workdir / f"{name}-{server}.log", load_texts, "model",
+            new_tokens, warm, api="openai-completions", parameters=PARAMETERS,
+        )  # fmt: skip
+        out[server] = [
+            summary(streams, res)
+            for (streams, _), (res, _) in zip(load_texts, results, strict=True)
+        ]
+    return out
+
+
+def summary(streams: int, res: Result) -> dict[str, Any]:
+    return {
+        "streams": streams,
+        "output_tok_s": res.output_tokens / res.wall if res.wall else 0.0,
+        "itl_p50_ms": pct(res.itl, 50) * 1000,
+        "itl_p99_ms": pct(res.itl, 99) * 1000,
+        "ttft_p50_ms": pct(res.ttft, 50) * 1000,
+        "output_tokens": res.output_tokens,
+        "errors": res.errors,
+        "error_kinds": res.error_kinds,
+    }
+
+
+def at(rows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
+    return next(r for r in rows if r["streams"] == streams)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
+    parser.add_argument("--demo-gguf", type=Path, required=True, help="the demo model, f32 GGUF")
+    parser.add_argument("--smol-gguf", type=Path, required=True, help="the 135M model, f32 GGUF")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench"))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--port", type=int, default=18090)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    smol_dir = build_model(args.workdir)
+    started = time.time()
+    demo = serve_both("demo", DEMO_MODEL, args.demo_gguf, args.llama_server,
+                      [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port)  # fmt: skip
+    smol = serve_both("smol", smol_dir, args.smol_gguf, args.llama_server,
+                      [(1, 3), (16, 32)], args.new_tokens, args.workdir, args.port)  # fmt: skip
+    bare_ms, _ = bare_decode_ms(smol_dir, "float32")
+    ratios = {
+        "demo_itl_x1_tgis_over_llama": at(demo["tgis"], 1)["itl_p50_ms"]
+        / at(demo["llama.cpp"], 1)["itl_p50_ms"],
+        "demo_tok_s_x16_tgis_over_llama": at(demo["tgis"], 16)["output_tok_s"]
+        / at(demo["llama.cpp"], 16)["output_tok_s"],
+        "demo_tok_s_x64_tgis_over_llama": at(demo["tgis"], 64)["output_tok_s"]
+        / at(demo["llama.cpp"], 64)["output_tok_s"],
+        "smol_itl_x1_tgis_over_llama": at(smol["tgis"], 1)["itl_p50_ms"]
+        / at(smol["llama.cpp"], 1)["itl_p50_ms"],
+        "smol_itl_x1_served_over_bare": at(smol["tgis"], 1)["itl_p50_ms"] / bare_ms,
+        "smol_tok_s_x16_tgis_over_llama": at(smol["tgis"], 16)["output_tok_s"]
+        / at(smol["llama.cpp"], 16)["output_tok_s"],
+    }
+    targets = {
+        "demo_itl_x1_tgis_over_llama": ("<=", 2.0),
+        "demo_tok_s_x16_tgis_over_llama": (">=", 1.0),
+        "demo_tok_s_x64_tgis_over_llama": (">=", 1.5),
+        "smol_itl_x1_tgis_over_llama": ("<=", 1.2),
+        "smol_itl_x1_served_over_bare": ("<=", 1.1),
+    }
+    print(f"\nCPU: {cpu_name()} ({os.cpu_count()} cores; {' '.join(cpu_flags())})")
+    print(f"{'model':<6}{'server':<11}{'streams':>8}{'tok/s':>10}{'ITL p50':>11}{'ITL p99':>11}"
+          f"{'TTFT p50':>11}{'err':>5}")  # fmt: skip
+    for name, table in (("demo", demo), ("135M", smol)):
+        for server, rows in table.items():
+            for r in rows:
+                print(f"{name:<6}{server:<11}{r['streams']:>8}{r['output_tok_s']:>10.1f}"
+                      f"{r['itl_p50_ms']:>9.2f}ms{r['itl_p99_ms']:>9.2f}ms"
+                      f"{r['ttft_p50_ms']:>9.1f}ms{r['errors']:>5}")  # fmt: skip
+    print(f"135M bare in-process decode step, batch 1: {bare_ms:.2f} ms")
+    for key, value in ratios.items():
+        target = targets.get(key)
+        verdict = ""
+        if target is not None:
+            op, bound = target
+            met = value <= bound if op == "<=" else value >= bound
+            verdict = f"  (target {op} {bound}: {'met' if met else 'not met'})"
+        print(f"{key:<34}{value:>7.2f}{verdict}")
+    if args.output:
+        args.output.write_text(json.dumps({
+            "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "demo": demo, "smol": smol, "smol_bare_step_ms": bare_ms, "ratios": ratios,
+            "minutes": (time.time() - started) / 60,
+        }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
