@@ -61,11 +61,17 @@ format: install
 	.venv-peer/bin/pip install -q "$(TORCH_SPEC)" "transformers[serving]>=5"
 	touch $@
 
+# With LLAMA_SERVER (llama.cpp's llama-server, built outside this repository) and the two
+# models converted to f32 GGUF by llama.cpp's convert_hf_to_gguf.py (DEMO_GGUF, SMOL_GGUF), the
+# runtime's targets against llama.cpp are measured too (scripts/bench_llamacpp.py).
 bench: install .venv-peer/.installed
 	$(PY) scripts/bench_serve.py --workdir $(or $(BENCH_DIR),/tmp/tgis-bench) --output bench-results.json
 	$(VENV)/bin/tgis benchmark --engine --model-id $(or $(BENCH_DIR),/tmp/tgis-bench)/smollm2-135m-random \
 		--batch-sizes 1,4,16,32 --prompt-tokens 100 --decode-tokens 16 --runs 3 \
 		--output bench-engine.json --plot bench-engine.png
+	$(if $(LLAMA_SERVER),$(PY) scripts/bench_llamacpp.py --llama-server $(LLAMA_SERVER) \
+		--demo-gguf $(DEMO_GGUF) --smol-gguf $(SMOL_GGUF) \
+		--workdir $(or $(BENCH_DIR),/tmp/tgis-bench) --output bench-llamacpp.json)
 
 # Two minutes of `tgis serve` at 2x its request limit: none lost or hung, the excess answered 429.
 soak: install
