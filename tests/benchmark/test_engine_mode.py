@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.factories import make_model_dir
-from tgis.benchmark.engine_mode import EngineBenchmark, load_backend, parse_batch_sizes
+from tgis.benchmark.engine_mode import (
+    EngineBenchmark,
+    load_backend,
+    parse_batch_sizes,
+    serving_engine,
+)
 from tgis.benchmark.results import validate_results
 from tgis.cli import app
 from tgis.errors import ConfigError
@@ -47,6 +53,13 @@ def test_engine_mode_prints_the_table_and_writes_valid_results_and_a_png(
         assert step["decode_tokens_per_s"] == pytest.approx(batch / decode_mean)
         prefill_mean = step["prefill_latency_s"]["mean"]
         assert step["prefill_tokens_per_s"] == pytest.approx(batch * 16 / prefill_mean)
+        # The serving loop's decode steps: the step is its forward and the host work around it.
+        loop, forward, host = (
+            step[k] for k in ("decode_step_s", "decode_forward_s", "decode_host_s")
+        )
+        assert 0 < forward["mean"] < loop["mean"]
+        assert host["mean"] == pytest.approx(loop["mean"] - forward["mean"])
+    assert "loop step" in result.output and "host" in result.output
     assert png.read_bytes().startswith(PNG)
 
 
@@ -57,12 +70,19 @@ def test_each_engine_counts_one_sample_per_decode_step(tmp_path: Path, arch: str
     model_dir = make_model_dir(tmp_path / arch, arch)  # type: ignore[arg-type]
     backend = load_backend(model_dir, "cpu", None, 3, 8, 3)
     assert (backend.capacity.block_size is None) == (arch == "gpt2")
-    bench = EngineBenchmark(backend, [3], 8, 3, runs=2, warmups=1, avoid_ids={0, 1, 2})
+    bench = EngineBenchmark(
+        backend, [3], 8, 3, runs=2, warmups=1, avoid_ids={0, 1, 2},
+        engine=partial(serving_engine, backend, model_dir, 3),
+    )  # fmt: skip
     bench.execute()
     if arch == "gpt2":
         assert backend.running == 0  # type: ignore[union-attr]
     measure = bench.measures[0]
     assert len(measure.prefill) == 2 and len(measure.decode) == 2 * 3
+    # Through the serving loop: the first token comes from the prefill, the next 2 from decode
+    # steps of the whole batch.
+    assert len(measure.loop) == 2
+    assert all(0 < forward < step for step, forward in measure.loop)
     assert not {0, 1, 2} & set(bench.token_pool)
 
 

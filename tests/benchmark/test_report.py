@@ -87,3 +87,19 @@ def test_token_check_warning_names_the_steps_off_by_more_than_10_percent() -> No
     assert "several tokens" in warning and "no usage" in warning
     assert "--tokenizer may not be the served model's" in warning
     assert token_check_warning(engine_results(A)) is None  # no steps
+
+
+def test_engine_runs_compare_the_serving_loop_where_measured() -> None:
+    a, b = engine_results(A), engine_results(B)
+    for data, (step_s, host_s) in ((a, (0.0030, 0.0010)), (b, (0.0024, 0.0004))):
+        first = data["engine_steps"][0]
+        first["decode_step_s"] = {q: step_s for q in ("p50", "p90", "p95", "p99", "mean")}
+        first["decode_host_s"] = {q: host_s for q in ("p50", "p90", "p95", "p99", "mean")}
+    table = engine_compare_table(a, b)
+    headers = [c.header for c in table.columns]
+    assert headers[-2:] == ["loop step p50 ms", "loop host p50 ms"]
+    assert cells(table)[0][-2:] == [
+        "[green]3.0 → 2.4 (0.80x)[/]",
+        "[green]1.0 → 0.4 (0.40x)[/]",
+    ]
+    assert cells(table)[1][-2:] == ["-", "-"]  # batch 2 measured no loop

@@ -13,17 +13,26 @@ Each run prefills `batch` prompts of random token ids (seeded, special ids avoid
 runs `decode_tokens` greedy decode steps over the whole batch, then releases the sequences.
 Prefill latency is one sample per run; decode latency one sample per step. Throughputs come from
 the means: prefill batch * prompt_tokens / mean, decode batch / mean (one token per sequence).
+
+Then the same batch goes once through the serving engine's loop (tgis.engine.Engine, run on
+this thread as `tgis serve` runs it; the requests sent from an event loop in another thread):
+each decode step of the whole batch is one sample of the loop's step (`decode_step_s`: from
+the forward's inputs to the tokens handed over), of its forward (`decode_forward_s`), and of
+the host work around the forward (`decode_host_s`: sampling, stop rules, handing tokens over).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -31,6 +40,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from tgis.benchmark.metrics import distribution
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
 from tgis.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tgis.engine.engine import Engine
 
 # The largest KV block of any device (cuda's): pools sized in whole blocks of it fit every device.
 MAX_BLOCK = 256
@@ -158,10 +170,19 @@ class BatchMeasure:
     batch_size: int
     prefill: list[float] = field(default_factory=list)
     decode: list[float] = field(default_factory=list)
+    # Decode steps of the whole batch in the engine's loop: (step, forward) seconds.
+    loop: list[tuple[float, float]] = field(default_factory=list)
 
     def summary(self, prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
         """The `engine_steps` entry of the results schema."""
         prefill, decode = distribution(self.prefill), distribution(self.decode)
+        loop = {}
+        if self.loop:
+            loop = {
+                "decode_step_s": distribution([step for step, _ in self.loop]),
+                "decode_forward_s": distribution([forward for _, forward in self.loop]),
+                "decode_host_s": distribution([step - forward for step, forward in self.loop]),
+            }
         return {
             "batch_size": self.batch_size,
             "runs": len(self.prefill),
@@ -173,7 +194,38 @@ class BatchMeasure:
             ),
             "decode_latency_s": decode,
             "decode_tokens_per_s": self.batch_size / decode["mean"] if decode else 0.0,
+            **loop,
         }
+
+
+class LoopTimings:
+    """An EngineObserver keeping each decode step's rows, duration and forward time."""
+
+    def __init__(self) -> None:
+        self.decode: list[tuple[int, float, float]] = []
+
+    def on_step(
+        self, method: str, batch_size: int, tokens: int, duration: float, forward: float
+    ) -> None:
+        if method == "next_token":
+            self.decode.append((batch_size, duration, forward))
+
+    def on_step_failure(self, method: str, reason: str) -> None:
+        pass
+
+    def on_concatenation(self) -> None:
+        pass
+
+    def on_batch_state(
+        self, waiting: int, running: int, input_tokens: int, max_remaining: int
+    ) -> None:
+        pass
+
+    def on_kv_state(self, *counts: int) -> None:
+        pass
+
+    def on_speculation(self, draft_tokens: int, accepted_tokens: int, emitted: int) -> None:
+        pass
 
 
 class EngineBenchmark:
@@ -189,7 +241,11 @@ class EngineBenchmark:
         seed: int = 0,
         warmups: int = 1,
         avoid_ids: set[int] | None = None,
+        engine: Callable[[], Engine] | None = None,
     ) -> None:
+        """engine: builds the serving engine over `backend` (its loop is then measured per
+        batch size too); None: the backend alone."""
+        self.engine = engine
         self.backend, self.batch_sizes = backend, list(batch_sizes)
         self.prompt_tokens, self.decode_tokens = prompt_tokens, decode_tokens
         self.runs, self.warmups = runs, warmups
@@ -221,7 +277,51 @@ class EngineBenchmark:
                 for index in range(self.warmups + self.runs):
                     self.run_once(batch, measure if index >= self.warmups else None)
                     progress.advance(task)
+                if self.engine is not None:
+                    measure.loop = self.loop_steps(self.engine(), batch)
         return self.summaries()
+
+    def loop_steps(self, engine: Engine, batch: int) -> list[tuple[float, float]]:
+        """`batch` random prompts through `engine`'s loop, run on this thread until they are
+        done: (step, forward) seconds of each decode step of the whole batch."""
+        from tgis.engine.types import GenerationRequest
+        from tgis.params import GenerateParameters
+
+        params = GenerateParameters(max_new_tokens=self.decode_tokens, ignore_eos=True)
+        requests = [
+            GenerationRequest(
+                f"bench-{i}", tuple(self.rng.choices(self.token_pool, k=self.prompt_tokens)), params
+            )
+            for i in range(batch)
+        ]
+        timings = LoopTimings()
+        engine.observer = timings
+        failures: list[BaseException] = []
+
+        async def send_all() -> None:
+            async def one(request: GenerationRequest) -> None:
+                async for _ in engine.generate(request):
+                    pass
+
+            await asyncio.gather(*(one(r) for r in requests))
+
+        def client() -> None:
+            try:
+                while not engine.healthy():  # until the loop below runs
+                    time.sleep(0.005)
+                asyncio.run(send_all())
+            except BaseException as exc:  # reported on this thread, after the loop
+                failures.append(exc)
+            finally:
+                engine.stop()
+
+        sender = threading.Thread(target=client, name="tgis-bench-client", daemon=True)
+        sender.start()
+        engine.run()
+        sender.join()
+        if failures:
+            raise failures[0]
+        return [(step, forward) for rows, step, forward in timings.decode if rows == batch]
 
     def run_once(self, batch: int, measure: BatchMeasure | None) -> None:
         """Prefill `batch` random prompts, decode them greedily, release them; record the
@@ -279,6 +379,24 @@ class EngineBenchmark:
             measure.decode.extend(decode_s)
 
 
+def serving_engine(backend: Backend | PagedBackend, model_dir: Path, max_batch: int) -> Engine:
+    """The engine `tgis serve` would run over `backend` (not started), its scheduler's budgets
+    the backend's: `max_batch` sequences, prompts prefilled in steps of the backend's size."""
+    from tgis.engine.engine import Engine
+    from tgis.engine.scheduler import SchedulerLimits
+    from tgis.launch import eos_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    capacity = backend.capacity
+    limits = SchedulerLimits(
+        max_batch_prefill_tokens=capacity.max_sequence_tokens * max_batch,
+        max_batch_total_tokens=capacity.kv_tokens,
+        max_sequences=min(capacity.max_sequences, max_batch),
+        prefill_step_tokens=capacity.prefill_step_tokens,
+    )
+    return Engine(backend, tokenizer, limits, max_batch, eos_token_ids(model_dir, tokenizer))
+
+
 def run_engine(
     model_id: str,
     batch_sizes: Sequence[int],
@@ -317,6 +435,7 @@ def run_engine(
         runs,
         seed,
         avoid_ids=special_token_ids(model_dir),
+        engine=partial(serving_engine, backend, model_dir, max(batch_sizes)),
     )
     interrupted = False
     try:

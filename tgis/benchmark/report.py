@@ -177,6 +177,11 @@ ENGINE_COMPARED: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("decode step p50 ms", ("decode_latency_s", "p50"), True),
     ("decode tok/s", ("decode_tokens_per_s",), False),
 )
+# The serving loop's decode step and its host work, compared where a run measured them.
+ENGINE_LOOP_COMPARED: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("loop step p50 ms", ("decode_step_s", "p50"), True),
+    ("loop host p50 ms", ("decode_host_s", "p50"), True),
+)
 
 
 def is_engine(data: dict[str, Any]) -> bool:
@@ -204,13 +209,21 @@ def engine_compare_table(
     throughput (tokens/s) as `A → B (B/A x)`, coloured as in compare_table."""
     table = Table(title=f"tgis benchmark --engine: {names[1]} / {names[0]} (ratio B/A)")
     table.add_column("batch", justify="right")
-    for header, _, _ in ENGINE_COMPARED:
-        table.add_column(header, justify="right")
     pairs = matched_batches(a, b)
+    # The serving loop's columns only where a run measured it (older files did not).
+    compared = [
+        *ENGINE_COMPARED,
+        *(
+            column
+            for column in ENGINE_LOOP_COMPARED
+            if any(_get(step, column[1]) is not None for pair in pairs for step in pair)
+        ),
+    ]
+    for header, _, _ in compared:
+        table.add_column(header, justify="right")
     for sa, sb in pairs:
         cells = [
-            _cell(_get(sa, path), _get(sb, path), latency=latency)
-            for _, path, latency in ENGINE_COMPARED
+            _cell(_get(sa, path), _get(sb, path), latency=latency) for _, path, latency in compared
         ]
         table.add_row(str(sa["batch_size"]), *cells)
     if not pairs:
@@ -234,15 +247,37 @@ def engine_table(data: dict[str, Any]) -> Table:
         table.add_column(f"{q} ms", justify="right")
     table.add_column("tok/s", justify="right")
     for step in data.get("engine_steps", []):
-        for phase, name in (("prefill", "prefill"), ("decode", "decode step")):
+        # The serving loop's decode step, its forward and the host work around it, when
+        # measured (tok/s of the step only).
+        loop = [
+            (key, name)
+            for key, name in (
+                ("decode_step_s", "loop step"),
+                ("decode_forward_s", "  forward"),
+                ("decode_host_s", "  host"),
+            )
+            if step.get(key)
+        ]
+        rows = [
+            ("prefill_latency_s", "prefill", f"{step['prefill_tokens_per_s']:.1f}"),
+            ("decode_latency_s", "decode step", f"{step['decode_tokens_per_s']:.1f}"),
+            *(
+                (key, name, _per_s(step["batch_size"], _get(step, (key, "mean"))))
+                if key == "decode_step_s"
+                else (key, name, "")
+                for key, name in loop
+            ),
+        ]
+        for index, (key, name, rate) in enumerate(rows):
             table.add_row(
-                str(step["batch_size"]) if phase == "prefill" else "",
+                str(step["batch_size"]) if index == 0 else "",
                 name,
-                *[
-                    _ms(_get(step, (f"{phase}_latency_s", q)))
-                    for q in ("mean", "p50", "p90", "p99")
-                ],
-                f"{step[f'{phase}_tokens_per_s']:.1f}",
-                end_section=phase == "decode",
+                *[_ms(_get(step, (key, q))) for q in ("mean", "p50", "p90", "p99")],
+                rate,
+                end_section=index == len(rows) - 1,
             )
     return table
+
+
+def _per_s(count: int, seconds: float | None) -> str:
+    return f"{count / seconds:.1f}" if seconds else "-"

@@ -120,6 +120,11 @@ _ENGINE_STEP = {
         "prefill_tokens_per_s": _NUMBER,
         "decode_latency_s": _DISTRIBUTION,
         "decode_tokens_per_s": _NUMBER,
+        # Optional (added within version 1): the batch's decode steps in the serving engine's
+        # loop, their forward, and the host work around it (the step less its forward).
+        "decode_step_s": _DISTRIBUTION,
+        "decode_forward_s": _DISTRIBUTION,
+        "decode_host_s": _DISTRIBUTION,
     },
 }
 _HTTP_CONFIG = {
