@@ -316,3 +316,17 @@ def test_hadolint_is_clean() -> None:
         [binary, "--no-color", *files], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_cuda_image_has_a_torch_whose_flash_attention_reads_kv_pages() -> None:
+    """varlen_attn takes block_table from torch 2.12: older torch would leave the paged engine
+    without flash attention and CUDA graphs."""
+    pins = [
+        arg.split("==", 1)[1]
+        for args in Image("cuda").pip_installs()
+        for arg in args
+        if arg.startswith("torch==")
+    ]
+    assert len(pins) == 1, f"Dockerfile.cuda: torch installs {pins}"
+    major, minor = (int(part) for part in pins[0].split(".")[:2])
+    assert (major, minor) >= (2, 12), f"Dockerfile.cuda installs torch {pins[0]}"

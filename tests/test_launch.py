@@ -20,6 +20,7 @@ from tgis.engine.backend import BackendCapacity
 from tgis.engine.draft import DraftModelProposer
 from tgis.errors import ConfigError, ModelNotFoundError
 from tgis.launch import (
+    backend_runtime,
     build_service,
     load_draft_model,
     load_torch_backend,
@@ -78,6 +79,27 @@ def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
         load_torch_backend(make_config(prefix_caching=True), gpt2)
     with pytest.raises(ConfigError, match="--speculate needs the paged engine"):
         load_torch_backend(make_config(speculate=4), gpt2)
+
+
+def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
+    """What the start-up log and /info say: the engine, its attention path and why, the
+    decode graphs recorded (none on a CPU), the KV pool and the dtype."""
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
+    paged = load_torch_backend(make_config(max_batch_total_tokens=512, dtype="float32"), llama)
+    facts = backend_runtime(paged)
+    assert facts == {
+        "engine": "paged",
+        "attention": "plain torch over head-major KV blocks (flash attention needs CUDA; "
+        "this is cpu)",
+        "cuda_graphs": [],
+        "kv_blocks": 512 // paged.block_size,
+        "kv_block_size": paged.block_size,
+        "kv_tokens": 512,
+        "dtype": "float32",
+    }
+    slot = backend_runtime(load_torch_backend(make_config(max_batch_total_tokens=512), gpt2))
+    assert slot["engine"] == "slot" and slot["kv_tokens"] == 512 and "kv_blocks" not in slot
 
 
 def test_vocabulary_mismatch_names_the_first_difference() -> None:
@@ -150,3 +172,14 @@ def test_adapters_need_the_paged_engine_and_servable_adapters(
     assert str(info.value).startswith(
         f"--lora-adapters other={tmp_path / 'other'}: layer 0 q_proj: lora_A is (4, "
     )
+
+
+def test_structured_output_is_ready_before_the_first_request(demo_model_dir: Path) -> None:
+    """The tokenizer's llguidance form is made at start-up, not by the first grammar request;
+    the engine's loop is left for the caller to run (start_engine=False, as `tgis serve`)."""
+    service = build_service(make_config(), demo_model_dir, start_engine=False)
+    try:
+        assert service.engine.grammars._ll_tokenizer is not None
+        assert not service.engine.healthy()  # not started: `tgis serve` runs it on its thread
+    finally:
+        service.stop()

@@ -380,6 +380,7 @@ def build_service(
         speculate=config.speculate,
         proposer=draft_proposer(config, backend, draft) if draft else None,
     )
+    prepare_grammars(engine)
     adapters = adapter_store(config, model_dir, backend, engine)
     prefixes = prefix_store(config, model_dir, backend, engine)
     if start_engine:
@@ -390,9 +391,25 @@ def build_service(
         capacity.max_sequence_tokens,
         kv_tokens,
     )
+    log.info("runtime: %s", ", ".join(f"{k}: {v}" for k, v in backend_runtime(backend).items()))
     return Service(
         config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters
     )
+
+
+def prepare_grammars(engine: Engine) -> None:
+    """Structured output's form of the tokenizer, made at start-up rather than by the first
+    request with a grammar; a tokenizer llguidance cannot take leaves grammars to fail per
+    request (a 422 naming the reason) and the server serves the rest."""
+    import time
+
+    start = time.perf_counter()
+    try:
+        engine.grammars.prepare()
+    except Exception as exc:
+        log.warning("structured output is unavailable with this tokenizer: %s", exc)
+        return
+    log.info("structured output ready (%.2f s)", time.perf_counter() - start)
 
 
 def exit_soon(delay_s: float = 1.0) -> None:
@@ -404,6 +421,26 @@ def exit_soon(delay_s: float = 1.0) -> None:
 
     log.critical("the engine stopped: the server exits in %.1f s", delay_s)
     threading.Timer(delay_s, os._exit, (1,)).start()
+
+
+def backend_runtime(backend: Backend | PagedBackend) -> dict[str, Any]:
+    """How `backend` runs (`runtime()` where it says; else the engine kind, its dtype and
+    its KV budget), for the start-up log and /info."""
+    describe = getattr(backend, "runtime", None)
+    if describe is not None:
+        return dict(describe())
+    capacity = backend.capacity
+    facts: dict[str, Any] = {
+        "engine": "paged" if capacity.block_size else "slot",
+        "kv_tokens": capacity.kv_tokens,
+    }
+    if capacity.block_size:
+        facts["kv_block_size"] = capacity.block_size
+        facts["kv_blocks"] = capacity.num_blocks
+    dtype = getattr(backend, "dtype", None)
+    if dtype is not None:
+        facts["dtype"] = str(dtype).removeprefix("torch.")
+    return facts
 
 
 def service_info(service: Service) -> ModelInfo:
@@ -421,6 +458,7 @@ def service_info(service: Service) -> ModelInfo:
         model_pipeline_tag="text2text-generation"
         if capacity.encoder_decoder
         else "text-generation",
+        runtime=backend_runtime(service.backend),
     )
 
 

@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tgis.backends import paged_attention as paged_attention_module
 from tgis.backends.paged_attention import (
     attend,
+    attention_path,
     flash_paged_available,
     paged_attention,
     paged_attention_reference,
@@ -170,8 +172,30 @@ def test_write_kv_head_major_equals_pages_transposed() -> None:
         assert torch.equal(page.permute(2, 0, 1, 3), head)
 
 
+def test_flash_attention_is_offered_only_on_cuda_in_half_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch whose varlen_attn takes block_table: flash attention for float16 / bfloat16
+    models on CUDA, plain torch for float32 (flash does not compute in it) and off CUDA; the
+    path says why."""
+    monkeypatch.setattr(
+        paged_attention_module, "_varlen_parameters", lambda: frozenset({"block_table"})
+    )
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flash_paged_available(cuda, torch.bfloat16)
+    assert flash_paged_available(cuda, torch.float16)
+    assert not flash_paged_available(cuda, torch.float32)
+    assert not flash_paged_available(cpu, torch.bfloat16)
+    assert attention_path(cuda, torch.bfloat16).startswith("flash attention")
+    assert "needs float16 or bfloat16; the model is float32" in attention_path(cuda, torch.float32)
+    assert "needs CUDA; this is cpu" in attention_path(cpu, torch.float32)
+    monkeypatch.setattr(paged_attention_module, "_varlen_parameters", lambda: frozenset())
+    assert not flash_paged_available(cuda, torch.bfloat16)
+    assert "needs torch >= 2.12" in attention_path(cuda, torch.bfloat16)
+
+
 def test_dispatch_uses_the_reference_off_cuda() -> None:
-    assert not flash_paged_available(torch.device("cpu"))
+    assert not flash_paged_available(torch.device("cpu"), torch.bfloat16)
     query, k_cache, v_cache, cu, used, table, *_ = packed_case([2, 1], [2, 5], 2, 2)
     scale = HEAD_DIM**-0.5
     k_heads, v_heads = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
@@ -181,10 +205,11 @@ def test_dispatch_uses_the_reference_off_cuda() -> None:
     )
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [None, 4])
 def test_flash_paged_equals_the_reference_on_cuda(window: int | None) -> None:
-    if not flash_paged_available(torch.device("cuda")):
+    if not flash_paged_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("this torch's varlen_attn has no block_table")
     # Flash attention's paged mode reads pages of 256 tokens; head_dim 64 as real models have.
     case = packed_case([300, 1, 5, 1], [300, 9, 517, 256], 8, 2, block=256, head_dim=64)

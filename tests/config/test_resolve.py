@@ -587,6 +587,11 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     assert "are two ways to compile decode" in error_of(
         backend="cuda", cuda_graphs=True, compile=True
     )
+    # Graphs are recorded at warmup: asked for without it, they could not be honoured.
+    assert "--cuda-graphs true: decode graphs are recorded at warmup, which" in error_of(
+        backend="cuda", cuda_graphs=True, env={"WARMUP_ENABLED": "false"}
+    )
+    assert build(backend="cuda", env={"WARMUP_ENABLED": "false"}).cuda_graphs is None
 
 
 def test_paged_engine_options() -> None:

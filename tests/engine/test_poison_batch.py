@@ -190,10 +190,10 @@ def test_a_request_whose_prompt_details_fail_fails_alone(
 ) -> None:
     record = live_module.LiveSequence.record_prefill
 
-    def failing_record(self: Any, logits: Any) -> None:
+    def failing_record(self: Any, logits: Any, *start: int) -> None:
         if self.handle.request.request_id == POISON:
             raise IndexError("injected: prompt details fail")
-        record(self, logits)
+        record(self, logits, *start)
 
     monkeypatch.setattr(live_module.LiveSequence, "record_prefill", failing_record)
     bad = request(tokenizer, PROMPTS[1], POISON, max_new_tokens=6, decoder_input_details=True)

@@ -110,9 +110,26 @@ def paged_attention_reference(
     return out
 
 
-def flash_paged_available(device: torch.device) -> bool:
-    """Whether `varlen_attn` with a paged cache can run on `device` (CUDA, torch >= 2.12)."""
-    return device.type == "cuda" and "block_table" in _varlen_parameters()
+# The dtypes flash attention computes in; float32 models attend through plain torch.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_paged_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `varlen_attn` with a paged cache can run on `device` for a model in `dtype`:
+    CUDA, torch >= 2.12 (varlen_attn's block_table), float16 or bfloat16."""
+    return device.type == "cuda" and dtype in FLASH_DTYPES and "block_table" in _varlen_parameters()
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the paged engine attends on `device` in `dtype`, and why, for the start-up log and
+    /info."""
+    if flash_paged_available(device, dtype):
+        return "flash attention over KV pages (varlen_attn with block_table)"
+    if device.type != "cuda":
+        return f"plain torch over head-major KV blocks (flash attention needs CUDA; this is {device.type})"
+    if dtype not in FLASH_DTYPES:
+        return f"plain torch over head-major KV blocks (flash attention needs float16 or bfloat16; the model is {str(dtype).removeprefix('torch.')})"
+    return f"plain torch over head-major KV blocks (flash attention needs torch >= 2.12, whose varlen_attn takes block_table; this is torch {torch.__version__})"
 
 
 @functools.cache
@@ -146,7 +163,7 @@ def paged_attention(
     `max_q` / `max_k` are the longest query run and KV length of the step, known on the host
     (passing them avoids a device sync).
     """
-    if not flash_paged_available(query.device):
+    if not flash_paged_available(query.device, query.dtype):
         # Without flash attention the pools are head-major (`pool_shape`).
         return paged_attention_reference(
             query, k_cache, v_cache, cu_seq_q, seqused_k, block_table, scale, window, True
@@ -232,11 +249,13 @@ def step_metadata(
     windows: Sequence[int | None] = (None,),
     num_blocks: int = 0,
     kv_heads: int = 1,
+    flash: bool = False,
 ) -> StepMetadata:
     """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
     `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
     model's layers use (None: full attention); `num_blocks` / `kv_heads`: the pool's, which
-    the plain-torch path's gather indices need."""
+    the plain-torch path's gather indices need; `flash`: the pool is laid out for flash
+    attention (`KVPool.flash`)."""
     width = max(len(t) for t in block_tables)
     table = torch.tensor(
         [list(blocks) + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.int32
@@ -251,7 +270,6 @@ def step_metadata(
             for s in slots_of(blocks, kv - q, kv, block_size)
         ]
     )
-    flash = flash_paged_available(device)
     decode, prefill = None, ()
     if not flash:
         decode = _decode_rows(

@@ -49,7 +49,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> KVPool:
-        flash = flash_paged_available(device)
+        flash = flash_paged_available(device, dtype)
         shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
 
         def make() -> torch.Tensor:

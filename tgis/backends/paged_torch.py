@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -28,7 +28,12 @@ from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
 from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
 from tgis.backends.lora import LoraShapes, LoraStacks
-from tgis.backends.paged_attention import flash_paged_available, slots_of, step_metadata
+from tgis.backends.paged_attention import (
+    attention_path,
+    flash_paged_available,
+    slots_of,
+    step_metadata,
+)
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
@@ -162,6 +167,20 @@ class PagedTorchBackend:
             per_token,
         )
 
+    def runtime(self) -> dict[str, Any]:
+        """How this backend runs, for the start-up log and /info: its attention path, the
+        batch sizes whose decode replays a CUDA graph (none: eager), its KV pool, its dtype."""
+        pool = self.path.pool
+        return {
+            "engine": "paged",
+            "attention": attention_path(self.device_obj, self.dtype),
+            "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
+            "kv_blocks": self._capacity.num_blocks,
+            "kv_block_size": pool.block_size,
+            "kv_tokens": self._capacity.kv_tokens,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
     @classmethod
     def load(
         cls,
@@ -200,13 +219,14 @@ class PagedTorchBackend:
 
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
         """Whether decode runs through recorded graphs (see __init__)."""
-        possible = api is not None or flash_paged_available(self.device_obj)
+        possible = api is not None or flash_paged_available(self.device_obj, self.dtype)
         if requested and not possible:
             raise ConfigError(
-                f"--cuda-graphs needs flash attention over the paged cache (CUDA and torch >= "
-                f"2.12 with varlen_attn's block_table); this is {self.device} with torch "
-                f"{torch.__version__}",
-                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or install torch >= 2.12 on a GPU",
+                "--cuda-graphs needs flash attention over the paged cache (CUDA, torch >= "
+                "2.12 with varlen_attn's block_table, a float16 or bfloat16 model); here the "
+                f"paged engine attends with {attention_path(self.device_obj, self.dtype)}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve in bfloat16 on a GPU with "
+                "torch >= 2.12",
             )
         self._graphs_required = bool(requested)
         return possible if requested is None else requested
@@ -245,13 +265,19 @@ class PagedTorchBackend:
 
     def _cuda_free_after_peak(self, fraction: float) -> int:
         """Bytes of the device the pool may take: `fraction` of its memory, less what the
-        process holds now (weights) and the peak of one forward over the largest chunk."""
+        process holds now (weights) and the peak of one forward over the largest chunk with
+        its logits at every position ([tokens, vocab] in float32, what a request for prompt
+        logprobs costs: the engine takes each chunk's details before the next step)."""
         torch.cuda.synchronize(self.device_obj)
         torch.cuda.reset_peak_memory_stats(self.device_obj)
         tokens = self.prefill_chunk
-        item = PackedItem(-1, tuple(i % self.vocab_size for i in range(tokens)), 0, (0,) * -(
-            -tokens // self.block_size
-        ))  # fmt: skip
+        item = PackedItem(
+            -1,
+            tuple(i % self.vocab_size for i in range(tokens)),
+            0,
+            (0,) * -(-tokens // self.block_size),
+            prompt_logits=True,
+        )
         saved = self.path.pool
         self.path.pool = self._allocate_pool(len(item.block_table))
         try:
@@ -294,6 +320,7 @@ class PagedTorchBackend:
             windows,
             pool.num_blocks,
             pool.kv_heads,
+            pool.flash,
         )
         ids: list[int] = []
         positions: list[int] = []

@@ -150,6 +150,14 @@ class StaticBatchBackend:
         # step's graph would include it and differ from the same bucket's later steps.
         ops.sync()
 
+    def runtime(self) -> dict[str, Any]:
+        """How this backend runs, for the start-up log and /info: a static batch of fixed
+        shapes (the buckets compiled at warmup), its cache and dtype."""
+        facts: dict[str, Any] = {"engine": "static", "kv_tokens": self.capacity.kv_tokens}
+        if self.dtype is not None:
+            facts["dtype"] = str(self.dtype).removeprefix("torch.")
+        return facts
+
     @property
     def capacity(self) -> BackendCapacity:
         """batch_size slots of max_length tokens: fixed by the static shape."""

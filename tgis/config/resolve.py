@@ -104,6 +104,13 @@ def build_serve_config(
         backend, values, r, num_shard
     )
     prefill_mode = check_backend_options(backend, values, r)
+    warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
+    if values["cuda_graphs"] and not warmup_enabled:
+        raise ConfigError(
+            f"{r.label('cuda_graphs', 'true')}: decode graphs are recorded at warmup, which "
+            "WARMUP_ENABLED=false skips, so decode would run eagerly",
+            "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or enable warmup",
+        )
 
     model_id, revision = model_reference(args, env)
     sources = tuple(
@@ -130,7 +137,7 @@ def build_serve_config(
         max_batch_size=values["max_batch_size"],
         max_waiting_tokens=values["max_waiting_tokens"],
         waiting_served_ratio=values["waiting_served_ratio"],
-        warmup_enabled=env_bool(env, "WARMUP_ENABLED", True),
+        warmup_enabled=warmup_enabled,
         static_shape=static,
         gaudi=gaudi,
         api_key=values["api_key"] or None,

@@ -425,6 +425,7 @@ class Engine:
         for i, live in enumerate(lives):
             if prompt_logits and prompt_logits[i] is not None:
                 self._guarded(live, live.record_prefill, prompt_logits[i])
+                self._guarded(live, live.prompt_done)
         self._emit(sampled, choice, method, tokens, start, forward, joined, bool(sampled))
 
     def _run_packed_step(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
@@ -479,9 +480,9 @@ class Engine:
         verified = self._verify(method, drafted)
         for live, chunk, part in zip(lives, step.chunks, out.prompt, strict=True):
             if part is not None and not chunk.draft:
-                self._guarded(live, live.add_prompt_logits, chunk.start, part)
+                self._guarded(live, live.record_prefill, part, chunk.start)
         for live in sampled:
-            self._guarded(live, live.record_prompt_parts)
+            self._guarded(live, live.prompt_done)
         ok = bool(sampled or verified) or not wanted
         self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok, verified)
 

@@ -28,7 +28,8 @@ _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgis-grammar")
 
 
 class GrammarCompiler:
-    """Builds constraints over one tokenizer (its llguidance form is made once, on first use)."""
+    """Builds constraints over one tokenizer (its llguidance form is made once: at start-up
+    by `prepare`, else on first use)."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
@@ -47,6 +48,11 @@ class GrammarCompiler:
                     eos_token=self.eos_token_ids or None,
                 )
             return self._ll_tokenizer
+
+    def prepare(self) -> None:
+        """Make the tokenizer's llguidance form now (a vocabulary walk: up to seconds for a
+        large vocabulary), so that the first grammar request does not wait for it."""
+        self._tokenizer()
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
         """A new sequence's constraint (its first mask starts computing at once). Raises

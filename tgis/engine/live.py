@@ -117,8 +117,8 @@ class LiveSequence:
         # handed over with the first token.
         self.prompt: PromptDetails | None = None
         self.prompt_recorded = False
-        # Prompt logits of a chunked prefill so far (paged backends), in position order.
-        self.prompt_parts: list[torch.Tensor] = []
+        # The details of a chunked prefill's chunks so far (paged backends), in order.
+        self._details: PromptDetails | None = None
         self.started = 0.0
         self.finish_reason: FinishReason | None = None
 
@@ -165,29 +165,32 @@ class LiveSequence:
         self.seq.started = start_time
         self.criteria.start(self.handle.request.arrival or start_time)
 
-    def add_prompt_logits(self, start: int, logits: torch.Tensor) -> None:
-        """Logits of prompt positions start.. from one prefill chunk; a chunk at 0 begins anew
-        (the sequence was preempted and is recomputed)."""
+    def record_prefill(self, logits: torch.Tensor, start: int = 0) -> None:
+        """The logprob and rank the model gave each prompt token whose logits these are (rows
+        of sequence positions start.., [rows, vocab]), and the top_n_tokens alternatives at
+        each position when asked. Taken at once, so that a long prompt prefilled in chunks
+        holds one chunk's logits at a time; a chunk at 0 begins anew (the sequence was
+        preempted and is recomputed). `prompt_done` hands the whole over."""
         if start == 0:
-            self.prompt_parts.clear()
-        self.prompt_parts.append(logits)
-
-    def record_prompt_parts(self) -> None:
-        """The prefill is complete: record the chunks' logits (see `record_prefill`)."""
-        if self.prompt_parts:
-            import torch
-
-            self.record_prefill(torch.cat(self.prompt_parts))
-            self.prompt_parts.clear()
-
-    def record_prefill(self, logits: torch.Tensor) -> None:
-        """The logprob and rank the model gave each prompt token, and the top_n_tokens
-        alternatives at each position when asked ([len, vocab] logits)."""
-        # Rows of a prompt prefix's virtual tokens predict nothing the client sent.
-        logits = logits[self.prefix_length :]
+            self._details = PromptDetails([], [], [], [])
+        # Rows of a prompt prefix's virtual tokens predict nothing the client sent; the row
+        # of prompt token j predicts token j + 1.
+        skip = max(0, self.prefix_length - start)
+        first = start + skip - self.prefix_length
         ids = self.handle.request.input_ids
-        self.prompt = prompt_details(logits, ids, self.params.top_n_tokens or 0)
-        self.prompt_recorded = True
+        window = ids[first : first + logits.shape[0] - skip + 1]
+        part = prompt_details(logits[skip:], window, self.params.top_n_tokens or 0)
+        details = self._details
+        details.logprobs.extend(part.logprobs)
+        details.ranks.extend(part.ranks)
+        details.top_ids.extend(part.top_ids)
+        details.top_logprobs.extend(part.top_logprobs)
+
+    def prompt_done(self) -> None:
+        """The prefill is complete: its prompt details go out with the first token."""
+        if self._details is not None:
+            self.prompt, self._details = self._details, None
+            self.prompt_recorded = True
 
     def advance(self, choice: SampleOutput, row: int, now: float) -> SampledToken:
         """Take this row's sampled token: the grammar and the stop rules move on; the token

@@ -48,6 +48,8 @@ class ModelInfo:
     version: str = __version__
     sha: str | None = None
     docker_label: str | None = None
+    # How the backend runs (not TGI's): the engine, attention path, CUDA graphs, KV pool.
+    runtime: dict[str, Any] | None = None
 
     @staticmethod
     def from_config(
@@ -61,6 +63,7 @@ class ModelInfo:
         sha: str | None = None,
         docker_label: str | None = None,
         encoder_decoder: bool = False,
+        runtime: dict[str, Any] | None = None,
     ) -> ModelInfo:
         """The info of a model served with `config`.
 
@@ -90,6 +93,7 @@ class ModelInfo:
             waiting_served_ratio=config.waiting_served_ratio,
             sha=sha,
             docker_label=docker_label,
+            runtime=runtime,
         )
 
     @property

@@ -592,6 +592,18 @@ TGI_RESPONSES: dict[str, Any] = {
         version=STR,
         sha=null(STR),
         docker_label=null(STR),
+        runtime=null(
+            obj(
+                ["engine"],
+                engine={"type": "string", "enum": ["paged", "slot", "static"]},
+                attention=STR,
+                cuda_graphs={"type": "array", "items": INT},
+                kv_blocks=INT,
+                kv_block_size=INT,
+                kv_tokens=INT,
+                dtype=STR,
+            )
+        ),
     ),
 }
 
