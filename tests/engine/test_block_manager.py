@@ -187,3 +187,35 @@ def test_caching_off_never_shares() -> None:
     m.mark_computed(0)
     assert m.allocate(1, PROMPT) == 0
     assert m.stats.queried_tokens == 0
+
+
+def test_a_sequences_blocks_are_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt looked up while it waits, then admitted, then marked computed, then (after a
+    preemption) admitted again: each of its full blocks is hashed once, with the keys a fresh
+    lookup computes."""
+    hashed: list[tuple[int, ...]] = []
+
+    def counting(parent: bytes, tokens: list[int]) -> bytes:
+        hashed.append(tuple(tokens))
+        return block_hash(parent, tokens)
+
+    prompt = list(range(40))  # 10 full blocks of 4, the last token in the 10th
+    blocks = BlockManager(num_blocks=12, block_size=4, prefix_caching=True)
+    blocks.allocate(0, list(range(100, 140)))  # holds the pool: the prompt must wait
+    monkeypatch.setattr(bm, "block_hash", counting)
+    keys = bm.BlockKeys(b"salt")
+    for _ in range(3):  # three scheduling passes while it waits
+        assert not blocks.can_allocate(prompt, keys=keys)
+    blocks.free(0)
+    assert blocks.can_allocate(prompt, keys=keys)
+    blocks.allocate(1, prompt, keys=keys)
+    blocks.mark_computed(1)
+    blocks.free(1)  # preempted
+    assert blocks.allocate(1, prompt, keys=keys) == 36  # its own blocks, found again
+    assert sorted(hashed) == sorted(tuple(prompt[i : i + 4]) for i in range(0, 40, 4))
+    monkeypatch.undo()
+    fresh = BlockManager(num_blocks=12, block_size=4, prefix_caching=True)
+    fresh.allocate(2, prompt, salt=b"salt")
+    fresh.mark_computed(2)
+    fresh.free(2)
+    assert fresh.allocate(3, prompt, salt=b"salt") == 36  # the same keys without a chain

@@ -25,7 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -33,13 +33,34 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
+class BlockKeys:
+    """The prefix-cache keys of one sequence's full blocks, each computed once. A sequence's
+    tokens only grow, so the chain only grows: a prompt looked up at every step while it
+    waits, then admitted, then marked computed block by block (and again after a preemption)
+    hashes each of its blocks once."""
+
+    def __init__(self, salt: bytes = b"") -> None:
+        self.salt = salt
+        self._keys: list[bytes] = []
+
+    def key(self, index: int, tokens: Sequence[int], block_size: int) -> bytes:
+        """The key of full block `index` of `tokens` (the chain grows up to it)."""
+        keys = self._keys
+        while len(keys) <= index:
+            start = len(keys) * block_size
+            keys.append(
+                block_hash(keys[-1] if keys else self.salt, tokens[start : start + block_size])
+            )
+        return keys[index]
+
+
 @dataclass
 class _SeqBlocks:
     tokens: list[int]
     blocks: list[int]
-    salt: bytes
-    # Keys of the leading full blocks whose K/V are computed, in order.
-    hashes: list[bytes] = field(default_factory=list)
+    keys: BlockKeys
+    # Leading full blocks whose K/V are computed (and keyed in the cache).
+    computed_blocks: int = 0
 
 
 @dataclass
@@ -88,11 +109,20 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(
-        self, token_ids: Sequence[int], salt: bytes = b"", reserve: int = 0, lookup: bool = True
+        self,
+        token_ids: Sequence[int],
+        salt: bytes = b"",
+        reserve: int = 0,
+        lookup: bool = True,
+        keys: BlockKeys | None = None,
     ) -> bool:
         """Whether a sequence of these prompt tokens fits now, leaving `reserve` blocks free
-        (`lookup` as in `allocate`)."""
-        hits = self._cached_prefix(token_ids, salt) if lookup else []
+        (`lookup` and `keys` as in `allocate`)."""
+        hits = (
+            self._cached_prefix(token_ids, keys if keys is not None else BlockKeys(salt))
+            if lookup
+            else []
+        )
         return self._fits(len(token_ids), hits, reserve)
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:
@@ -110,19 +140,26 @@ class BlockManager:
     # --- sequences ------------------------------------------------------------------------
 
     def allocate(
-        self, seq_id: int, token_ids: Sequence[int], salt: bytes = b"", lookup: bool = True
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        salt: bytes = b"",
+        lookup: bool = True,
+        keys: BlockKeys | None = None,
     ) -> int:
         """Give `seq_id` the blocks for its prompt; returns how many leading prompt tokens are
         already in the cache (a multiple of block_size, always fewer than the prompt: the last
         token is computed to get its logits). `lookup=False` takes no cached block (a request
-        that wants every prompt position's logits computes them all). Raises MemoryError when
-        the pool is short (ask `can_allocate` first) and ValueError for a known seq_id or an
-        empty prompt."""
+        that wants every prompt position's logits computes them all). `keys`: the sequence's
+        own chain of block keys (salted with `salt`), kept by the caller so that no block is
+        hashed twice. Raises MemoryError when the pool is short (ask `can_allocate` first) and
+        ValueError for a known seq_id or an empty prompt."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not token_ids:
             raise ValueError(f"sequence {seq_id}: an empty prompt needs no blocks")
-        hits = self._cached_prefix(token_ids, salt) if lookup else []
+        keys = keys if keys is not None else BlockKeys(salt)
+        hits = self._cached_prefix(token_ids, keys) if lookup else []
         if not self._fits(len(token_ids), hits):
             raise MemoryError(
                 f"sequence {seq_id} needs {self.blocks_for(len(token_ids))} blocks, "
@@ -134,9 +171,7 @@ class BlockManager:
             self._take_free() for _ in range(self.blocks_for(len(token_ids)) - len(hits))
         ]
         cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _SeqBlocks(
-            list(token_ids), blocks, salt, [self._key_of[b] for b in hits]
-        )
+        self._seqs[seq_id] = _SeqBlocks(list(token_ids), blocks, keys, len(hits))
         if self.prefix_caching and lookup:
             self.stats.queried_tokens += len(token_ids)
             self.stats.hit_tokens += cached
@@ -184,12 +219,10 @@ class BlockManager:
             return
         state = self._seqs[seq_id]
         full = (len(state.tokens) if num_tokens is None else num_tokens) // self.block_size
-        while len(state.hashes) < full:
-            index = len(state.hashes)
-            parent = state.hashes[-1] if state.hashes else state.salt
-            start = index * self.block_size
-            key = block_hash(parent, state.tokens[start : start + self.block_size])
-            state.hashes.append(key)
+        while state.computed_blocks < full:
+            index = state.computed_blocks
+            key = state.keys.key(index, state.tokens, self.block_size)
+            state.computed_blocks += 1
             block = state.blocks[index]
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key] = block
@@ -226,16 +259,13 @@ class BlockManager:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _cached_prefix(self, token_ids: Sequence[int], salt: bytes) -> list[int]:
+    def _cached_prefix(self, token_ids: Sequence[int], keys: BlockKeys) -> list[int]:
         """Cached blocks that hold the leading full blocks of `token_ids` (never its last token)."""
         if not self.prefix_caching:
             return []
         hits: list[int] = []
-        parent = salt
         for index in range((len(token_ids) - 1) // self.block_size):
-            start = index * self.block_size
-            parent = block_hash(parent, token_ids[start : start + self.block_size])
-            block = self._block_of.get(parent)
+            block = self._block_of.get(keys.key(index, token_ids, self.block_size))
             if block is None:
                 break
             hits.append(block)

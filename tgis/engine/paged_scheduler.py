@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tgis.engine.block_manager import BlockManager
+from tgis.engine.block_manager import BlockKeys, BlockManager
 from tgis.engine.scheduler import SchedulerLimits, StepKind
 from tgis.engine.sequence import SeqStatus, Sequence
 
@@ -131,13 +131,16 @@ class PagedScheduler:
         while self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit:
             seq = self.waiting[0]
             reserve = self.blocks.blocks_to_append([s.seq_id for s in self.running])
+            if seq.block_keys is None:
+                seq.block_keys = BlockKeys(seq.salt)
+            keys = seq.block_keys
             if not self.blocks.can_allocate(
-                seq.token_ids, seq.salt, reserve=reserve, lookup=seq.cache_lookup
+                seq.token_ids, reserve=reserve, lookup=seq.cache_lookup, keys=keys
             ):
                 break  # in order: a large request is not overtaken by smaller ones
             self.waiting.popleft()
             seq.computed = self.blocks.allocate(
-                seq.seq_id, seq.token_ids, seq.salt, lookup=seq.cache_lookup
+                seq.seq_id, seq.token_ids, lookup=seq.cache_lookup, keys=keys
             )
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tgis.engine.block_manager import BlockKeys
 
 
 class SeqStatus(Enum):
@@ -37,6 +41,8 @@ class Sequence:
     computed: int = 0
     # Prefix-cache key seed: sequences with different salts never share blocks.
     salt: bytes = b""
+    # The prefix-cache keys of its full blocks, computed once (paged scheduler).
+    block_keys: BlockKeys | None = None
     # False: never take cached blocks (the prompt's logits are wanted at every position).
     cache_lookup: bool = True
     # Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
