@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: install serve test test-xla lint format bench bench-gpu soak demo-model clean grpc-stubs
+.PHONY: install serve test test-xla lint format bench bench-gpu gpu-check gpu-wheels soak demo-model clean grpc-stubs
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,20 @@ soak: install
 # and 64 streams, with CUDA graphs and eager; the table goes to docs/performance.md.
 bench-gpu: install
 	$(PY) scripts/bench_gpu.py --workdir $(or $(BENCH_DIR),/tmp/tgis-bench-gpu)
+
+# On a machine with an NVIDIA GPU, with its own Python and CUDA torch (no virtualenv): the CUDA
+# tests and bench-gpu's loads, in stages of under 10 minutes each (STAGE=probe, tests, bench,
+# docs; all by default; GPU_CHECK_ARGS="--models 8b --modes graphs" narrows bench), results
+# under GPU_CHECK_DIR and the table in docs/performance.md. Without a package index there,
+# `make gpu-wheels` (here) fetches what tgis needs beside torch into .whl/; each stage
+# installs them into a private folder first.
+GPU_PYTHON ?= python3
+GPU_CHECK_DIR ?= gpu-check
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(or $(STAGE),all) --out $(GPU_CHECK_DIR) $(GPU_CHECK_ARGS)
+
+gpu-wheels: install
+	$(PY) scripts/gpu_check.py wheels --dest .whl
 
 # Re-train the bundled demo model (about 20 minutes on 2 cores).
 demo-model: install

@@ -9,9 +9,11 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import run_tgis
@@ -202,8 +204,9 @@ def test_metrics_after_traffic(base_url: str) -> None:
     assert moved() == (expected, 0)  # and both requests have left the batch
 
 
-def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
-    """`tgis serve` as users run it: a subprocess on a port, the seed's curl request."""
+def serve_and_ask(*flags: str) -> dict[str, Any]:
+    """`tgis serve FLAGS` as users run it, a subprocess on a port: the seed's curl request
+    answered, then SIGTERM ends it cleanly. Returns /info's `runtime`."""
     import socket
     import subprocess
     import sys
@@ -212,26 +215,14 @@ def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tgis",
-            "serve",
-            "--port",
-            str(port),
-            "--hostname",
-            "127.0.0.1",
-            "--max-batch-size",
-            "4",
-            "--max-total-tokens",
-            "256",
-        ],
+        [sys.executable, "-m", "tgis", "serve", "--port", str(port), "--hostname", "127.0.0.1",
+         "--max-batch-size", "4", "--max-total-tokens", "256", *flags],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             try:
@@ -243,9 +234,31 @@ def test_serve_binary_starts_and_answers(tmp_path: Path) -> None:
             time.sleep(0.5)
         resp = httpx.post(f"http://127.0.0.1:{port}/generate", json=SEED_REQUEST, timeout=60)
         assert resp.status_code == 200 and resp.json()["generated_text"]
+        return httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()["runtime"]
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0  # SIGTERM: graceful shutdown, clean exit
+
+
+def test_serve_binary_starts_and_answers() -> None:
+    runtime = serve_and_ask()
+    # /info says how the model runs: the paged engine, plain-torch attention on a CPU.
+    assert runtime["engine"] == "paged" and runtime["cuda_graphs"] == []
+    assert runtime["attention"].startswith("plain torch") and runtime["kv_blocks"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_serve_on_cuda_starts_and_answers() -> None:
+    """On a GPU in bfloat16: the paged engine with flash attention and CUDA-graph decode where
+    this torch has them, and /info saying which."""
+    from tgis.backends.paged_attention import flash_paged_available
+
+    runtime = serve_and_ask("--backend", "cuda", "--dtype", "bfloat16")
+    flash = flash_paged_available(torch.device("cuda"), torch.bfloat16)
+    assert runtime["engine"] == "paged" and runtime["dtype"] == "bfloat16"
+    assert runtime["attention"].startswith("flash" if flash else "plain torch")
+    assert bool(runtime["cuda_graphs"]) == flash
 
 
 def test_serve_check_still_validates_only() -> None:

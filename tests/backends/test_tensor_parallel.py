@@ -137,6 +137,7 @@ def test_shard_counts_must_divide_the_heads() -> None:
     )
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
 )

@@ -374,6 +374,7 @@ def test_the_dtype_probe_times_real_matmuls() -> None:
     assert 0 < torch_device._probe_seconds(torch.float32, 64, 128) < 5
 
 
+@pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize(
     ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("falcon", None)]

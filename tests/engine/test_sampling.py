@@ -330,6 +330,7 @@ def test_top_p_and_typical_p_match_huggingface_on_a_large_vocabulary(
     assert kept.max() > 1 and (kept < vocab).all()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_choice_equals_the_cpu_choice() -> None:
     """The queued CUDA step picks the CPU's tokens for a mixed batch over several steps, and the
