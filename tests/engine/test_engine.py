@@ -88,9 +88,10 @@ async def collect(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
 
 
 async def slots_freed(engine: Engine, failure: str) -> None:
-    """Wait (5 s at most) until the engine runs no sequence and its backend holds none."""
+    """Wait (5 s at most) until the engine runs no sequence and its backend holds none (a slot
+    backend's slots; a paged one's blocks are the scheduler's)."""
     for _ in range(100):
-        if not engine.scheduler.running and engine.backend.running == 0:  # type: ignore[union-attr]
+        if not engine.scheduler.running and getattr(engine.backend, "running", 0) == 0:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(failure)

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.engine.test_engine import PROMPTS, collect, hf_model, request, run, tokenizer
+from tests.engine.test_engine import (
+    PROMPTS,
+    collect,
+    hf_model,
+    request,
+    run,
+    slots_freed,
+    tokenizer,
+)
 from tgis.backends.paged_torch import PagedTorchBackend
 from tgis.backends.torch_device import load_causal_lm
 from tgis.engine.engine import Engine
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits
-from tgis.engine.types import GenerationRequest
+from tgis.engine.types import FinishReason, GenerationRequest
 from tgis.launch import eos_token_ids
 from tgis.server import Metrics
 
@@ -112,6 +121,66 @@ def test_preemption_loses_no_request_and_changes_no_token(demo_model_dir: Path, 
         assert paged(engine).preemptions == 0
         assert tokens_of(engine, reqs) == alone
         assert paged(engine).preemptions > 0
+        assert paged(engine).blocks.used_blocks == 0
+    finally:
+        engine.stop()
+
+
+def test_preempted_requests_keep_their_prompt_details_and_stop_sequences(
+    demo_model_dir: Path, tokenizer
+) -> None:
+    """Requests recomputed after a preemption, their prompts prefilled in chunks, hand the
+    same events over as alone: prompt logprobs (taken chunk by chunk, once), token texts, and
+    a stop sequence the consumer finds."""
+    reqs = [
+        request(tokenizer, PROMPTS[i], f"r{i}", max_new_tokens=40, ignore_eos=True,
+                decoder_input_details=True, top_n_tokens=2, stop=("__init__(",))
+        for i in range(8)
+    ]  # fmt: skip
+
+    def events_of(engine: Engine, requests: list[GenerationRequest]) -> list[list[Any]]:
+        async def together() -> list[list[Any]]:
+            return list(await asyncio.gather(*(collect(engine.generate(r)) for r in requests)))
+
+        return [
+            [(e.token, e.text, e.top_tokens, e.prefill, e.prefill_top) for e in events]
+            + [events[-1].completion.finish_reason, events[-1].completion.generated_text]
+            for events in run(together())
+        ]
+
+    engine = make_engine(demo_model_dir, tokenizer, kv_tokens=288, prefill_tokens=8,
+                         prefix_caching=False)  # fmt: skip
+    try:
+        alone = [events_of(engine, [r])[0] for r in reqs]
+        assert paged(engine).preemptions == 0
+        together = events_of(engine, reqs)
+        assert paged(engine).preemptions > 0
+        for got, want in zip(together, alone, strict=True):
+            assert got[-2:] == want[-2:]  # finish reason (a stop sequence) and text
+            assert len(got) == len(want)
+            for (token, text, top, prefill, prefill_top), expected in zip(
+                got[:-2], want[:-2], strict=True
+            ):
+                assert (token.id, token.text, text) == (
+                    expected[0].id,
+                    expected[0].text,
+                    expected[1],
+                )
+                # Logprobs of a batched step may differ from a lone one in the last bits.
+                assert token.logprob == pytest.approx(expected[0].logprob, abs=1e-4)
+                assert [t.id for t in top] == [t.id for t in expected[2]]
+                assert [(t.id, t.rank) for t in prefill] == [(t.id, t.rank) for t in expected[3]]
+                assert [t.logprob for t in prefill] == pytest.approx(
+                    [t.logprob for t in expected[3]], abs=1e-4
+                )
+                assert [[t.id for t in alts] for alts in prefill_top] == [
+                    [t.id for t in alts] for alts in expected[4]
+                ]
+            assert got[0][3]  # the prompt's details came with the first token, once
+        reasons = {got[-2] for got in together}
+        assert FinishReason.STOP_SEQUENCE in reasons and FinishReason.LENGTH in reasons
+        # A sequence its consumer stopped is dropped by the loop's next step.
+        run(slots_freed(engine, "a stopped sequence still holds its blocks"))
         assert paged(engine).blocks.used_blocks == 0
     finally:
         engine.stop()
