@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from tests.factories import tiny_tokenizer
-from tgis.engine.detokenize import IncrementalDetokenizer, TextStream, token_texts
+from tgis.engine.detokenize import IncrementalDetokenizer, TextStream, decoder, token_texts
 from tgis.engine.types import FinishReason
 from tgis.params import GenerateParameters as P
 
@@ -220,3 +220,48 @@ def test_final_text_before_the_end_includes_held_text() -> None:
     assert stream.final_text() == tok.decode(ids[:-1])
     assert stream.push(ids[-1]) == ("🎉", None)
     assert stream.final_text() == "a🎉"
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_fast_decoder_is_the_tokenizers_decode(
+    tokenizer: PreTrainedTokenizerFast, clean_up: bool
+) -> None:
+    """The Rust tokenizer called directly gives what transformers' `decode` gives, with and
+    without special tokens, with the tokenizer's clean-up of spaces on and off."""
+    import random
+
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    try:
+        fast = decoder(tokenizer)
+        plain_ids = decoder(tokenizer, clean_up=False)
+        rng = random.Random(0)
+        ids = [i for text in TEXTS for i in tokenizer(text)["input_ids"]] + [EOS, 0, 1]
+        for _ in range(200):
+            start = rng.randrange(len(ids))
+            window = ids[start : start + rng.randint(1, 8)]
+            for skip in (False, True):
+                assert fast(window, skip) == tokenizer.decode(window, skip_special_tokens=skip)
+                assert plain_ids(window, skip) == tokenizer.decode(
+                    window, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+                )
+        assert token_texts(tokenizer, ids[:20]) == [
+            tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for i in ids[:20]
+        ]
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
+
+
+def test_a_tokenizer_that_decodes_its_own_way_is_called_as_it_is() -> None:
+    """A subclass with its own decode (or anything not a transformers fast tokenizer) keeps
+    its decode."""
+    base = byte_level()
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=base._tokenizer, eos_token="</s>")
+    ids = base("hello world")["input_ids"]
+    assert decoder(shouting)(ids, True) == "HELLO WORLD"
+    assert decoder(base)(ids, True) == "hello world"

@@ -34,13 +34,53 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
 
-def token_texts(tokenizer: Any, ids: Iterable[int]) -> list[str]:
+Decode = Callable[[list[int], bool], str]
+
+
+def decoder(tokenizer: Any, clean_up: bool | None = None) -> Decode:
+    """`tokenizer.decode(ids, skip_special_tokens=skip)` as a function of (ids, skip), with
+    `clean_up` (None: the tokenizer's clean_up_tokenization_spaces). For transformers' fast
+    tokenizers it calls the Rust tokenizer directly and applies the clean-up as their `decode`
+    does — the same text at a fifth of the cost per call, which every streamed token pays
+    several times; any other tokenizer goes through its own `decode`."""
+    if _plain_fast(tokenizer):
+        raw = tokenizer._tokenizer.decode
+        if clean_up is None:
+            clean_up = bool(tokenizer.clean_up_tokenization_spaces)
+        if clean_up:
+            clean = tokenizer.clean_up_tokenization
+            return lambda ids, skip: clean(raw(ids, skip_special_tokens=skip))
+        return lambda ids, skip: raw(ids, skip_special_tokens=skip)
+    if clean_up is None:
+        return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(
+        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=clean_up
+    )
+
+
+def _plain_fast(tokenizer: Any) -> bool:
+    """A transformers fast tokenizer whose decoding is the library's own (no subclass of it
+    decodes in its own way)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    kind = type(tokenizer)
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and kind._decode is PreTrainedTokenizerFast._decode
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode")
+    )
+
+
+def token_texts(tokenizer: Any, ids: Iterable[int], decode: Decode | None = None) -> list[str]:
     """Each id decoded on its own, special tokens kept, no clean-up: the `text` TGI reports
-    for prompt tokens (decoder_input_details) and top-n alternatives."""
-    return [
-        tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        for i in ids
-    ]
+    for prompt tokens (decoder_input_details) and top-n alternatives. `decode`: a
+    `decoder(tokenizer, clean_up=False)` made once by the caller."""
+    decode = decode or decoder(tokenizer, clean_up=False)
+    return [decode([i], False) for i in ids]
 
 
 class IncrementalDetokenizer:
@@ -48,10 +88,16 @@ class IncrementalDetokenizer:
     add nothing and never enter the decode window."""
 
     def __init__(
-        self, tokenizer: Any, context_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        context_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        decode: Decode | None = None,
     ) -> None:
+        """decode: `decoder(tokenizer)`, when the caller made it already."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = decode or decoder(tokenizer)
         self._special = special_ids(tokenizer) if skip_special_tokens else frozenset()
         ctx = [i for i in context_ids if i not in self._special][-CONTEXT_WINDOW:]
         self._ids: list[int] = ctx
@@ -60,7 +106,7 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), cached
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, self.skip_special_tokens)
 
     def _advance(self, final: bool) -> str:
         if self._prefix_text is None:
@@ -128,10 +174,13 @@ class TextStream:
         self.params = params
         self.criteria = StoppingCriteria(params, eos_token_ids, clock)
         self.stops = StopSequences(params.stop)
-        self._visible = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        decode = decoder(tokenizer)
+        self._visible = IncrementalDetokenizer(
+            tokenizer, prompt_ids, params.skip_special_tokens, decode
+        )
         # TGI's token.text is the incremental text with special tokens kept.
         self._raw = (
-            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+            IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False, decode=decode)
             if params.skip_special_tokens
             else None
         )

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from tgis.engine.detokenize import TextStream, token_texts
+from tgis.engine.detokenize import TextStream, decoder, token_texts
 from tgis.engine.types import (
     Completion,
     FinishReason,
@@ -68,6 +68,7 @@ class SequenceText:
         # An encoder-decoder model's output starts anew: the input does not seed the window.
         context = () if encoder_decoder else request.input_ids
         self.text = TextStream(tokenizer, request.params, eos_token_ids, context)
+        self._token_text = decoder(tokenizer, clean_up=False)
         # Details are kept when asked, and for best_of (its best candidate is chosen by them).
         self.keep_details = keep_details
         self.tokens: list[TokenInfo] = []
@@ -116,7 +117,7 @@ class SequenceText:
         """Prompt tokens with their logprob, rank and text, and the top_n_tokens alternatives
         at each position."""
         ids = self.request.input_ids
-        texts = token_texts(self.tokenizer, ids)
+        texts = token_texts(self.tokenizer, ids, self._token_text)
         first = TokenInfo(ids[0], texts[0], None, ids[0] in self.special_ids)
         rest = (
             TokenInfo(i, t, lp, i in self.special_ids, rank)
@@ -136,7 +137,7 @@ class SequenceText:
     def _alternatives(self, ids: list[int], logprobs: list[float]) -> tuple[TokenInfo, ...]:
         if not ids:
             return ()
-        texts = token_texts(self.tokenizer, ids)
+        texts = token_texts(self.tokenizer, ids, self._token_text)
         return tuple(
             TokenInfo(i, t, lp, i in self.special_ids)
             for i, t, lp in zip(ids, texts, logprobs, strict=True)
