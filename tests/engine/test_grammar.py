@@ -123,3 +123,30 @@ def test_unusable_grammars_are_refused(
 
     with pytest.raises(InputValidationError, match=message):
         validate(GenerateParameters(grammar=spec, max_new_tokens=4, **extra), 3, LIMITS)
+
+
+@pytest.mark.parametrize("width", [4096, 4100, 4128, 1000])
+def test_masks_are_packed_bitmasks_of_the_models_width(tokenizer: Any, width: int) -> None:
+    """A step uploads each constrained row's mask as int32 words (1/8 of a bool mask): they
+    unpack to what the grammar allows, ids past the tokenizer's vocabulary (a model's padded
+    vocabulary) never allowed; a mask computed ahead packs the same."""
+    import torch
+
+    from tgis.engine.grammar import GrammarCompiler, unpack
+
+    compiler = GrammarCompiler(tokenizer, [0])
+    constraint = compiler.constraint(GrammarSpec.regex("(def|class) [a-z]+"))
+    packed = constraint.packed(width)
+    assert packed.dtype == torch.int32 and packed.shape == ((width + 31) // 32,)
+    allowed = unpack(packed, width)
+    assert allowed.shape == (width,)
+    vocab = len(tokenizer)
+    assert not allowed[vocab:].any()  # padding ids
+    ids = {int(i) for i in allowed.nonzero()}
+    texts = {tokenizer.decode([i]) for i in ids}
+    assert ids and all(("def".startswith(t) or "class".startswith(t)) for t in texts if t)
+    assert torch.equal(constraint.allowed(width), allowed)
+    (ahead,) = constraint.masks_ahead([tokenizer.encode("def")[0]], width)
+    assert ahead is not None and torch.equal(
+        unpack(ahead.packed(width), width), ahead.allowed(width)
+    )

@@ -92,17 +92,19 @@ class Constraint:
         self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), self._words * 4)
         return bitmask
 
-    def allowed(self, width: int) -> torch.Tensor:
-        """The tokens the grammar allows next, as a bool [width] (ids past the tokenizer's
-        vocabulary, a model's padding, are never allowed)."""
+    def packed(self, width: int) -> torch.Tensor:
+        """The tokens the grammar allows next as a bitmask of `width` ids: int32
+        [ceil(width / 32)], bit j of word w for id 32 w + j (ids past the tokenizer's
+        vocabulary, a model's padding, are never allowed). What a step uploads: 1/8 of a bool
+        mask's bytes."""
         bitmask = self._settle()
         if bitmask is None:
             bitmask = self._mask()
-        bits = (bitmask.unsqueeze(1) >> _BIT_SHIFTS) & 1
-        allowed = bits.reshape(-1)[: self.vocab_size].bool()
-        if width > self.vocab_size:
-            allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))
-        return allowed[:width]
+        return pack_to_width(bitmask, self.vocab_size, width)
+
+    def allowed(self, width: int) -> torch.Tensor:
+        """The tokens the grammar allows next, as a bool [width]."""
+        return unpack(self.packed(width), width)
 
     def advance(self, token_id: int) -> None:
         """Consume the chosen token and start computing the next mask. Raises ValueError if
@@ -129,7 +131,7 @@ class Constraint:
             except ValueError:
                 masks.append(None)
                 continue
-            masks.append(KnownMask(walker.allowed(width)))
+            masks.append(KnownMask(walker.packed(width)))
         walker._settle()
         return masks
 
@@ -141,10 +143,34 @@ class Constraint:
 
 class KnownMask:
     """A mask computed ahead (`Constraint.masks_ahead`), in the place of a constraint for
-    scoring one speculative position."""
+    scoring one speculative position: a bitmask as `Constraint.packed` gives it."""
 
-    def __init__(self, allowed: torch.Tensor) -> None:
-        self._allowed = allowed
+    def __init__(self, packed: torch.Tensor) -> None:
+        self._packed = packed
+
+    def packed(self, width: int) -> torch.Tensor:
+        words = (width + 31) // 32
+        if words == self._packed.shape[0]:
+            return self._packed
+        return pack_to_width(self._packed, self._packed.shape[0] * 32, width)
 
     def allowed(self, width: int) -> torch.Tensor:
-        return self._allowed[:width]
+        return unpack(self.packed(width), width)
+
+
+def pack_to_width(bitmask: torch.Tensor, valid: int, width: int) -> torch.Tensor:
+    """`bitmask` (int32 words, ids below `valid` meaningful) as the bitmask of `width` ids:
+    bits of ids at or past `valid` cleared, words added or dropped to ceil(width / 32)."""
+    out = torch.zeros((width + 31) // 32, dtype=torch.int32)
+    full, rest = divmod(min(valid, width), 32)
+    out[:full] = bitmask[:full]
+    if rest:
+        out[full] = bitmask[full] & ((1 << rest) - 1)
+    return out
+
+
+def unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Bool [..., width] of int32 bitmasks [..., ceil(width / 32)] (on their device)."""
+    shifts = _BIT_SHIFTS.to(packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], -1)[..., :width].bool()

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tgis.engine.grammar import unpack
 from tgis.params import MAX_SEED, GenerateParameters
 
 if TYPE_CHECKING:
@@ -300,11 +301,13 @@ class SamplingBatch:
 
         constrained = [(i, r.constraint) for i, r in enumerate(rows) if r.constraint is not None]
         if constrained:  # first: the processors below see only what the grammar allows
-            allowed = torch.ones(len(rows), vocab, dtype=torch.bool)
+            # Bitmasks go up (1/8 of a bool mask's bytes) and are unpacked on the device; an
+            # unconstrained row's words have every bit set.
+            packed = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
             for i, constraint in constrained:
-                allowed[i] = constraint.allowed(vocab)
-            allowed = allowed.to(device, non_blocking=device.type == "cuda")
-            scores = scores.masked_fill(~allowed, _NEG_INF)
+                packed[i] = constraint.packed(vocab)
+            packed = packed.to(device, non_blocking=device.type == "cuda")
+            scores = scores.masked_fill(~unpack(packed, vocab), _NEG_INF)
         eos = [e for e in self.eos_token_ids if 0 <= e < vocab]
         if eos and any(r.generated < r.params.min_new_tokens for r in rows):
             eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
