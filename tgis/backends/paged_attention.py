@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tgis.backends.forward import additive_mask, causal_mask
+from tgis.engine.transfer import host_to_device, to_device
 
 
 def pool_shape(
@@ -288,10 +289,10 @@ def step_metadata(
             if q > 1
         )
     return StepMetadata(
-        slot_mapping=slot_mapping.to(device, non_blocking=True),
-        cu_seq_q=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
-        seqused_k=torch.tensor(kv_lens, dtype=torch.int32).to(device, non_blocking=True),
-        block_table=table.to(device, non_blocking=True),
+        slot_mapping=host_to_device(slot_mapping, device),
+        cu_seq_q=to_device(starts, torch.int32, device),
+        seqused_k=to_device(kv_lens, torch.int32, device),
+        block_table=host_to_device(table, device),
         max_q=max(query_lens),
         max_k=max(kv_lens),
         flash=flash,
@@ -330,7 +331,9 @@ def _decode_rows(
     }
     rows = torch.tensor([starts[i] for i in picked])
     return _DecodeRows(
-        rows.to(device), blocks.to(device), {w: m.to(device) for w, m in masks.items()}
+        host_to_device(rows, device),
+        host_to_device(blocks, device),
+        {w: host_to_device(m, device) for w, m in masks.items()},
     )
 
 
@@ -346,10 +349,10 @@ def _prefill_run(
     masks = {
         w: None
         if q == kv_len and (w is None or q <= w)
-        else causal_mask(positions, kv_len, w).to(device)
+        else host_to_device(causal_mask(positions, kv_len, w), device)
         for w in set(windows)
     }
-    return _PrefillRun(q_start, q_end, torch.tensor(slots, device=device), masks)
+    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
 
 
 def attend(

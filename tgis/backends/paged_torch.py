@@ -39,6 +39,7 @@ from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
 from tgis.backends.torch_device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -335,11 +336,14 @@ class PagedTorchBackend:
                 rows.append(offset + n - 1)
         device = self.device_obj
         offsets = [sum(query_lens[:i]) for i in range(len(items))]
+        # The step's token ids, positions and logit rows in one copy.
+        inputs = to_device([*ids, *positions, *rows], torch.long, device)
+        tokens = len(ids)
         logits = self.path.forward(
-            torch.tensor(ids).to(device, non_blocking=True),
-            torch.tensor(positions).to(device, non_blocking=True),
+            inputs[:tokens],
+            inputs[tokens : 2 * tokens],
             meta,
-            torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+            inputs[2 * tokens :],
             [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
             self.lora.step([item.adapter for item in items], query_lens),
         )
@@ -355,7 +359,7 @@ class PagedTorchBackend:
                 last.append(row + taken - 1)
             prompt.append(logits[row : row + n] if item.prompt_logits else None)
             row += taken
-        chosen = logits[torch.tensor(last).to(device, non_blocking=True)] if last else logits[:0]
+        chosen = logits[to_device(last, torch.long, device)] if last else logits[:0]
         return PackedOutput(chosen, tuple(prompt))
 
     def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tgis.engine.grammar import unpack
+from tgis.engine.transfer import to_device
 from tgis.params import MAX_SEED, GenerateParameters
 
 if TYPE_CHECKING:
@@ -112,15 +113,6 @@ def uniforms(states: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shift_right(z, 27)) * _int64(_MIX2)
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 40).to(torch.float32) * 2.0**-24
-
-
-def to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values as a tensor on `device`; on an accelerator through pinned memory with a
-    non-blocking copy, so the host does not wait for the work queued before it."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class SamplingRow:

@@ -35,7 +35,8 @@ from typing import Protocol
 import torch
 
 from tgis.engine.grammar import Constraint, KnownMask
-from tgis.engine.sampling import SampleOutput, SamplingBatch, SamplingRow, to_device, uniforms
+from tgis.engine.sampling import SampleOutput, SamplingBatch, SamplingRow, uniforms
+from tgis.engine.transfer import to_device
 
 # Longest and shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min).
 NGRAM_MAX = 3
