@@ -201,11 +201,14 @@ class _DecodeRows:
     """The one-query sequences of a step, attended together: their rows in the packed
     queries; `blocks` [kv_heads * rows * pages] the head-major pool's blocks to gather
     (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
-    and an additive mask [1, rows, 1, pages * block_size] per sliding window."""
+    and an additive mask [1, rows, 1, pages * block_size] per sliding window. `whole`: they
+    are every row of the step, in order (a decode step: no gather of queries, no scatter of
+    results)."""
 
     rows: torch.Tensor
     blocks: torch.Tensor
     masks: dict[int | None, torch.Tensor]
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -334,6 +337,7 @@ def _decode_rows(
         host_to_device(rows, device),
         host_to_device(blocks, device),
         {w: host_to_device(m, device) for w, m in masks.items()},
+        whole=len(picked) == len(query_lens),
     )
 
 
@@ -387,7 +391,6 @@ def attend(
     heads, dim = query.shape[1], v_cache.shape[-1]
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    out = query.new_empty(query.shape[0], heads, dim)
     if meta.decode is not None:
         d = meta.decode
         rows = d.rows.shape[0]
@@ -396,12 +399,19 @@ def attend(
         keys = k_cache.view(-1, block_elems).index_select(0, d.blocks).view(kv_heads, rows, -1, dim)
         values = v_cache.view(-1, block_elems).index_select(0, d.blocks)
         values = values.view(kv_heads, rows, -1, dim)
-        q = query[d.rows].view(rows, kv_heads, group, dim).transpose(0, 1)  # [kvh, rows, g, d]
+        picked = query if d.whole else query[d.rows]
+        q = picked.view(rows, kv_heads, group, dim).transpose(0, 1)  # [kvh, rows, g, d]
         scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [kvh, rows, g, T]
         scores.mul_(scale).add_(d.masks[window])
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         attended = torch.matmul(probs, values)  # [kvh, rows, g, d]
-        out[d.rows] = attended.transpose(0, 1).reshape(rows, heads, dim)
+        decoded = attended.transpose(0, 1).reshape(rows, heads, dim)
+        if d.whole:
+            return decoded
+        out = query.new_empty(query.shape[0], heads, dim)
+        out[d.rows] = decoded
+    else:
+        out = query.new_empty(query.shape[0], heads, dim)
     keys_flat = k_cache.view(kv_heads, -1, dim)
     values_flat = v_cache.view(kv_heads, -1, dim)
     for run in meta.prefill:
