@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,8 +69,11 @@ def serve_both(
     new_tokens: int,
     workdir: Path,
     port: int,
+    repeat: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each load (streams, requests) on tgis serve, then on llama-server."""
+    """Each load (streams, requests) on tgis serve, then on llama-server; `repeat` rounds of
+    both in turn, each figure the median of its rounds (this kind of machine drifts by tens of
+    percent between runs)."""
     texts = prompts(model_dir, sum(n for _, n in loads) + 4, 100, seed=0)
     warm, rest = texts[:4], texts[4:]
     load_texts = []
@@ -85,17 +89,32 @@ def serve_both(
     llama_cmd = [llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-np", str(most), "-c", str(most * 512), "-t", str(os.cpu_count() or 1),
                  "--no-webui"]  # fmt: skip
-    out: dict[str, list[dict[str, Any]]] = {}
-    for server, cmd in (("tgis", tgis_cmd), ("llama.cpp", llama_cmd)):
-        results = run_server(
-            cmd, url, "/health", workdir / f"{name}-{server}.log", load_texts, "model",
-            new_tokens, warm, api="openai-completions", parameters=PARAMETERS,
-        )  # fmt: skip
-        out[server] = [
-            summary(streams, res)
-            for (streams, _), (res, _) in zip(load_texts, results, strict=True)
-        ]
-    return out
+    rounds: dict[str, list[list[dict[str, Any]]]] = {"tgis": [], "llama.cpp": []}
+    for _ in range(repeat):
+        for server, cmd in (("tgis", tgis_cmd), ("llama.cpp", llama_cmd)):
+            results = run_server(
+                cmd, url, "/health", workdir / f"{name}-{server}.log", load_texts, "model",
+                new_tokens, warm, api="openai-completions", parameters=PARAMETERS,
+            )  # fmt: skip
+            rounds[server].append(
+                [
+                    summary(streams, res)
+                    for (streams, _), (res, _) in zip(load_texts, results, strict=True)
+                ]
+            )
+    return {server: median_rows(runs) for server, runs in rounds.items()}
+
+
+def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per load, each figure's median over the rounds (errors summed), the rounds kept."""
+    rows = []
+    for per_load in zip(*runs, strict=True):
+        row: dict[str, Any] = {"streams": per_load[0]["streams"], "rounds": list(per_load)}
+        for key in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "output_tokens"):
+            row[key] = statistics.median(r[key] for r in per_load)
+        row["errors"] = sum(r["errors"] for r in per_load)
+        rows.append(row)
+    return rows
 
 
 def summary(streams: int, res: Result) -> dict[str, Any]:
@@ -123,16 +142,19 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=18090)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     smol_dir = build_model(args.workdir)
     started = time.time()
     demo = serve_both("demo", DEMO_MODEL, args.demo_gguf, args.llama_server,
-                      [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port)  # fmt: skip
+                      [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port,
+                      args.repeat)  # fmt: skip
     smol = serve_both("smol", smol_dir, args.smol_gguf, args.llama_server,
-                      [(1, 3), (16, 32)], args.new_tokens, args.workdir, args.port)  # fmt: skip
-    bare_ms, _ = bare_decode_ms(smol_dir, "float32")
+                      [(1, 3), (16, 32)], args.new_tokens, args.workdir, args.port,
+                      args.repeat)  # fmt: skip
+    bare_ms = statistics.median(bare_decode_ms(smol_dir, "float32")[0] for _ in range(args.repeat))
     ratios = {
         "demo_itl_x1_tgis_over_llama": at(demo["tgis"], 1)["itl_p50_ms"]
         / at(demo["llama.cpp"], 1)["itl_p50_ms"],
@@ -163,6 +185,8 @@ def main() -> None:
                       f"{r['itl_p50_ms']:>9.2f}ms{r['itl_p99_ms']:>9.2f}ms"
                       f"{r['ttft_p50_ms']:>9.1f}ms{r['errors']:>5}")  # fmt: skip
     print(f"135M bare in-process decode step, batch 1: {bare_ms:.2f} ms")
+    if args.repeat > 1:
+        print(f"(medians of {args.repeat} rounds, the servers in turn)")
     for key, value in ratios.items():
         target = targets.get(key)
         verdict = ""
@@ -175,7 +199,7 @@ def main() -> None:
         args.output.write_text(json.dumps({
             "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
             "demo": demo, "smol": smol, "smol_bare_step_ms": bare_ms, "ratios": ratios,
-            "minutes": (time.time() - started) / 60,
+            "minutes": (time.time() - started) / 60, "repeat": args.repeat,
         }, indent=2))  # fmt: skip
 
 
