@@ -49,8 +49,15 @@ TARGETS = {"llama-3.2-1b": (2.0, 10_000), "llama-3.1-8b": (7.0, 3_500)}
 
 
 def install_wheels(site: Path) -> None:
-    """Re-run this stage with the carried wheels installed into `site` (once)."""
+    """Re-run this stage with the carried wheels installed into `site` (once), when they were
+    fetched for this Python (`wheels` notes the version beside them)."""
     if os.environ.get(READY) or not WHEELS.is_dir() or not any(WHEELS.glob("*.whl")):
+        return
+    noted = WHEELS / "python-version"
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if noted.is_file() and noted.read_text().strip() != here:
+        print(f"{WHEELS} holds wheels for Python {noted.read_text().strip()}, this is {here}: "
+              "not installed")  # fmt: skip
         return
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
@@ -229,6 +236,7 @@ def wheels(dest: Path, python_version: str) -> None:
                 [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), pin],
                 check=True,
             )
+    (dest / "python-version").write_text(python_version + "\n")
     size = sum(p.stat().st_size for p in dest.glob("*.whl"))
     print(f"{len(list(dest.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {dest}")
 

@@ -85,3 +85,19 @@ def test_the_docs_stage_writes_the_table_the_probe_and_the_verdicts(tmp_path: Pa
 def test_docs_without_results_say_so(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no bench results"):
         gpu_check.docs(tmp_path, tmp_path / "performance.md")
+
+
+def test_wheels_for_another_python_are_not_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "x-1.0-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "python-version").write_text("2.7\n")
+    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path)
+    monkeypatch.delenv(gpu_check.READY, raising=False)
+
+    def no_install(*args: object, **kwargs: object) -> None:
+        raise AssertionError("installed wheels of another Python")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", no_install)
+    gpu_check.install_wheels(tmp_path / "site")
+    assert "wheels for Python 2.7" in capsys.readouterr().out
