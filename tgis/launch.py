@@ -254,7 +254,7 @@ def load_sharded_backend(
     )
     import torch
 
-    from tgis.backends.torch_device import resolve_dtype
+    from tgis.backends.torch_device import layer_shape, resolve_dtype
 
     if config.backend == "cuda" and torch.cuda.device_count() < config.num_shard:
         raise ConfigError(
@@ -262,11 +262,10 @@ def load_sharded_backend(
             "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
         )
     # Resolved once here, so that every rank computes in the same dtype.
-    hidden = int(model_config.get("hidden_size", 2048))
-    shape = (hidden, int(model_config.get("intermediate_size", 4 * hidden)))
     dtype = resolve_dtype(
-        torch.device(config.backend), config.dtype, model_config.get("dtype"), shape
-    )
+        torch.device(config.backend), config.dtype, model_config.get("dtype"),
+        layer_shape(model_config),
+    )  # fmt: skip
     settings = ShardSettings(
         model_dir=str(model_dir),
         device=config.backend,
@@ -424,11 +423,8 @@ def exit_soon(delay_s: float = 1.0) -> None:
 
 
 def backend_runtime(backend: Backend | PagedBackend) -> dict[str, Any]:
-    """How `backend` runs (`runtime()` where it says; else the engine kind, its dtype and
-    its KV budget), for the start-up log and /info."""
-    describe = getattr(backend, "runtime", None)
-    if describe is not None:
-        return dict(describe())
+    """How `backend` runs, for the start-up log and /info: the engine kind, its KV budget
+    (and pool), its dtype, and what the backend's `runtime()` adds where it has one."""
     capacity = backend.capacity
     facts: dict[str, Any] = {
         "engine": "paged" if capacity.block_size else "slot",
@@ -440,6 +436,9 @@ def backend_runtime(backend: Backend | PagedBackend) -> dict[str, Any]:
     dtype = getattr(backend, "dtype", None)
     if dtype is not None:
         facts["dtype"] = str(dtype).removeprefix("torch.")
+    describe = getattr(backend, "runtime", None)
+    if describe is not None:
+        facts.update(describe())
     return facts
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from tgis.benchmark.engine_mode import (
     EngineBenchmark,
     load_backend,
     parse_batch_sizes,
-    serving_engine,
+    serving_engines,
 )
 from tgis.benchmark.results import validate_results
 from tgis.cli import app
@@ -72,7 +71,7 @@ def test_each_engine_counts_one_sample_per_decode_step(tmp_path: Path, arch: str
     assert (backend.capacity.block_size is None) == (arch == "gpt2")
     bench = EngineBenchmark(
         backend, [3], 8, 3, runs=2, warmups=1, avoid_ids={0, 1, 2},
-        engine=partial(serving_engine, backend, model_dir, 3),
+        engine=serving_engines(backend, model_dir, 3),
     )  # fmt: skip
     bench.execute()
     if arch == "gpt2":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 
@@ -230,26 +231,30 @@ def test_the_fast_decoder_is_the_tokenizers_decode(
     without special tokens, with the tokenizer's clean-up of spaces on and off."""
     import random
 
+    # A copy: the module's tokenizer is shared by the other tests.
+    tokenizer = copy.copy(tokenizer)
     tokenizer.clean_up_tokenization_spaces = clean_up
-    try:
-        fast = decoder(tokenizer)
-        plain_ids = decoder(tokenizer, clean_up=False)
-        rng = random.Random(0)
-        ids = [i for text in TEXTS for i in tokenizer(text)["input_ids"]] + [EOS, 0, 1]
-        for _ in range(200):
-            start = rng.randrange(len(ids))
-            window = ids[start : start + rng.randint(1, 8)]
-            for skip in (False, True):
-                assert fast(window, skip) == tokenizer.decode(window, skip_special_tokens=skip)
-                assert plain_ids(window, skip) == tokenizer.decode(
-                    window, skip_special_tokens=skip, clean_up_tokenization_spaces=False
-                )
-        assert token_texts(tokenizer, ids[:20]) == [
-            tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            for i in ids[:20]
-        ]
-    finally:
-        tokenizer.clean_up_tokenization_spaces = False
+    fast = decoder(tokenizer)
+    plain_ids = decoder(tokenizer, clean_up=False)
+    rng = random.Random(0)
+    # Spaces before punctuation: what the clean-up removes.
+    texts = [*TEXTS, "A text , don 't you think ? Yes ."]
+    ids = [i for text in texts for i in tokenizer(text)["input_ids"]] + [EOS, 0, 1]
+    cleaned = 0
+    for _ in range(200):
+        start = rng.randrange(len(ids))
+        window = ids[start : start + rng.randint(1, 8)]
+        for skip in (False, True):
+            assert fast(window, skip) == tokenizer.decode(window, skip_special_tokens=skip)
+            assert plain_ids(window, skip) == tokenizer.decode(
+                window, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
+            cleaned += fast(window, skip) != plain_ids(window, skip)
+    assert bool(cleaned) == clean_up  # the clean-up was exercised where it is on
+    assert token_texts(tokenizer, ids[:20]) == [
+        tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for i in ids[:20]
+    ]
 
 
 def test_a_tokenizer_that_decodes_its_own_way_is_called_as_it_is() -> None:

@@ -127,10 +127,15 @@ def attention_path(device: torch.device, dtype: torch.dtype) -> str:
     if flash_paged_available(device, dtype):
         return "flash attention over KV pages (varlen_attn with block_table)"
     if device.type != "cuda":
-        return f"plain torch over head-major KV blocks (flash attention needs CUDA; this is {device.type})"
-    if dtype not in FLASH_DTYPES:
-        return f"plain torch over head-major KV blocks (flash attention needs float16 or bfloat16; the model is {str(dtype).removeprefix('torch.')})"
-    return f"plain torch over head-major KV blocks (flash attention needs torch >= 2.12, whose varlen_attn takes block_table; this is torch {torch.__version__})"
+        why = f"needs CUDA; this is {device.type}"
+    elif dtype not in FLASH_DTYPES:
+        why = f"needs float16 or bfloat16; the model is {str(dtype).removeprefix('torch.')}"
+    else:
+        why = (
+            "needs torch >= 2.12, whose varlen_attn takes block_table; this is torch "
+            f"{torch.__version__}"
+        )
+    return f"plain torch over head-major KV blocks (flash attention {why})"
 
 
 @functools.cache
@@ -391,6 +396,7 @@ def attend(
     heads, dim = query.shape[1], v_cache.shape[-1]
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
+    out = query.new_empty(query.shape[0], heads, dim)
     if meta.decode is not None:
         d = meta.decode
         rows = d.rows.shape[0]
@@ -408,10 +414,7 @@ def attend(
         decoded = attended.transpose(0, 1).reshape(rows, heads, dim)
         if d.whole:
             return decoded
-        out = query.new_empty(query.shape[0], heads, dim)
         out[d.rows] = decoded
-    else:
-        out = query.new_empty(query.shape[0], heads, dim)
     keys_flat = k_cache.view(kv_heads, -1, dim)
     values_flat = v_cache.view(kv_heads, -1, dim)
     for run in meta.prefill:

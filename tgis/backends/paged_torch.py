@@ -169,17 +169,11 @@ class PagedTorchBackend:
         )
 
     def runtime(self) -> dict[str, Any]:
-        """How this backend runs, for the start-up log and /info: its attention path, the
-        batch sizes whose decode replays a CUDA graph (none: eager), its KV pool, its dtype."""
-        pool = self.path.pool
+        """What the start-up log and /info say of this backend beside its capacity: its
+        attention path, the batch sizes whose decode replays a CUDA graph (none: eager)."""
         return {
-            "engine": "paged",
             "attention": attention_path(self.device_obj, self.dtype),
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
-            "kv_blocks": self._capacity.num_blocks,
-            "kv_block_size": pool.block_size,
-            "kv_tokens": self._capacity.kv_tokens,
-            "dtype": str(self.dtype).removeprefix("torch."),
         }
 
     @classmethod

@@ -151,12 +151,9 @@ class StaticBatchBackend:
         ops.sync()
 
     def runtime(self) -> dict[str, Any]:
-        """How this backend runs, for the start-up log and /info: a static batch of fixed
-        shapes (the buckets compiled at warmup), its cache and dtype."""
-        facts: dict[str, Any] = {"engine": "static", "kv_tokens": self.capacity.kv_tokens}
-        if self.dtype is not None:
-            facts["dtype"] = str(self.dtype).removeprefix("torch.")
-        return facts
+        """What the start-up log and /info say of this backend beside its capacity: a static
+        batch of fixed shapes (the buckets compiled at warmup)."""
+        return {"engine": "static"}
 
     @property
     def capacity(self) -> BackendCapacity:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,9 +59,18 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-# The decode-shaped work the CPU dtype probe times: batch sizes, and rounds of each.
+# The decode-shaped work the CPU dtype probe times: its dtypes, batch sizes, rounds of each.
+PROBE_DTYPES = (torch.float32, torch.bfloat16)
 PROBE_BATCHES = (1, 16)
 PROBE_ROUNDS = 5
+
+
+def layer_shape(config: Mapping[str, Any]) -> tuple[int, int]:
+    """(hidden, intermediate) of a model's (text) config.json fields, what the dtype probe
+    times: llama-style names, T5's d_model / d_ff, else a 4x MLP."""
+    hidden = int(config.get("hidden_size") or config.get("d_model") or 2048)
+    intermediate = int(config.get("intermediate_size") or config.get("d_ff") or 4 * hidden)
+    return hidden, intermediate
 
 
 def resolve_dtype(
@@ -110,9 +120,6 @@ def choose_cpu_dtype(hidden: int, intermediate: int) -> tuple[torch.dtype, str]:
     if bf16 < f32:
         return torch.bfloat16, f"{measured}; bfloat16 is {f32 / bf16:.2f}x faster here"
     return torch.float32, f"{measured}; native bfloat16 is {bf16 / f32:.2f}x slower here"
-
-
-PROBE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _probe_seconds(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
@@ -209,12 +216,8 @@ def load_causal_lm(
     elif device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
     config = AutoConfig.from_pretrained(model_dir)
-    text = config.get_text_config()
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "d_model", 2048)
-    intermediate = (
-        getattr(text, "intermediate_size", None) or getattr(text, "d_ff", None) or 4 * hidden
-    )
-    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), (hidden, intermediate))
+    shape = layer_shape(config.get_text_config().to_dict())
+    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM

@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
     from tgis.engine.engine import Engine
+    from tgis.engine.types import EngineObserver
 
 # The largest KV block of any device (cuda's): pools sized in whole blocks of it fit every device.
 MAX_BLOCK = 256
@@ -241,10 +241,10 @@ class EngineBenchmark:
         seed: int = 0,
         warmups: int = 1,
         avoid_ids: set[int] | None = None,
-        engine: Callable[[], Engine] | None = None,
+        engine: Callable[[EngineObserver], Engine] | None = None,
     ) -> None:
-        """engine: builds the serving engine over `backend` (its loop is then measured per
-        batch size too); None: the backend alone."""
+        """engine: builds the serving engine over `backend` with an observer (its loop is then
+        measured per batch size too: `serving_engines`); None: the backend alone."""
         self.engine = engine
         self.backend, self.batch_sizes = backend, list(batch_sizes)
         self.prompt_tokens, self.decode_tokens = prompt_tokens, decode_tokens
@@ -278,12 +278,16 @@ class EngineBenchmark:
                     self.run_once(batch, measure if index >= self.warmups else None)
                     progress.advance(task)
                 if self.engine is not None:
-                    measure.loop = self.loop_steps(self.engine(), batch)
+                    timings = LoopTimings()
+                    measure.loop = self.loop_steps(self.engine(timings), timings, batch)
         return self.summaries()
 
-    def loop_steps(self, engine: Engine, batch: int) -> list[tuple[float, float]]:
-        """`batch` random prompts through `engine`'s loop, run on this thread until they are
-        done: (step, forward) seconds of each decode step of the whole batch."""
+    def loop_steps(
+        self, engine: Engine, timings: LoopTimings, batch: int
+    ) -> list[tuple[float, float]]:
+        """`batch` random prompts through `engine`'s loop (observed by `timings`), run on this
+        thread until they are done: (step, forward) seconds of each decode step of the whole
+        batch."""
         from tgis.engine.types import GenerationRequest
         from tgis.params import GenerateParameters
 
@@ -294,8 +298,6 @@ class EngineBenchmark:
             )
             for i in range(batch)
         ]
-        timings = LoopTimings()
-        engine.observer = timings
         failures: list[BaseException] = []
 
         async def send_all() -> None:
@@ -379,14 +381,18 @@ class EngineBenchmark:
             measure.decode.extend(decode_s)
 
 
-def serving_engine(backend: Backend | PagedBackend, model_dir: Path, max_batch: int) -> Engine:
-    """The engine `tgis serve` would run over `backend` (not started), its scheduler's budgets
-    the backend's: `max_batch` sequences, prompts prefilled in steps of the backend's size."""
+def serving_engines(
+    backend: Backend | PagedBackend, model_dir: Path, max_batch: int
+) -> Callable[[EngineObserver], Engine]:
+    """What builds the engine `tgis serve` would run over `backend` (not started; an engine
+    stops once, so one per measurement), its scheduler's budgets the backend's: `max_batch`
+    sequences, prompts prefilled in steps of the backend's size. The tokenizer is read once."""
     from tgis.engine.engine import Engine
     from tgis.engine.scheduler import SchedulerLimits
     from tgis.launch import eos_token_ids, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
+    eos = eos_token_ids(model_dir, tokenizer)
     capacity = backend.capacity
     limits = SchedulerLimits(
         max_batch_prefill_tokens=capacity.max_sequence_tokens * max_batch,
@@ -394,7 +400,11 @@ def serving_engine(backend: Backend | PagedBackend, model_dir: Path, max_batch: 
         max_sequences=min(capacity.max_sequences, max_batch),
         prefill_step_tokens=capacity.prefill_step_tokens,
     )
-    return Engine(backend, tokenizer, limits, max_batch, eos_token_ids(model_dir, tokenizer))
+
+    def build(observer: EngineObserver) -> Engine:
+        return Engine(backend, tokenizer, limits, max_batch, eos, observer)
+
+    return build
 
 
 def run_engine(
@@ -435,7 +445,7 @@ def run_engine(
         runs,
         seed,
         avoid_ids=special_token_ids(model_dir),
-        engine=partial(serving_engine, backend, model_dir, max(batch_sizes)),
+        engine=serving_engines(backend, model_dir, max(batch_sizes)),
     )
     interrupted = False
     try:

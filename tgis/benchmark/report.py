@@ -247,27 +247,20 @@ def engine_table(data: dict[str, Any]) -> Table:
         table.add_column(f"{q} ms", justify="right")
     table.add_column("tok/s", justify="right")
     for step in data.get("engine_steps", []):
-        # The serving loop's decode step, its forward and the host work around it, when
-        # measured (tok/s of the step only).
-        loop = [
-            (key, name)
-            for key, name in (
-                ("decode_step_s", "loop step"),
-                ("decode_forward_s", "  forward"),
-                ("decode_host_s", "  host"),
-            )
-            if step.get(key)
-        ]
         rows = [
             ("prefill_latency_s", "prefill", f"{step['prefill_tokens_per_s']:.1f}"),
             ("decode_latency_s", "decode step", f"{step['decode_tokens_per_s']:.1f}"),
-            *(
-                (key, name, _per_s(step["batch_size"], _get(step, (key, "mean"))))
-                if key == "decode_step_s"
-                else (key, name, "")
-                for key, name in loop
-            ),
         ]
+        if step.get("decode_step_s"):  # the serving loop's step, its forward and host work
+            rows += [
+                (
+                    "decode_step_s",
+                    "loop step",
+                    _per_s(step["batch_size"], _get(step, ("decode_step_s", "mean"))),
+                ),
+                ("decode_forward_s", "  forward", ""),
+                ("decode_host_s", "  host", ""),
+            ]
         for index, (key, name, rate) in enumerate(rows):
             table.add_row(
                 str(step["batch_size"]) if index == 0 else "",

@@ -14,6 +14,7 @@ calls per generated token (tgis.engine.output).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -43,7 +44,7 @@ def decoder(tokenizer: Any, clean_up: bool | None = None) -> Decode:
     tokenizers it calls the Rust tokenizer directly and applies the clean-up as their `decode`
     does — the same text at a fifth of the cost per call, which every streamed token pays
     several times; any other tokenizer goes through its own `decode`."""
-    if _plain_fast(tokenizer):
+    if _plain_fast(type(tokenizer)) and hasattr(getattr(tokenizer, "_tokenizer", None), "decode"):
         raw = tokenizer._tokenizer.decode
         if clean_up is None:
             clean_up = bool(tokenizer.clean_up_tokenization_spaces)
@@ -58,20 +59,19 @@ def decoder(tokenizer: Any, clean_up: bool | None = None) -> Decode:
     )
 
 
-def _plain_fast(tokenizer: Any) -> bool:
-    """A transformers fast tokenizer whose decoding is the library's own (no subclass of it
-    decodes in its own way)."""
+@functools.cache
+def _plain_fast(kind: type) -> bool:
+    """A transformers fast tokenizer class whose decoding is the library's own (no subclass
+    of it decodes in its own way); answered once per class."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:
         return False
-    kind = type(tokenizer)
     return (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
+        issubclass(kind, PreTrainedTokenizerFast)
         and kind._decode is PreTrainedTokenizerFast._decode
         and kind.decode is PreTrainedTokenizerBase.decode
-        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode")
     )
 
 

@@ -282,10 +282,9 @@ class Engine:
             fatal = True
         finally:
             self._running = False
-            self._fail_calls()
-            self._fail_all(
-                GenerationError("the server is shutting down", "retry on another replica")
-            )
+            error = GenerationError("the server is shutting down", "retry on another replica")
+            self._fail_inbox(error)
+            self._fail_all(error)
         if fatal and self.on_fatal is not None:
             self.on_fatal()
         return not fatal
@@ -706,17 +705,18 @@ class Engine:
         if isinstance(self.scheduler, Scheduler):
             self.backend.release(seq_id)  # type: ignore[union-attr]
 
-    def _fail_calls(self) -> None:
-        """Calls still queued when the loop ends get an error instead of a result."""
+    def _fail_inbox(self, error: TgisError) -> None:
+        """What is still queued when the loop ends gets `error`: requests never admitted, and
+        calls (unless their caller gave up on them)."""
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "call":
-                item[1].set_exception(
-                    GenerationError("the engine is not running", "check the server log")
-                )
+            if kind == "add":
+                item.post([error])
+            elif kind == "call" and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(error)
 
     def _fail_all(self, error: TgisError) -> None:
         for live in list(self._live.values()):

@@ -179,12 +179,7 @@ class LiveSequence:
         first = start + skip - self.prefix_length
         ids = self.handle.request.input_ids
         window = ids[first : first + logits.shape[0] - skip + 1]
-        part = prompt_details(logits[skip:], window, self.params.top_n_tokens or 0)
-        details = self._details
-        details.logprobs.extend(part.logprobs)
-        details.ranks.extend(part.ranks)
-        details.top_ids.extend(part.top_ids)
-        details.top_logprobs.extend(part.top_logprobs)
+        self._details.extend(prompt_details(logits[skip:], window, self.params.top_n_tokens or 0))
 
     def prompt_done(self) -> None:
         """The prefill is complete: its prompt details go out with the first token."""

@@ -515,6 +515,13 @@ class PromptDetails:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
+    def extend(self, more: PromptDetails) -> None:
+        """Append the details of the positions that follow (the next prefill chunk's)."""
+        self.logprobs.extend(more.logprobs)
+        self.ranks.extend(more.ranks)
+        self.top_ids.extend(more.top_ids)
+        self.top_logprobs.extend(more.top_logprobs)
+
 
 def prompt_details(
     logits: torch.Tensor, prompt_ids: Sequence[int], top_n: int = 0

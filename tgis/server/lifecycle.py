@@ -215,7 +215,8 @@ class ServerThread:
     ) -> None:
         self._main = main
         self._on_exit = on_exit
-        self._lock = threading.Lock()
+        # Re-entrant: a second signal may arrive while the handler of the first holds it.
+        self._lock = threading.RLock()
         self._server: GracefulServer | None = None
         self._signals: list[int] = []  # received before the server existed
         self._original: dict[int, Any] = {}
@@ -236,10 +237,6 @@ class ServerThread:
             self._thread.join(0.5)  # short waits: signal handlers run in between
         for sig, handler in self._original.items():
             signal.signal(sig, handler)
-
-    def shutdown(self) -> None:
-        """Start a graceful shutdown, as SIGTERM does (from any thread)."""
-        self._on_signal(signal.SIGTERM, None)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         with self._lock:
