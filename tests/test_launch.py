@@ -73,8 +73,11 @@ def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
     paged = load_torch_backend(make_config(max_batch_total_tokens=512), llama)
     assert isinstance(paged, PagedTorchBackend) and paged.capacity.kv_tokens == 512
     assert isinstance(load_torch_backend(make_config(), gpt2), TorchDynamicBackend)
-    # --compile compiles the slot engine's decode: the llama model runs there.
-    assert isinstance(load_torch_backend(make_config(compile=True), llama), TorchDynamicBackend)
+    # --compile compiles the engine's decode: the paged one's for llama, the slot one's else.
+    compiled = load_torch_backend(make_config(compile=True, max_batch_total_tokens=512), llama)
+    assert isinstance(compiled, PagedTorchBackend) and compiled.compiled is not None
+    slot = load_torch_backend(make_config(compile=True), gpt2)
+    assert isinstance(slot, TorchDynamicBackend) and slot.compiled
     with pytest.raises(ConfigError, match="--prefix-caching needs the paged engine"):
         load_torch_backend(make_config(prefix_caching=True), gpt2)
     with pytest.raises(ConfigError, match="--speculate needs the paged engine"):
@@ -93,6 +96,7 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
         "attention": "plain torch over head-major KV blocks (flash attention needs CUDA; "
         "this is cpu)",
         "cuda_graphs": [],
+        "compiled_decode": [],
         "kv_blocks": 512 // paged.block_size,
         "kv_block_size": paged.block_size,
         "kv_tokens": 512,

@@ -91,8 +91,8 @@ def load_torch_backend(
     config: ServeConfig, model_dir: Path, draft: DraftModel | None = None
 ) -> Backend | PagedBackend:
     """cpu / cuda: the paged engine for llama-family models (with CUDA graphs for decode on
-    cuda, unless --cuda-graphs false), the slot engine (transformers' forward) for the others
-    and with --compile (which compiles the slot engine's decode)."""
+    cuda, unless --cuda-graphs false; with --compile, decode through compiled graphs), the
+    slot engine (transformers' forward, compiled with --compile) for the others."""
     import torch
 
     from tgis.backends.llama_native import NATIVE_MODEL_TYPES
@@ -108,7 +108,9 @@ def load_torch_backend(
     if is_encoder_decoder(model_config):
         return load_seq2seq_backend(config, model_dir, slots)
     model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
-    reason = paged_unsupported_reason(model, config.compile)
+    if config.compile and config.compile_cache:
+        use_inductor_cache(Path(config.compile_cache))
+    reason = paged_unsupported_reason(model)
     if reason is None:
         return PagedTorchBackend(
             model,
@@ -119,6 +121,7 @@ def load_torch_backend(
             memory_fraction=config.cuda_memory_fraction,
             cuda_graphs=config.cuda_graphs if config.backend == "cuda" else False,
             shared_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
+            compile=config.compile,
         )
     for name, flag in (
         ("prefix_caching", "--prefix-caching"),
@@ -128,11 +131,8 @@ def load_torch_backend(
         if getattr(config, name):
             raise ConfigError(
                 f"{flag} needs the paged engine, which cannot run here: {reason}",
-                f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model without --compile, or drop "
-                f"{flag} ({ENV_NAMES[name]})",
+                f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model, or drop {flag} ({ENV_NAMES[name]})",
             )
-    if config.compile and config.compile_cache:
-        use_inductor_cache(Path(config.compile_cache))
     return TorchDynamicBackend(
         model,
         max_sequences=slots,
@@ -359,7 +359,7 @@ def build_service(
             "--lora-adapters / --lora-adapter-dir: LoRA adapters run in the paged engine of "
             f"llama-family models on one device; this model runs on the {backend.name} "
             f"{'slot engine' if capacity.block_size is None else 'backend'}",
-            "serve a llama/mistral/qwen2 model without --compile, or drop the adapters "
+            "serve a llama/mistral/qwen2 model, or drop the adapters "
             "(LORA_ADAPTERS, LORA_ADAPTER_DIR)",
         )
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)

@@ -592,6 +592,10 @@ def test_device_compile_flags_apply_where_they_can() -> None:
         backend="cuda", cuda_graphs=True, env={"WARMUP_ENABLED": "false"}
     )
     assert build(backend="cuda", env={"WARMUP_ENABLED": "false"}).cuda_graphs is None
+    # So is compiled decode.
+    assert "--compile true: decode graphs are compiled at warmup, which" in error_of(
+        backend="cpu", compile=True, env={"WARMUP_ENABLED": "false"}
+    )
 
 
 def test_paged_engine_options() -> None:

@@ -16,8 +16,9 @@ working (and tests can compare against it) without a second copy of the weights.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -200,6 +201,26 @@ class LlamaWeights:
             down_b,
             window,
         )
+
+    def as_constants(self) -> LlamaWeights:
+        """A shallow copy whose tensors are `nn.Parameter`s over the same storage: what
+        torch.compile's freezing folds into a graph as constants (and packs for its GEMMs)."""
+
+        def constant(value: object) -> object:
+            if isinstance(value, torch.Tensor):
+                return nn.Parameter(value, requires_grad=False)
+            if isinstance(value, tuple):
+                return tuple(constant(v) for v in value)
+            return value
+
+        frozen = copy.copy(self)
+        frozen.layers = [
+            replace(layer, **{f.name: constant(getattr(layer, f.name)) for f in fields(layer)})
+            for layer in self.layers
+        ]
+        for name in ("embed", "final_norm", "lm_head", "cos", "sin"):
+            setattr(frozen, name, constant(getattr(self, name)))
+        return frozen
 
     def _rope_tables(
         self, model: PreTrainedModel, length: int

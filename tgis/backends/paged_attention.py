@@ -364,6 +364,31 @@ def _prefill_run(
     return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
 
 
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row [rows, heads, dim] over head-major pools: `blocks` and `mask` as
+    `_DecodeRows` holds them (the rows' whole blocks, gathered per KV head, and the additive
+    mask of the layer's window) -> [rows, heads, dim]. Scores and softmax in float32."""
+    rows, heads, dim = query.shape
+    kv_heads = k_cache.shape[0]
+    block_elems = k_cache.shape[2] * dim
+    # [kv_heads, rows, T, dim]: whole blocks, already in matmul layout.
+    keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(kv_heads, rows, -1, dim)
+    values = v_cache.view(-1, block_elems).index_select(0, blocks).view(kv_heads, rows, -1, dim)
+    q = query.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kvh, rows, g, d]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [kvh, rows, g, T]
+    scores.mul_(scale).add_(mask)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    attended = torch.matmul(probs, values)  # [kvh, rows, g, d]
+    return attended.transpose(0, 1).reshape(rows, heads, dim)
+
+
 def attend(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -395,23 +420,11 @@ def attend(
     # Head-major pools: [kv_heads, num_blocks, block_size, dim].
     heads, dim = query.shape[1], v_cache.shape[-1]
     kv_heads = k_cache.shape[0]
-    group = heads // kv_heads
     out = query.new_empty(query.shape[0], heads, dim)
     if meta.decode is not None:
         d = meta.decode
-        rows = d.rows.shape[0]
-        block_elems = k_cache.shape[2] * dim
-        # [kv_heads, rows, T, dim]: whole blocks, already in matmul layout.
-        keys = k_cache.view(-1, block_elems).index_select(0, d.blocks).view(kv_heads, rows, -1, dim)
-        values = v_cache.view(-1, block_elems).index_select(0, d.blocks)
-        values = values.view(kv_heads, rows, -1, dim)
         picked = query if d.whole else query[d.rows]
-        q = picked.view(rows, kv_heads, group, dim).transpose(0, 1)  # [kvh, rows, g, d]
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [kvh, rows, g, T]
-        scores.mul_(scale).add_(d.masks[window])
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        attended = torch.matmul(probs, values)  # [kvh, rows, g, d]
-        decoded = attended.transpose(0, 1).reshape(rows, heads, dim)
+        decoded = decode_attention(picked, k_cache, v_cache, d.blocks, d.masks[window], scale)
         if d.whole:
             return decoded
         out[d.rows] = decoded

@@ -34,6 +34,7 @@ from tgis.backends.paged_attention import (
     slots_of,
     step_metadata,
 )
+from tgis.backends.paged_compile import CompiledDecode
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
@@ -64,10 +65,8 @@ def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
     return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
 
 
-def paged_unsupported_reason(model: PreTrainedModel, compile: bool = False) -> str | None:
+def paged_unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why `model` runs on the slot engine rather than this one (None: it runs here)."""
-    if compile:
-        return "--compile runs the slot engine"
     return native_unsupported_reason(model)
 
 
@@ -88,6 +87,7 @@ class PagedTorchBackend:
         graph_api: GraphApi | None = None,
         parallel: TensorParallel | None = None,
         shared_kv_bytes_per_token: int = 0,
+        compile: bool = False,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -97,7 +97,9 @@ class PagedTorchBackend:
         flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
         are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per token of
         another cache sized along with this one (a draft model's, as many tokens): a pool sized
-        from memory leaves it its share."""
+        from memory leaves it its share. compile: decode steps run through graphs compiled at
+        warmup (paged_compile.py; the plain-torch attention path only), and a pool sized from
+        memory leaves room for their copies of the weights."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -125,11 +127,22 @@ class PagedTorchBackend:
             self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
+        if compile and (graphs or self.path.pool.flash or parallel is not None):
+            raise ConfigError(
+                "--compile compiles the decode step of the plain-torch attention path on one "
+                f"device; here the paged engine attends with "
+                f"{attention_path(self.device_obj, self.dtype)}"
+                f"{' under tensor parallelism' if parallel is not None else ''}",
+                "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
+                "attention runs",
+            )
+        weight_copies = 2 * sum(p.nbytes for p in model.parameters()) if compile else 0
         num_blocks = self._size_pool(
             kv_tokens,
             per_token + shared_kv_bytes_per_token,
             max_sequences * max_sequence_tokens,
             memory_fraction,
+            weight_copies,
         )
         if parallel is not None:  # every rank's pool has the same blocks
             num_blocks = parallel.agree_min(num_blocks)
@@ -138,6 +151,7 @@ class PagedTorchBackend:
             self.path.pool = self._allocate_pool(num_blocks + int(graphs))
         # LoRA adapters' stacks (tgis.backends.lora), for the model's projections.
         self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
+        self.compiled = CompiledDecode(self.path, max_sequences) if compile else None
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self.graphs = DecodeGraphs(
@@ -170,10 +184,12 @@ class PagedTorchBackend:
 
     def runtime(self) -> dict[str, Any]:
         """What the start-up log and /info say of this backend beside its capacity: its
-        attention path, the batch sizes whose decode replays a CUDA graph (none: eager)."""
+        attention path, the batch sizes whose decode replays a CUDA graph or runs a compiled
+        graph (none: eager)."""
         return {
             "attention": attention_path(self.device_obj, self.dtype),
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
+            "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
         }
 
     @classmethod
@@ -229,21 +245,27 @@ class PagedTorchBackend:
     # --- the pool's size ---------------------------------------------------------------------
 
     def _size_pool(
-        self, kv_tokens: int | None, per_token: int, most: int, fraction: float | None
+        self,
+        kv_tokens: int | None,
+        per_token: int,
+        most: int,
+        fraction: float | None,
+        reserved: int = 0,
     ) -> int:
-        """Blocks of the pool: `kv_tokens` when given, else what memory holds (module doc)."""
+        """Blocks of the pool: `kv_tokens` when given, else what memory holds (module doc)
+        less `reserved` bytes that other copies will take."""
         self._memory_tokens: int | None = None
         if kv_tokens is not None:
             source = f"--max-batch-total-tokens {kv_tokens}"
             budget = kv_tokens
         elif self.name == "cuda":
             fraction = KV_MEMORY_FRACTION["cuda"] if fraction is None else fraction
-            free = self._cuda_free_after_peak(fraction)
+            free = max(0, self._cuda_free_after_peak(fraction) - reserved)
             source = f"{fraction:.0%} of the GPU less weights and the prefill peak"
             budget = free // per_token
         else:
             fraction = KV_MEMORY_FRACTION.get(self.name, 0.5) if fraction is None else fraction
-            free = available_memory(self.device_obj)
+            free = max(0, available_memory(self.device_obj) - reserved)
             source = f"{fraction:.0%} of {free / 2**30:.1f} GiB available"
             # Never more than the sequences could fill (whole blocks each).
             whole = -(-most // self.block_size) * self.block_size
@@ -276,7 +298,7 @@ class PagedTorchBackend:
         saved = self.path.pool
         self.path.pool = self._allocate_pool(len(item.block_table))
         try:
-            self._forward_eager([item])
+            self._forward_packed([item])
             torch.cuda.synchronize(self.device_obj)
             peak = torch.cuda.max_memory_allocated(self.device_obj)
         finally:
@@ -297,11 +319,12 @@ class PagedTorchBackend:
         graphed = self._graphed(items)
         if graphed is not None:
             return PackedOutput(graphed, (None,) * len(items))
-        return self._forward_eager(items)
+        return self._forward_packed(items)
 
     @torch.inference_mode()
-    def _forward_eager(self, items: Sequence[PackedItem]) -> PackedOutput:
-        """`forward` without checks or graphs (also the profiling run, before capacity)."""
+    def _forward_packed(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """`forward` without checks or CUDA graphs: the compiled decode graph where one runs
+        the step, else the eager forward (also the profiling run, before capacity)."""
         query_lens = [len(item.token_ids) for item in items]
         kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
         windows = self.path.windows
@@ -333,6 +356,9 @@ class PagedTorchBackend:
         # The step's token ids, positions and logit rows in one copy.
         inputs = to_device([*ids, *positions, *rows], torch.long, device)
         tokens = len(ids)
+        if self.compiled is not None and self._plain_decode(items):
+            logits = self.compiled.run(inputs[:tokens], inputs[tokens : 2 * tokens], meta)
+            return PackedOutput(logits, (None,) * len(items))
         logits = self.path.forward(
             inputs[:tokens],
             inputs[tokens : 2 * tokens],
@@ -361,16 +387,7 @@ class PagedTorchBackend:
         (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, a LoRA adapter,
         or more rows than the largest bucket)."""
         graphs = self.graphs
-        if graphs is None:
-            return None
-        if any(
-            len(i.token_ids) != 1
-            or not i.sample
-            or i.prompt_logits
-            or i.embeds is not None
-            or i.adapter is not None
-            for i in items
-        ):
+        if graphs is None or not self._plain_decode(items):
             return None
         if graphs.graph_for(len(items)) is None:
             return None
@@ -380,6 +397,19 @@ class PagedTorchBackend:
             [item.start for item in items],
             [slots_of(item.block_table, item.start, item.start + 1, size)[0] for item in items],
             [item.block_table for item in items],
+        )
+
+    @staticmethod
+    def _plain_decode(items: Sequence[PackedItem]) -> bool:
+        """Whether every item samples one token from one token of input, with no prompt
+        logits, prompt-prefix embeddings or LoRA adapter: a step graphs can run."""
+        return not any(
+            len(i.token_ids) != 1
+            or not i.sample
+            or i.prompt_logits
+            or i.embeds is not None
+            or i.adapter is not None
+            for i in items
         )
 
     def _check(self, items: Sequence[PackedItem]) -> None:
@@ -445,11 +475,22 @@ class PagedTorchBackend:
         max_input_tokens: int,
         on_shape: Callable[[ShapeTiming], None] | None = None,
     ) -> list[ShapeTiming]:
-        """Run the plan once: pays the one-off costs (allocator growth, kernel selection,
-        thread pools) before serving; then records the decode graphs, one shape each, largest
-        first (they share one memory pool)."""
+        """Compile the decode graphs (with --compile), then run the plan once: pays the
+        one-off costs (allocator growth, kernel selection, thread pools) before serving; then
+        records the CUDA graphs of decode, one shape each, largest first (they share one
+        memory pool)."""
         plan = self.warmup_plan(max_batch_size, max_input_tokens)
-        timings = run_plan(plan, self.run_shape, on_shape)
+        timings: list[ShapeTiming] = []
+        if self.compiled is not None:
+            rows = max(shape.rows for shape in plan if shape.phase == "decode")
+            for batch in (1, 2)[: min(rows, 2)]:
+                start = time.perf_counter()
+                self.compiled.compile(batch)
+                seconds = time.perf_counter() - start
+                timings.append(ShapeTiming(Shape("decode", batch, 1), seconds, 1))
+                if on_shape is not None:
+                    on_shape(timings[-1])
+        timings += run_plan(plan, self.run_shape, on_shape)
         if self.graphs is not None:
             for bucket in sorted(self.graphs.buckets, reverse=True):
                 start = time.perf_counter()

@@ -79,9 +79,10 @@ def load_backend(
     num_shard: int = 1,
 ) -> Backend | PagedBackend:
     """The backend `tgis serve` would run for `model_dir`, sized for `max_batch` sequences of
-    the run: the paged one for llama-family models (its CUDA graphs recorded here; over
-    `num_shard` tensor-parallel processes when more than 1), the slot one for the others and
-    with `compile` (decode through torch.compile, compiled here)."""
+    the run: the paged one for llama-family models (its CUDA graphs recorded, or with
+    `compile` its decode graphs compiled, here; over `num_shard` tensor-parallel processes
+    when more than 1), the slot one for the others (with `compile`, decode through
+    torch.compile, compiled here)."""
     import torch
 
     from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
@@ -92,15 +93,17 @@ def load_backend(
     if num_shard > 1:
         return _sharded(model_dir, device, dtype, max_batch, prompt_tokens, total, num_shard)
     model = load_causal_lm(model_dir, torch.device(device), dtype)
-    if paged_unsupported_reason(model, compile) is None:
+    if paged_unsupported_reason(model) is None:
         paged = PagedTorchBackend(
             model,
             max_sequences=max_batch,
             max_sequence_tokens=total,
             max_prefill_tokens=max_batch * prompt_tokens,
             kv_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
+            cuda_graphs=False if compile else None,
+            compile=compile,
         )
-        if paged.graphs is not None:
+        if paged.graphs is not None or paged.compiled is not None:
             paged.warmup(max_batch, prompt_tokens)
         return paged
     backend = TorchDynamicBackend(

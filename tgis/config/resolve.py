@@ -111,6 +111,12 @@ def build_serve_config(
             "WARMUP_ENABLED=false skips, so decode would run eagerly",
             "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or enable warmup",
         )
+    if values["compile"] and not warmup_enabled:
+        raise ConfigError(
+            f"{r.label('compile', 'true')}: decode graphs are compiled at warmup, which "
+            "WARMUP_ENABLED=false skips, so decode would run eagerly",
+            "drop --compile (TGIS_COMPILE), or enable warmup",
+        )
 
     model_id, revision = model_reference(args, env)
     sources = tuple(

@@ -598,6 +598,7 @@ TGI_RESPONSES: dict[str, Any] = {
                 engine={"type": "string", "enum": ["paged", "slot", "static"]},
                 attention=STR,
                 cuda_graphs={"type": "array", "items": INT},
+                compiled_decode={"type": "array", "items": STR},
                 kv_blocks=INT,
                 kv_block_size=INT,
                 kv_tokens=INT,
