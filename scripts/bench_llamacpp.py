@@ -70,10 +70,12 @@ def serve_both(
     workdir: Path,
     port: int,
     repeat: int = 1,
+    compile: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Each load (streams, requests) on tgis serve, then on llama-server; `repeat` rounds of
     both in turn, each figure the median of its rounds (this kind of machine drifts by tens of
-    percent between runs)."""
+    percent between runs). `compile`: tgis serves with --compile (its inductor caches kept in
+    the workdir, so later rounds start faster)."""
     texts = prompts(model_dir, sum(n for _, n in loads) + 4, 100, seed=0)
     warm, rest = texts[:4], texts[4:]
     load_texts = []
@@ -85,6 +87,8 @@ def serve_both(
     tgis_cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--port",
                 str(port), "--hostname", "127.0.0.1", "--no-grpc", "--dtype", "float32",
                 "--max-total-tokens", "512", "--max-batch-size", str(most)]  # fmt: skip
+    if compile:
+        tgis_cmd += ["--compile", "--compile-cache", str(workdir / "inductor-cache")]
     # One slot per stream, each with room for a prompt and its answer.
     llama_cmd = [llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-np", str(most), "-c", str(most * 512), "-t", str(os.cpu_count() or 1),
@@ -143,6 +147,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=18090)
     parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
+    parser.add_argument("--compile", action="store_true", help="tgis serve --compile")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -150,11 +155,13 @@ def main() -> None:
     started = time.time()
     demo = serve_both("demo", DEMO_MODEL, args.demo_gguf, args.llama_server,
                       [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port,
-                      args.repeat)  # fmt: skip
+                      args.repeat, args.compile)  # fmt: skip
     smol = serve_both("smol", smol_dir, args.smol_gguf, args.llama_server,
                       [(1, 3), (16, 32)], args.new_tokens, args.workdir, args.port,
-                      args.repeat)  # fmt: skip
-    bare_ms = statistics.median(bare_decode_ms(smol_dir, "float32")[0] for _ in range(args.repeat))
+                      args.repeat, args.compile)  # fmt: skip
+    bare_ms = statistics.median(
+        bare_decode_ms(smol_dir, "float32", compile=args.compile)[0] for _ in range(args.repeat)
+    )
     ratios = {
         "demo_itl_x1_tgis_over_llama": at(demo["tgis"], 1)["itl_p50_ms"]
         / at(demo["llama.cpp"], 1)["itl_p50_ms"],
@@ -200,6 +207,7 @@ def main() -> None:
             "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
             "demo": demo, "smol": smol, "smol_bare_step_ms": bare_ms, "ratios": ratios,
             "minutes": (time.time() - started) / 60, "repeat": args.repeat,
+            "compile": args.compile,
         }, indent=2))  # fmt: skip
 
 

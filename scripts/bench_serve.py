@@ -224,9 +224,12 @@ def run_server(
         stop(proc)
 
 
-def bare_decode_ms(model_dir: Path, dtype: str = "float32", steps: int = 64) -> tuple[float, float]:
+def bare_decode_ms(
+    model_dir: Path, dtype: str = "float32", steps: int = 64, compile: bool = False
+) -> tuple[float, float]:
     """ms per token of in-process greedy decode at batch 1: tgis's backend (the paged one
-    `tgis serve` runs for this Llama), and HF's forward."""
+    `tgis serve` runs for this Llama; with `compile`, its decode compiled first), and HF's
+    forward."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -236,8 +239,10 @@ def bare_decode_ms(model_dir: Path, dtype: str = "float32", steps: int = 64) -> 
     prompt = tuple(range(10, 110))
     backend = PagedTorchBackend.load(
         model_dir, device="cpu", dtype=dtype, max_sequences=1, max_sequence_tokens=256,
-        max_prefill_tokens=256,
+        max_prefill_tokens=256, compile=compile,
     )  # fmt: skip
+    if compile:
+        backend.warmup(1, len(prompt))
     table = tuple(range(backend.capacity.num_blocks))
     out = backend.forward([PackedItem(0, prompt, 0, table)])
     token = int(out.last[0].argmax())

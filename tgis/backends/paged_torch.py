@@ -205,6 +205,7 @@ class PagedTorchBackend:
         kv_tokens: int | None = None,
         memory_fraction: float | None = None,
         num_threads: int | None = None,
+        compile: bool = False,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1")."""
         model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
@@ -215,6 +216,7 @@ class PagedTorchBackend:
             max_prefill_tokens=max_prefill_tokens,
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
+            compile=compile,
         )
 
     @property
