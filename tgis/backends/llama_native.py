@@ -102,7 +102,7 @@ def _fuse(linears: list[nn.Linear], transposed: bool) -> tuple[torch.Tensor, tor
 
 
 @dataclass(frozen=True)
-class _Layer:
+class LayerWeights:
     """One decoder layer's tensors: fused [out, in] weights and the norms' scales."""
 
     input_norm: torch.Tensor
@@ -174,7 +174,7 @@ class LlamaWeights:
         self.lm_head = model.get_output_embeddings().weight
         self.cos, self.sin = self._rope_tables(model, max_positions)
 
-    def _layer(self, layer: nn.Module, window: int | None) -> _Layer:
+    def _layer(self, layer: nn.Module, window: int | None) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.variance_epsilon != self.eps:
@@ -189,7 +189,7 @@ class LlamaWeights:
             gate_up = ((gate[0], up[0]), (gate[1], up[1]))
         o_w, o_b = _fuse([attn.o_proj], t)
         down_w, down_b = _fuse([mlp.down_proj], t)
-        return _Layer(
+        return LayerWeights(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
             qkv_w,
@@ -236,7 +236,7 @@ class LlamaWeights:
 
     def _qkv(
         self,
-        layer: _Layer,
+        layer: LayerWeights,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -264,7 +264,11 @@ class LlamaWeights:
         return t if self.parallel is None else self.parallel.all_reduce(t)
 
     def _finish(
-        self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor, lora: LayerLora | None = None
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         """Output projection, residual, MLP, residual: x [N, hidden], attn [N, heads * d];
         `lora` as in _qkv."""

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tgis.backends.llama_native import LayerWeights
 from tgis.backends.paged_attention import StepMetadata, decode_attention, step_metadata, write_kv
 from tgis.backends.paged_llama import PagedLlamaForward
 
@@ -57,6 +58,16 @@ def _paged_decode_attention_shape(query: Tensor, *_: object) -> Tensor:
     return torch.empty_like(query)
 
 
+# The graphs compiled at warmup, by the smallest batch each serves: batch 1 alone, then every
+# batch from 2 up. Each holds a packed copy of the weights.
+GRAPHS = (1, 2)
+
+
+def weight_copies_bytes(model: torch.nn.Module) -> int:
+    """Memory the compiled graphs' packed copies of `model`'s weights take."""
+    return len(GRAPHS) * sum(p.nbytes for p in model.parameters())
+
+
 def compile_options(device: torch.device) -> dict[str, Any]:
     """Inductor's settings for the decode graphs on `device` (module doc)."""
     options: dict[str, Any] = {"freezing": True}
@@ -76,14 +87,16 @@ class CompiledDecode:
         self._weights = path.as_constants()
         self._window = {w: i for i, w in enumerate(path.windows)}
         self._compiled = torch.compile(self._step)
-        self._graphs: set[int] = set()  # 1: the batch-1 graph; 2: the batch >= 2 one
+        self._graphs: set[int] = set()  # of GRAPHS, those compiled
         self.eager_steps = 0  # serving steps no compiled graph accepted
 
     @property
     def graphs(self) -> list[str]:
         """The batch sizes each compiled graph serves, as /info shows them."""
-        labels = {1: "1", 2: f"2-{self.max_batch}"}
-        return [labels[g] for g in sorted(self._graphs)]
+        return [self._label(g) for g in sorted(self._graphs)]
+
+    def _label(self, graph: int) -> str:
+        return "1" if graph == 1 else f"{graph}-{self.max_batch}"
 
     def _step(
         self,
@@ -96,12 +109,9 @@ class CompiledDecode:
         if not torch.compiler.is_compiling():
             self.eager_steps += 1
         weights, pool = self._weights, self.path.pool
-        cos = weights.cos[positions].unsqueeze(1)
-        sin = weights.sin[positions].unsqueeze(1)
-        x = weights._embed(input_ids)
-        for index, layer in enumerate(weights.layers):
-            q, k, v = weights._qkv(layer, x, cos, sin)
-            out = paged_decode_attention(
+
+        def attention(index: int, layer: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return paged_decode_attention(
                 q,
                 k,
                 v,
@@ -112,8 +122,8 @@ class CompiledDecode:
                 masks[self._window[layer.window]],
                 weights.scaling,
             )
-            x = weights._finish(layer, x, out.view(x.shape[0], -1))
-        return weights._logits(x)
+
+        return weights._logits(weights.layers_over(weights._embed(input_ids), positions, attention))
 
     def _inputs(
         self, input_ids: Tensor, positions: Tensor, meta: StepMetadata
@@ -126,7 +136,7 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def compile(self, batch: int) -> None:
-        """Compile the graph that serves `batch` rows (1, or any batch from 2 up) from a dummy
+        """Compile the graph that serves `batch` rows (one of GRAPHS) from a dummy
         step over the pool's first blocks (nothing owns them before serving). The batch (from
         2 up) and the KV length are marked dynamic, so later steps do not specialise them."""
         pool = self.path.pool
@@ -148,7 +158,7 @@ class CompiledDecode:
         ids = torch.zeros(batch, dtype=torch.long, device=self.path.device)
         positions = torch.full_like(ids, kv_len - 1)
         inputs = self._inputs(ids, positions, meta)
-        *rows, blocks, masks = inputs
+        *per_row, blocks, masks = inputs
         if blocks.shape[0] > 1:
             torch._dynamo.mark_dynamic(blocks, 0)
         for mask in masks:
@@ -157,13 +167,14 @@ class CompiledDecode:
             if batch > 1:
                 torch._dynamo.mark_dynamic(mask, 1)
         if batch > 1:
-            for tensor in rows:
+            for tensor in per_row:
                 torch._dynamo.mark_dynamic(tensor, 0)
         # Inductor reads these while it compiles, which happens inside this first call.
         with torch._inductor.config.patch(compile_options(self.path.device)):
             self._compiled(*inputs)
-        self._graphs.add(min(batch, 2))
-        logger.info("decode of batch %s compiled", self.graphs[-1] if batch > 1 else "1")
+        graph = max(g for g in GRAPHS if g <= batch)
+        self._graphs.add(graph)
+        logger.info("decode of batch %s compiled", self._label(graph))
 
     @torch.inference_mode()
     def run(self, input_ids: Tensor, positions: Tensor, meta: StepMetadata) -> Tensor:

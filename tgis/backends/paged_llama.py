@@ -9,14 +9,14 @@ from `LlamaWeights` (fused QKV, Llama 3 / linear / yarn rope scaling, tied embed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from tgis.backends.forward import place_embeds
-from tgis.backends.llama_native import LlamaWeights
+from tgis.backends.llama_native import LayerWeights, LlamaWeights
 from tgis.backends.lora import LoraStep
 from tgis.backends.paged_attention import (
     StepMetadata,
@@ -25,6 +25,11 @@ from tgis.backends.paged_attention import (
     pool_shape,
     write_kv,
 )
+
+# One layer's attention inside `PagedLlamaForward.layers_over`: (index, layer, q, k, v) -> out.
+LayerAttention = Callable[
+    [int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 @dataclass(frozen=True)
@@ -103,14 +108,33 @@ class PagedLlamaForward(LlamaWeights):
         token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
         rows take those embeddings instead of their tokens' (prompt prefixes); `lora`: the
         step's rows that go through LoRA adapters."""
+        flash = self.pool.flash
+
+        def attention(
+            index: int, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            keys, values = self.pool.keys[index], self.pool.values[index]
+            write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not flash)
+            return attend(q, keys, values, meta, self.scaling, layer.window, k, v)
+
+        x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
+        return self._logits(self.layers_over(x, positions, attention, lora)[logits_rows])
+
+    def layers_over(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
+        """Every decoder layer over x [tokens, hidden] at `positions`, each one's attention
+        (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
+        v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
         for index, layer in enumerate(self.layers):
             adapted = lora.layer(index) if lora is not None else None
             q, k, v = self._qkv(layer, x, cos, sin, adapted)
-            keys, values = self.pool.keys[index], self.pool.values[index]
-            write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not self.pool.flash)
-            out = attend(q, keys, values, meta, self.scaling, layer.window, k, v)
+            out = attention(index, layer, q, k, v)
             x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
-        return self._logits(x[logits_rows])
+        return x

@@ -34,7 +34,7 @@ from tgis.backends.paged_attention import (
     slots_of,
     step_metadata,
 )
-from tgis.backends.paged_compile import CompiledDecode
+from tgis.backends.paged_compile import GRAPHS, CompiledDecode, weight_copies_bytes
 from tgis.backends.paged_graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged_llama import KVPool, PagedLlamaForward
 from tgis.backends.slot_cache import kv_bytes_per_token
@@ -136,7 +136,7 @@ class PagedTorchBackend:
                 "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
                 "attention runs",
             )
-        weight_copies = 2 * sum(p.nbytes for p in model.parameters()) if compile else 0
+        weight_copies = weight_copies_bytes(model) if compile else 0
         num_blocks = self._size_pool(
             kv_tokens,
             per_token + shared_kv_bytes_per_token,
@@ -345,8 +345,10 @@ class PagedTorchBackend:
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
+        offsets: list[int] = []
         for item, n in zip(items, query_lens, strict=True):
             offset = len(ids)
+            offsets.append(offset)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + n))
             if item.prompt_logits:
@@ -354,7 +356,6 @@ class PagedTorchBackend:
             elif item.sample:
                 rows.append(offset + n - 1)
         device = self.device_obj
-        offsets = [sum(query_lens[:i]) for i in range(len(items))]
         # The step's token ids, positions and logit rows in one copy.
         inputs = to_device([*ids, *positions, *rows], torch.long, device)
         tokens = len(ids)
@@ -483,28 +484,28 @@ class PagedTorchBackend:
         memory pool)."""
         plan = self.warmup_plan(max_batch_size, max_input_tokens)
         timings: list[ShapeTiming] = []
+
+        def timed(batch: int, action: Callable[[int], None]) -> None:
+            """Run `action(batch)`, which builds one decode graph, as a warmup shape."""
+            start = time.perf_counter()
+            action(batch)
+            seconds = time.perf_counter() - start
+            timings.append(ShapeTiming(Shape("decode", batch, 1), seconds, 1))
+            if on_shape is not None:
+                on_shape(timings[-1])
+
         if self.compiled is not None:
             rows = max(shape.rows for shape in plan if shape.phase == "decode")
-            for batch in (1, 2)[: min(rows, 2)]:
-                start = time.perf_counter()
-                self.compiled.compile(batch)
-                seconds = time.perf_counter() - start
-                timings.append(ShapeTiming(Shape("decode", batch, 1), seconds, 1))
-                if on_shape is not None:
-                    on_shape(timings[-1])
+            for batch in (g for g in GRAPHS if g <= rows):
+                timed(batch, self.compiled.compile)
         timings += run_plan(plan, self.run_shape, on_shape)
         if self.graphs is not None:
             for bucket in sorted(self.graphs.buckets, reverse=True):
-                start = time.perf_counter()
                 try:
-                    self.graphs.capture(bucket)
+                    timed(bucket, self.graphs.capture)
                 except RuntimeError as exc:
                     self._graph_capture_failed(bucket, exc)
                     break
-                seconds = time.perf_counter() - start
-                timings.append(ShapeTiming(Shape("decode", bucket, 1), seconds, 1))
-                if on_shape is not None:
-                    on_shape(timings[-1])
         return timings
 
     def _graph_capture_failed(self, bucket: int, exc: RuntimeError) -> None:
