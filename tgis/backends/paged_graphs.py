@@ -26,6 +26,7 @@ from tgis.backends.buckets import powers_of_two
 from tgis.backends.graphs import GraphApi
 from tgis.backends.paged_attention import StepMetadata
 from tgis.backends.paged_llama import PagedLlamaForward
+from tgis.engine.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -142,14 +143,12 @@ class DecodeGraphs:
             dtype=torch.int32,
         )
         device = self.input_ids.device
-        if device.type == "cuda":  # pinned: the copies below do not wait for the device
-            host, table = host.pin_memory(), table.pin_memory()
-        host = host.to(device, non_blocking=True)
+        host = host_to_device(host, device)
         self.input_ids[:bucket].copy_(host[0])
         self.positions[:bucket].copy_(host[1])
         self.slot_mapping[:bucket].copy_(host[2])
         self.seqused_k[:bucket].copy_(host[3])
-        self.block_table[:bucket].copy_(table.to(device, non_blocking=True))
+        self.block_table[:bucket].copy_(host_to_device(table, device))
         captured = self._graphs[bucket]
         self.api.replay(captured.graph)
         return captured.logits[:n]

@@ -38,6 +38,7 @@ from tgis.engine.backend import (
     ShapeTiming,
     check_prefill_items,
 )
+from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -335,8 +336,8 @@ class TorchDynamicBackend:
         positions = [self._length[s] for s in row_slots]
         device = self.device_obj
         batch = DecodeBatch(
-            input_ids=torch.tensor(rows_ids, dtype=torch.long).to(device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            input_ids=to_device(rows_ids, torch.long, device),
+            positions=to_device(positions, torch.long, device),
             kv_len=max(positions) + 1,
             # Compiled: always the masked variant, so equal and unequal lengths share a graph.
             ragged=self.compiled or min(positions) != max(positions),
