@@ -137,6 +137,27 @@ def test_step_attention_equals_the_reference(
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(("kv_heads", "window"), [(2, None), (4, 3)])
+def test_decode_rows_in_bfloat16_equal_the_reference(kv_heads: int, window: int | None) -> None:
+    """A bfloat16 pool: the decode rows' fused attention takes the float32 additive mask with
+    bfloat16 queries, and matches the float32 reference to bfloat16's precision."""
+    k_lens = [3, 9, 13]
+    query, k_cache, v_cache, cu, used, table, *_ = packed_case([1, 1, 1], k_lens, 4, kv_heads)
+    tables = [[int(b) for b in row[: -(-k // BLOCK)]] for row, k in zip(table, k_lens, strict=True)]
+    meta = step_metadata(
+        [1, 1, 1], k_lens, tables, BLOCK, torch.device("cpu"), [window], k_cache.shape[0], kv_heads
+    )
+    k_heads, v_heads = (c.permute(2, 0, 1, 3).contiguous().bfloat16() for c in (k_cache, v_cache))
+    scale = HEAD_DIM**-0.5
+    out = attend(query.bfloat16(), k_heads, v_heads, meta, scale, window)
+    assert out.dtype == torch.bfloat16
+    ref = paged_attention_reference(
+        query.bfloat16().float(), k_cache.bfloat16().float(), v_cache.bfloat16().float(),
+        cu, used, table, scale, window,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_window_and_gqa_change_the_result() -> None:
     """The cases above would pass on an implementation that ignored window or head groups if
     these did not differ."""

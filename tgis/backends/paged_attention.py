@@ -17,14 +17,14 @@ CUDA kernel is tested against.
 
 A forward builds one `StepMetadata` per step (`step_metadata`, on the host, from the scheduler's
 block tables) and every layer reuses it: the flash path's tensors, and for the plain-torch path
-the gather indices and masks precomputed once (`attend`): the one-query rows of decodes as two
-batched matmuls over their gathered pages, each longer query run through SDPA. `attend` is what
+the gather indices and masks precomputed once (`attend`): the one-query rows of decodes as one
+SDPA over their gathered pages, each longer query run through SDPA. `attend` is what
 the cpu backend runs; it is tested against `paged_attention_reference`.
 
 Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
 [num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
 together, [kv_heads, num_blocks, block_size, head_dim], so that gathering a batch's pages
-(`index_select` of whole blocks) yields keys already laid out for one batched matmul per step
+(`index_select` of whole blocks) yields keys already laid out for one attention call per step
 with no further copy: three times faster than gathering per token on a CPU.
 """
 
@@ -64,8 +64,9 @@ def write_kv(
     offset) of a pages pool, or of a head-major one (`heads_first`)."""
     if heads_first:
         kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
-        k_cache.view(kv_heads, -1, dim)[:, slot_mapping] = key.transpose(0, 1).to(k_cache.dtype)
-        v_cache.view(kv_heads, -1, dim)[:, slot_mapping] = value.transpose(0, 1).to(v_cache.dtype)
+        keys, values = key.transpose(0, 1).to(k_cache.dtype), value.transpose(0, 1)
+        k_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, keys)
+        v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, values.to(v_cache.dtype))
         return
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
@@ -204,9 +205,9 @@ def paged_attention(
 @dataclass(frozen=True)
 class _DecodeRows:
     """The one-query sequences of a step, attended together: their rows in the packed
-    queries; `blocks` [kv_heads * rows * pages] the head-major pool's blocks to gather
+    queries; `blocks` [rows * kv_heads * pages] the head-major pool's blocks to gather
     (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
-    and an additive mask [1, rows, 1, pages * block_size] per sliding window. `whole`: they
+    and an additive mask [rows, 1, 1, pages * block_size] per sliding window. `whole`: they
     are every row of the step, in order (a decode step: no gather of queries, no scatter of
     results)."""
 
@@ -329,12 +330,12 @@ def _decode_rows(
         used = list(block_tables[i][: -(-kv_lens[i] // block_size)])
         padded.append(used + [0] * (pages - len(used)))
     table = torch.tensor(padded, dtype=torch.long)
-    heads = torch.arange(kv_heads)[:, None, None] * num_blocks
-    blocks = (heads + table[None]).flatten()
+    heads = torch.arange(kv_heads)[None, :, None] * num_blocks
+    blocks = (heads + table[:, None]).flatten()
     positions = torch.tensor([kv_lens[i] - 1 for i in picked])[:, None]
     length = pages * block_size
     masks = {
-        w: additive_mask(causal_mask(positions, length, w)).view(1, len(picked), 1, length)
+        w: additive_mask(causal_mask(positions, length, w)).view(len(picked), 1, 1, length)
         for w in set(windows)
     }
     rows = torch.tensor([starts[i] for i in picked])
@@ -373,20 +374,24 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """One query per row [rows, heads, dim] over head-major pools: `blocks` and `mask` as
-    `_DecodeRows` holds them (the rows' whole blocks, gathered per KV head, and the additive
-    mask of the layer's window) -> [rows, heads, dim]. Scores and softmax in float32."""
+    `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the additive
+    mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
+    attention (softmax accumulated in float32 for every dtype)."""
     rows, heads, dim = query.shape
     kv_heads = k_cache.shape[0]
     block_elems = k_cache.shape[2] * dim
-    # [kv_heads, rows, T, dim]: whole blocks, already in matmul layout.
-    keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(kv_heads, rows, -1, dim)
-    values = v_cache.view(-1, block_elems).index_select(0, blocks).view(kv_heads, rows, -1, dim)
-    q = query.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kvh, rows, g, d]
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float()  # [kvh, rows, g, T]
-    scores.mul_(scale).add_(mask)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    attended = torch.matmul(probs, values)  # [kvh, rows, g, d]
-    return attended.transpose(0, 1).reshape(rows, heads, dim)
+    # [rows, kv_heads, T, dim]: whole blocks, already in attention's layout.
+    keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
+    values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
+    attended = F.scaled_dot_product_attention(
+        query.view(rows, heads, 1, dim),
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
+    return attended.view(rows, heads, dim)
 
 
 def attend(
