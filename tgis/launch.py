@@ -95,8 +95,8 @@ def load_torch_backend(
     slot engine (transformers' forward, compiled with --compile) for the others."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
-    from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.paged_torch import PagedTorchBackend
     from tgis.backends.seq2seq import is_encoder_decoder
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
@@ -110,7 +110,7 @@ def load_torch_backend(
     model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
     if config.compile and config.compile_cache:
         use_inductor_cache(Path(config.compile_cache))
-    reason = paged_unsupported_reason(model)
+    reason = native_unsupported_reason(model)
     if reason is None:
         return PagedTorchBackend(
             model,
@@ -148,8 +148,8 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
-    from tgis.backends.paged_torch import paged_kv_bytes_per_token, paged_unsupported_reason
+    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.paged_torch import paged_kv_bytes_per_token
     from tgis.backends.torch_device import load_causal_lm
     from tgis.hub import resolve_model_dir
 
@@ -163,7 +163,7 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             "draft with a smaller model of the same family, trained with the same tokenizer",
         )
     model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
-    reason = paged_unsupported_reason(model)
+    reason = native_unsupported_reason(model)
     if reason is not None:
         raise ConfigError(
             f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",

@@ -64,9 +64,9 @@ def write_kv(
     offset) of a pages pool, or of a head-major one (`heads_first`)."""
     if heads_first:
         kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
-        keys, values = key.transpose(0, 1).to(k_cache.dtype), value.transpose(0, 1)
-        k_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, keys)
-        v_cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, values.to(v_cache.dtype))
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            heads_major = new.transpose(0, 1).to(cache.dtype)
+            cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, heads_major)
         return
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)

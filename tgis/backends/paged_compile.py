@@ -175,13 +175,11 @@ class CompiledDecode:
         *per_row, blocks, masks = inputs
         if blocks.shape[0] > 1:
             torch._dynamo.mark_dynamic(blocks, 0)
-        for mask in masks:
+        for mask in masks:  # [rows, 1, 1, KV length]
             if pages > 1:
                 torch._dynamo.mark_dynamic(mask, 3)
-            if batch > 1:
-                torch._dynamo.mark_dynamic(mask, 1)
         if batch > 1:
-            for tensor in per_row:
+            for tensor in (*per_row, *masks):
                 torch._dynamo.mark_dynamic(tensor, 0)
         # Inductor reads these while it compiles, which happens inside this first call.
         with torch._inductor.config.patch(compile_options(self.path.device)):

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from tgis.backends.buckets import powers_of_two
 from tgis.backends.compile_watch import run_plan
 from tgis.backends.graphs import GraphApi
-from tgis.backends.llama_native import native_kv_shape, native_unsupported_reason
+from tgis.backends.llama_native import native_kv_shape
 from tgis.backends.lora import LoraShapes, LoraStacks
 from tgis.backends.paged_attention import (
     attention_path,
@@ -63,11 +63,6 @@ def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
     shape = native_kv_shape(model)
     dtype = next(model.parameters()).dtype
     return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
-
-
-def paged_unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why `model` runs on the slot engine rather than this one (None: it runs here)."""
-    return native_unsupported_reason(model)
 
 
 class PagedTorchBackend:

@@ -85,7 +85,8 @@ def load_backend(
     torch.compile, compiled here)."""
     import torch
 
-    from tgis.backends.paged_torch import PagedTorchBackend, paged_unsupported_reason
+    from tgis.backends.llama_native import native_unsupported_reason
+    from tgis.backends.paged_torch import PagedTorchBackend
     from tgis.backends.torch_device import load_causal_lm
     from tgis.backends.torch_dynamic import TorchDynamicBackend
 
@@ -93,7 +94,7 @@ def load_backend(
     if num_shard > 1:
         return _sharded(model_dir, device, dtype, max_batch, prompt_tokens, total, num_shard)
     model = load_causal_lm(model_dir, torch.device(device), dtype)
-    if paged_unsupported_reason(model) is None:
+    if native_unsupported_reason(model) is None:
         paged = PagedTorchBackend(
             model,
             max_sequences=max_batch,
