@@ -233,7 +233,7 @@ def bare_decode_ms(
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.engine.backend import PackedItem
 
     prompt = tuple(range(10, 110))
@@ -303,7 +303,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args()
     if args.dtype == "auto":
-        from tgis.backends.torch_device import cpu_has_native_bf16
+        from tgis.backends.common.device import cpu_has_native_bf16
 
         args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     args.workdir.mkdir(parents=True, exist_ok=True)

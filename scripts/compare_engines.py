@@ -50,8 +50,8 @@ class StepTotals:
 def run(
     engine_kind: str, model: torch.nn.Module, tokenizer: object, args: argparse.Namespace
 ) -> str:
-    from tgis.backends.paged_torch import PagedTorchBackend
-    from tgis.backends.torch_dynamic import TorchDynamicBackend
+    from tgis.backends.fallback.backend import TorchDynamicBackend
+    from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.engine.engine import Engine
     from tgis.engine.scheduler import SchedulerLimits
     from tgis.engine.types import GenerationRequest
@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tgis.backends.torch_device import cpu_threads
+    from tgis.backends.common.device import cpu_threads
 
     torch.set_num_threads(cpu_threads())
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)

@@ -84,7 +84,7 @@ def probe(out: Path) -> dict[str, Any]:
     """What the machine is and which paths tgis takes on it."""
     import torch
 
-    from tgis.backends.paged_attention import attention_path, flash_paged_available
+    from tgis.backends.paged.attention import attention_path, flash_paged_available
 
     facts: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():

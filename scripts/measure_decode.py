@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.engine.backend import PrefillItem
 
 Step = Callable[[], object]

@@ -37,8 +37,8 @@ def test_the_cuda_stage_selects_the_cuda_tests() -> None:
     tests = [line for line in listed.stdout.splitlines() if "::" in line]
     names = " ".join(tests)
     for expected in (
-        "test_paged_attention.py::test_flash_paged_equals_the_reference_on_cuda",
-        "test_paged_torch.py::test_real_cuda_graphs_equal_eager_on_cuda",
+        "paged/test_attention.py::test_flash_paged_equals_the_reference_on_cuda",
+        "paged/test_backend.py::test_real_cuda_graphs_equal_eager_on_cuda",
         "test_serve_e2e.py::test_serve_on_cuda_starts_and_answers",
     ):
         assert expected in names

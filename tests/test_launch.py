@@ -13,8 +13,8 @@ from tests.engine.test_engine import request, tokenizer
 from tests.engine.test_speculation import EDIT, Counts, outputs
 from tests.factories import make_lora_adapter, make_model_dir, tiny_model, tiny_tokenizer
 from tests.server.conftest import make_config
-from tgis.backends.paged_torch import PagedTorchBackend
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.fallback.backend import TorchDynamicBackend
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.config import GaudiSettings, check_kv_budget
 from tgis.engine.backend import BackendCapacity
 from tgis.engine.draft import DraftModelProposer

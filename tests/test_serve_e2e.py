@@ -252,7 +252,7 @@ def test_serve_binary_starts_and_answers() -> None:
 def test_serve_on_cuda_starts_and_answers() -> None:
     """On a GPU in bfloat16: the paged engine with flash attention and CUDA-graph decode where
     this torch has them, and /info saying which."""
-    from tgis.backends.paged_attention import flash_paged_available
+    from tgis.backends.paged.attention import flash_paged_available
 
     runtime = serve_and_ask("--backend", "cuda", "--dtype", "bfloat16")
     flash = flash_paged_available(torch.device("cuda"), torch.bfloat16)

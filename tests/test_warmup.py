@@ -9,9 +9,9 @@ from transformers import PreTrainedModel
 from tests.backends.conftest import VARIANTS, make_backend
 from tests.factories import tiny_model
 from tests.server.conftest import make_config
-from tgis.backends.buckets import static_policy
-from tgis.backends.static_batch import EagerOps, StaticBatchBackend
-from tgis.backends.static_kv import StaticLlamaForward
+from tgis.backends.static.batch import EagerOps, StaticBatchBackend
+from tgis.backends.static.buckets import static_policy
+from tgis.backends.static.kv import StaticLlamaForward
 from tgis.engine.backend import Shape, ShapeTiming
 from tgis.launch import build_service
 from tgis.warmup import run_warmup

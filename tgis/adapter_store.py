@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tgis.backends.lora import LoraShapes
+from tgis.backends.paged.lora import LoraShapes
 from tgis.config.types import ADAPTER_NAME as ADAPTER_NAME_PATTERN
 from tgis.engine.types import LORA_MODULES, LoraAdapter
 from tgis.errors import InputValidationError

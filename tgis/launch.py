@@ -70,15 +70,15 @@ def load_backend(
     if config.backend in ("cpu", "cuda"):
         return load_torch_backend(config, model_dir, draft)
     if config.backend == "tpu":
-        from tgis.backends.tpu import load_tpu_backend
+        from tgis.backends.static.tpu import load_tpu_backend
 
         return load_tpu_backend(config, model_dir)
     if config.backend == "neuron":
-        from tgis.backends.neuron import load_neuron_backend
+        from tgis.backends.static.neuron import load_neuron_backend
 
         return load_neuron_backend(config, model_dir)
     if config.backend == "gaudi":
-        from tgis.backends.gaudi import load_gaudi_backend
+        from tgis.backends.static.gaudi import load_gaudi_backend
 
         return load_gaudi_backend(config, model_dir)
     raise BackendUnavailableError(
@@ -95,11 +95,11 @@ def load_torch_backend(
     slot engine (transformers' forward, compiled with --compile) for the others."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
-    from tgis.backends.paged_torch import PagedTorchBackend
-    from tgis.backends.seq2seq import is_encoder_decoder
-    from tgis.backends.torch_device import load_causal_lm
-    from tgis.backends.torch_dynamic import TorchDynamicBackend
+    from tgis.backends.common.device import load_causal_lm
+    from tgis.backends.fallback.backend import TorchDynamicBackend
+    from tgis.backends.models.llama import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.paged.backend import PagedTorchBackend
+    from tgis.backends.seq2seq.backend import is_encoder_decoder
 
     slots = config.max_batch_size or config.max_concurrent_requests
     model_config = json.loads((model_dir / "config.json").read_text())
@@ -148,9 +148,9 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES, native_unsupported_reason
-    from tgis.backends.paged_torch import paged_kv_bytes_per_token
-    from tgis.backends.torch_device import load_causal_lm
+    from tgis.backends.common.device import load_causal_lm
+    from tgis.backends.models.llama import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.paged.backend import paged_kv_bytes_per_token
     from tgis.hub import resolve_model_dir
 
     name = f"--draft-model {config.draft_model}"
@@ -192,7 +192,7 @@ def draft_proposer(
 ) -> Proposer:
     """The proposer drafting from --draft-model: its own paged backend, its cache as many
     tokens as the model's, decoding eagerly."""
-    from tgis.backends.paged_torch import PagedTorchBackend
+    from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.engine.draft import DraftModelProposer
 
     capacity = backend.capacity
@@ -228,8 +228,8 @@ def load_sharded_backend(
     config: ServeConfig, model_dir: Path, model_config: dict[str, Any], slots: int
 ) -> PagedBackend:
     """--num-shard N on cpu / cuda: the paged engine over N tensor-parallel processes."""
-    from tgis.backends.llama_native import NATIVE_MODEL_TYPES
-    from tgis.backends.tensor_parallel import (
+    from tgis.backends.models.llama import NATIVE_MODEL_TYPES
+    from tgis.backends.paged.tensor_parallel import (
         ShardSettings,
         TensorParallelBackend,
         shard_unsupported_reason,
@@ -254,7 +254,7 @@ def load_sharded_backend(
     )
     import torch
 
-    from tgis.backends.torch_device import layer_shape, resolve_dtype
+    from tgis.backends.common.device import layer_shape, resolve_dtype
 
     if config.backend == "cuda" and torch.cuda.device_count() < config.num_shard:
         raise ConfigError(
@@ -284,7 +284,7 @@ def load_sharded_backend(
 
 def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Backend:
     """cpu / cuda: an encoder-decoder model in the slot engine (`Seq2SeqBackend`)."""
-    from tgis.backends.seq2seq import Seq2SeqBackend
+    from tgis.backends.seq2seq.backend import Seq2SeqBackend
 
     _refuse_options(
         config,

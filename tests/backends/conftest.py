@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.factories import tiny_model
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.fallback.backend import TorchDynamicBackend
 
 VOCAB = 256
 HIDDEN = 64

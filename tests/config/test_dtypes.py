@@ -41,7 +41,7 @@ def test_element_sizes() -> None:
 
 def test_torch_names_match() -> None:
     torch = pytest.importorskip("torch")
-    from tgis.backends.torch_device import torch_dtype
+    from tgis.backends.common.device import torch_dtype
 
     for name in DTYPES:
         assert torch_dtype(name) is getattr(torch, name)

@@ -17,7 +17,7 @@ from tests.engine.test_engine import PROMPTS, request, tokenizer
 from tests.engine.test_poison_batch import make_engine, paged_backend
 from tests.engine.test_speculation import EDIT, Counts, outputs
 from tests.factories import tiny_config
-from tgis.backends.paged_torch import PagedTorchBackend
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.draft import DraftModelProposer
 from tgis.engine.engine import Engine
 from tgis.engine.types import GenerationRequest

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import FinishReason, GenerationRequest, TokenEvent

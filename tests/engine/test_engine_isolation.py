@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.engine.test_engine import PROMPTS, collect, request, run, tokenizer
-from tgis.backends.paged_torch import PagedTorchBackend
-from tgis.backends.torch_device import load_causal_lm
+from tgis.backends.common.device import load_causal_lm
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine import live as live_module
 from tgis.engine import output as output_module
 from tgis.engine.engine import Engine

@@ -19,8 +19,8 @@ from tests.engine.test_engine import (
     slots_freed,
     tokenizer,
 )
-from tgis.backends.paged_torch import PagedTorchBackend
-from tgis.backends.torch_device import load_causal_lm
+from tgis.backends.common.device import load_causal_lm
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.engine import Engine
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits

@@ -20,8 +20,8 @@ from tests.engine.test_poison_batch import make_engine, paged_backend, slot_back
 from tests.engine.test_speculation import EDIT, outputs
 from tests.factories import make_lora_adapter
 from tgis.adapter_store import AdapterStore, LoraShapes
-from tgis.backends.paged_torch import PagedTorchBackend
-from tgis.backends.torch_device import load_causal_lm
+from tgis.backends.common.device import load_causal_lm
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.types import GenerationRequest
 from tgis.errors import InputValidationError
 

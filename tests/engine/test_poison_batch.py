@@ -13,9 +13,9 @@ import torch
 
 from tests.engine.test_engine import PROMPTS, request, tokenizer
 from tests.engine.test_engine_isolation import outcomes
-from tgis.backends.paged_torch import PagedTorchBackend
-from tgis.backends.torch_device import load_causal_lm
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.common.device import load_causal_lm
+from tgis.backends.fallback.backend import TorchDynamicBackend
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine import live as live_module
 from tgis.engine import sampling as sampling_module
 from tgis.engine.engine import Engine

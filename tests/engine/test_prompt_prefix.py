@@ -12,7 +12,7 @@ import torch
 
 from tests.engine.test_engine import PROMPTS, collect, hf_model, request, run, tokenizer
 from tests.engine.test_engine_paged import make_engine as make_paged_engine
-from tgis.backends.torch_dynamic import TorchDynamicBackend
+from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import GenerationRequest, PromptPrefix

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from tests.factories import make_lora_adapter
 from tests.server.conftest import live_server
-from tgis.backends.torch_device import load_causal_lm
+from tgis.backends.common.device import load_causal_lm
 from tgis.config import LauncherArgs, ModelFacts, build_serve_config
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc

@@ -85,10 +85,10 @@ def load_backend(
     torch.compile, compiled here)."""
     import torch
 
-    from tgis.backends.llama_native import native_unsupported_reason
-    from tgis.backends.paged_torch import PagedTorchBackend
-    from tgis.backends.torch_device import load_causal_lm
-    from tgis.backends.torch_dynamic import TorchDynamicBackend
+    from tgis.backends.common.device import load_causal_lm
+    from tgis.backends.fallback.backend import TorchDynamicBackend
+    from tgis.backends.models.llama import native_unsupported_reason
+    from tgis.backends.paged.backend import PagedTorchBackend
 
     total = prompt_tokens + decode_tokens + 1
     if num_shard > 1:
@@ -131,7 +131,7 @@ def _sharded(
     """The paged backend over `num_shard` tensor-parallel processes (tensor_parallel.py)."""
     import socket
 
-    from tgis.backends.tensor_parallel import ShardSettings, TensorParallelBackend
+    from tgis.backends.paged.tensor_parallel import ShardSettings, TensorParallelBackend
 
     with socket.socket() as s:  # a free rendezvous port on this machine
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,6 @@
 """The one table of numeric types: the names tgis accepts, Neuron's cast names, element sizes.
 
-Backends map a name to their framework's type (tgis.backends.torch_device.torch_dtype); the
+Backends map a name to their framework's type (tgis.backends.common.device.torch_dtype); the
 names, aliases and sizes live only here.
 """
 

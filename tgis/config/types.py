@@ -12,7 +12,7 @@ from typing import Any
 BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 # Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
 STATIC_BACKENDS = ("tpu", "neuron")
-# How a static batch prefills (see tgis.backends.buckets): recompute every slot, or only new ones.
+# How a static batch prefills (see tgis.backends.static.buckets): recompute every slot, or only new ones.
 # The most draft tokens speculative decoding verifies per step (--speculate).
 MAX_SPECULATE = 16
 PREFILL_MODES = ("rebuild", "insert")

@@ -1,0 +1,291 @@
+"""tgis.backends.paged.backend: packed steps over a paged pool equal HF's forward and generate,
+alone, in batches, chunked, preempted and with prefix-cache hits. Every test builds its own
+model: the backend takes the model's weights (fused views), so none is shared."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
+from tests.backends.fallback.test_llama import CONTINUATION, build, hf_logits
+from tests.backends.paged_driver import greedy, scheduler_for
+from tests.factories import tiny_model
+from tgis.backends.paged.attention import flash_paged_available
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.engine.backend import PackedItem, Shape
+from tgis.errors import ConfigError
+
+NEW = 6
+
+
+def paged(
+    model: PreTrainedModel,
+    blocks: int = 32,
+    block_size: int = 4,
+    max_sequences: int = 16,
+    max_sequence_tokens: int = 64,
+    prefill: int = 64,
+) -> PagedTorchBackend:
+    return PagedTorchBackend(
+        model,
+        max_sequences=max_sequences,
+        max_sequence_tokens=max_sequence_tokens,
+        max_prefill_tokens=prefill,
+        kv_tokens=blocks * block_size,
+        block_size=block_size,
+    )
+
+
+def fresh(variant: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    arch, fields = VARIANTS[variant]
+    return tiny_model(arch, seed=seed, **{**fields, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "llama3-rope", "mistral", "qwen2-untied-biases"])
+def test_prompt_and_decode_logits_equal_hf(case: str) -> None:
+    """Prompts of three lengths prefilled in one packed step (every position's logits), then
+    decoded together: each row equals HF's full forward over the same tokens."""
+    model = build(case)
+    expected = [hf_logits(model, p + CONTINUATION) for p in PROMPTS]
+    backend = paged(model)
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    out = backend.forward(
+        [PackedItem(i, p, 0, tables[i], prompt_logits=True) for i, p in enumerate(PROMPTS)]
+    )
+    for i, prompt in enumerate(PROMPTS):
+        assert out.prompt[i] is not None
+        torch.testing.assert_close(out.prompt[i], expected[i][: len(prompt)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.last[i], expected[i][len(prompt) - 1], atol=1e-4, rtol=0)
+    for step, token in enumerate(CONTINUATION[:-1]):
+        out = backend.forward(
+            [PackedItem(i, (token,), len(p) + step, tables[i]) for i, p in enumerate(PROMPTS)]
+        )
+        for i, prompt in enumerate(PROMPTS):
+            torch.testing.assert_close(
+                out.last[i], expected[i][len(prompt) + step], atol=1e-4, rtol=0
+            )
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])
+def test_greedy_tokens_equal_generate_alone_and_batched(variant: str) -> None:
+    model = fresh(variant)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = paged(model)
+    assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(backend, PROMPTS, NEW) == reference
+
+
+def test_sliding_window_over_blocks_and_chunks() -> None:
+    """mistral with a 6-token window, block size 4, prompts chunked by 5 tokens."""
+    model = fresh("mistral", seed=2, sliding_window=6)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = paged(model)
+    assert greedy(backend, PROMPTS, NEW, scheduler_for(backend, prefill_tokens=5)) == reference
+
+
+def test_chunked_prefill_and_preemption_change_no_token() -> None:
+    """A pool of 7 blocks of 4 for three sequences of up to 19 tokens: prompts are chunked
+    by 3 tokens, sequences are preempted and recomputed, the tokens stay those of generate."""
+    model = fresh("llama", seed=4)
+    prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
+    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    backend = paged(model, blocks=7, max_sequence_tokens=24)
+    sched = scheduler_for(backend, prefill_tokens=3)
+    assert greedy(backend, prompts, NEW, sched) == reference
+    assert sched.preemptions > 0
+    assert sched.blocks.free_blocks == 7
+
+
+def test_prefix_cache_hits_change_no_token() -> None:
+    model = fresh("qwen2", seed=5)
+    shared = tuple(range(40, 52))  # 3 blocks of 4
+    prompts = [(*shared, 9, 10), (*shared, 99), (*shared, 5, 6, 7, 8)]
+    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    backend = paged(model)
+    sched = scheduler_for(backend, prefix_caching=True)
+    assert greedy(backend, prompts[:1], NEW, sched) == reference[:1]
+    assert greedy(backend, prompts[1:], NEW, sched) == reference[1:]
+    assert sched.blocks.stats.hit_tokens == 24  # 12 prompt tokens found, twice
+
+
+def test_bf16_logits_close_to_float32() -> None:
+    model = build("llama-tied")
+    expected = hf_logits(model, PROMPTS[0])
+    backend = paged(model.to(torch.bfloat16))
+    out = backend.forward([PackedItem(0, PROMPTS[0], 0, tuple(range(4)), prompt_logits=True)])
+    assert out.prompt[0] is not None and out.prompt[0].dtype == torch.float32
+    torch.testing.assert_close(out.prompt[0], expected, atol=0.05, rtol=0)
+
+
+def test_bad_items_are_refused_before_any_write() -> None:
+    backend = paged(fresh(), blocks=4, max_sequence_tokens=16)
+    before = [k.clone() for k in backend.path.pool.keys]
+    cases = [
+        (PackedItem(0, (1, 2), 15, (0, 1, 2, 3)), "positions 15..16 outside 0..15"),
+        (PackedItem(0, (1,) * 9, 0, (0, 1)), "2 blocks of 4 cannot hold 9 positions"),
+        (PackedItem(0, (1, 2), 0, (7,)), r"block ids outside \[0, 4\)"),
+        (PackedItem(0, (1, 999), 0, (0,)), r"token ids outside \[0, 256\)"),
+    ]
+    for item, message in cases:
+        with pytest.raises(ValueError, match=message):
+            backend.forward([PackedItem(1, (5,), 0, (3,)), item])
+    assert all(torch.equal(a, b) for a, b in zip(before, backend.path.pool.keys, strict=True))
+
+
+def test_pool_size_from_the_budget_and_from_memory() -> None:
+    backend = paged(fresh(), blocks=7, block_size=4, max_sequence_tokens=28)
+    cap = backend.capacity
+    assert (cap.block_size, cap.num_blocks, cap.kv_tokens) == (4, 7, 28)
+    # From memory on CPU: never more than max_sequences x max_sequence_tokens, whole blocks.
+    sized = PagedTorchBackend(
+        fresh(), max_sequences=3, max_sequence_tokens=30, max_prefill_tokens=30, block_size=8
+    )
+    assert sized.capacity.kv_tokens == 96
+    with pytest.raises(ConfigError, match="cannot hold one sequence of 64 tokens"):
+        paged(fresh(), blocks=3, block_size=4)
+
+
+def test_a_pool_sized_from_memory_leaves_a_shared_cache_its_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tgis.backends.paged import backend as paged_torch
+
+    monkeypatch.setattr(paged_torch, "available_memory", lambda device: 1 << 26)
+
+    def sized(shared: int) -> PagedTorchBackend:
+        return PagedTorchBackend(
+            fresh(), max_sequences=4, max_sequence_tokens=32, max_prefill_tokens=32,
+            memory_fraction=0.5, shared_kv_bytes_per_token=shared,
+        )  # fmt: skip
+
+    alone = sized(0).capacity
+    # A draft cache of as many bytes per token as this one: half the tokens fit.
+    shared = sized(alone.kv_bytes_per_token).capacity
+    assert alone.kv_budget_tokens == (1 << 25) // alone.kv_bytes_per_token
+    assert shared.kv_budget_tokens == (1 << 25) // (2 * alone.kv_bytes_per_token)
+    assert shared.kv_bytes_per_token == alone.kv_bytes_per_token
+
+
+def test_warmup_plan_follows_the_budgets() -> None:
+    backend = paged(fresh(), blocks=32, block_size=4, max_sequences=16, prefill=20)
+    plan = backend.warmup_plan(max_batch_size=16, max_input_tokens=50)
+    # the largest chunk the scheduler sends (prefill budget 20), then decode buckets up to
+    # what the pool holds at 3 blocks per warmup sequence (10)
+    assert plan == [
+        Shape("prefill", 1, 20),
+        *(Shape("decode", n, 1) for n in (1, 2, 4, 8, 10)),
+    ]
+    timings = backend.warmup(16, 50)
+    assert [t.shape for t in timings] == plan
+
+
+class ReplayingApi:
+    """A stand-in GraphApi that re-runs the step on replay, into the output tensor recorded at
+    capture (as a CUDA graph writes into its captured memory). It checks the buffers, buckets
+    and padding around the graphs on a CPU; the capture itself is the CUDA test's."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.outputs: dict[object, torch.Tensor] = {}
+
+    def capture(self, step):  # type: ignore[no-untyped-def]
+        out = step()
+        self.outputs[step] = out
+        return step, out
+
+    def replay(self, graph) -> None:  # type: ignore[no-untyped-def]
+        self.replays += 1
+        self.outputs[graph].copy_(graph())
+
+
+def test_decode_graph_bookkeeping_on_cpu() -> None:
+    """Decode steps go through the bucket's buffers (padding rows into the scratch block) and
+    give the eager tokens; prefill stays eager."""
+    model = fresh("llama", seed=6)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    api = ReplayingApi()
+    backend = PagedTorchBackend(
+        model, max_sequences=4, max_sequence_tokens=64, max_prefill_tokens=64,
+        kv_tokens=32 * 4, block_size=4, graph_api=api,
+    )  # fmt: skip
+    graphs = backend.graphs
+    assert graphs is not None and backend.capacity.num_blocks == 32
+    assert graphs.scratch_block == 32 and backend.path.pool.num_blocks == 33
+    timings = backend.warmup(4, 20)
+    assert graphs.captured == (1, 2, 4)
+    assert [t.shape for t in timings if t.compiled] == [Shape("decode", b, 1) for b in (4, 2, 1)]
+    before = api.replays
+    assert greedy(backend, PROMPTS, NEW) == reference
+    assert api.replays - before == NEW - 1  # every decode step replayed, prefills eager
+    # 3 sequences in the bucket of 4: the padding row wrote the scratch block only
+    assert graphs.slot_mapping[3].item() == 32 * 4 and graphs.seqused_k[3].item() == 1
+
+
+def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="--cuda-graphs needs flash attention over the paged"):
+        PagedTorchBackend(
+            fresh(), max_sequences=2, max_sequence_tokens=16, max_prefill_tokens=16,
+            kv_tokens=64, cuda_graphs=True,
+        )  # fmt: skip
+    assert paged(fresh()).graphs is None  # the default on a CPU: eager
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graphs_equal_eager_on_cuda() -> None:
+    """Recorded CUDA graphs (not a stand-in) give the eager backend's greedy tokens, in bf16,
+    for batches that fill a bucket and batches that pad one."""
+    if not flash_paged_available(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("this torch's varlen_attn has no block_table")
+    prompts = [*PROMPTS, (9, 9, 9), (1, 2, 3, 4, 5)]
+    models = [fresh("llama", seed=7).to("cuda", torch.bfloat16) for _ in range(2)]
+    kw = {"max_sequences": 8, "max_sequence_tokens": 512, "max_prefill_tokens": 512}
+    eager = PagedTorchBackend(models[0], kv_tokens=4096, cuda_graphs=False, **kw)
+    graphed = PagedTorchBackend(models[1], kv_tokens=4096, cuda_graphs=True, **kw)
+    graphed.warmup(8, 64)
+    assert graphed.graphs is not None and graphed.graphs.captured == (1, 2, 4, 8)
+    for batch in (prompts[:1], prompts[:3], prompts):
+        assert greedy(graphed, batch, NEW) == greedy(eager, batch, NEW)
+
+
+class FailingApi(ReplayingApi):
+    def capture(self, step):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_graph_that_cannot_be_recorded_leaves_decode_eager_unless_required() -> None:
+    kw = {"max_sequences": 2, "max_sequence_tokens": 32, "max_prefill_tokens": 32}
+    model = fresh()
+    reference = [greedy_reference(model, p, 2) for p in PROMPTS[:2]]
+    backend = PagedTorchBackend(model, kv_tokens=64, block_size=4, graph_api=FailingApi(), **kw)
+    timings = backend.warmup(2, 8)
+    assert backend.graphs is None and not any(t.compiled for t in timings)
+    assert greedy(backend, PROMPTS[:2], 2) == reference  # serves eagerly
+    required = PagedTorchBackend(
+        fresh(), kv_tokens=64, block_size=4, graph_api=FailingApi(), cuda_graphs=True, **kw
+    )
+    with pytest.raises(ConfigError, match="recording the decode graph of batch 2 failed"):
+        required.warmup(2, 8)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_tokens_same_alone_and_batched() -> None:
+    """On the GPU (float32 so rounding cannot flip a token, hence plain-torch attention):
+    greedy tokens equal generate's, alone and in a batch, chunked and from cached blocks."""
+    model = fresh("llama", seed=8)
+    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
+    backend = PagedTorchBackend(
+        copy.deepcopy(model).to("cuda"), max_sequences=8, max_sequence_tokens=512,
+        max_prefill_tokens=512, kv_tokens=4096, cuda_graphs=False,
+    )  # fmt: skip
+    # float32: flash attention does not compute in it, so the plain-torch path attends.
+    assert not backend.path.pool.flash
+    assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(backend, PROMPTS, NEW) == reference
+    sched = scheduler_for(backend, prefill_tokens=5, prefix_caching=True)
+    assert greedy(backend, PROMPTS, NEW, sched) == reference

@@ -1,0 +1,146 @@
+"""Tensor parallelism on CPU: 2 gloo processes give the greedy tokens of one, alone and in a
+batch, on the bundled model (GQA, tied embeddings) and a tiny GQA Llama whose vocabulary does
+not divide evenly; a killed shard ends the server with a message naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.engine.test_engine import PROMPTS, collect, request, run
+from tests.factories import save_model, tiny_model
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.paged.tensor_parallel import (
+    ShardSettings,
+    TensorParallelBackend,
+    shard_unsupported_reason,
+)
+from tgis.engine.engine import Engine
+from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.types import GenerationRequest
+
+TOKENS = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def settings(model_dir: Path, world: int = 2, device: str = "cpu") -> ShardSettings:
+    return ShardSettings(
+        model_dir=str(model_dir), device=device, dtype="float32", max_sequences=8,
+        max_sequence_tokens=TOKENS, max_prefill_tokens=64, kv_tokens=8 * TOKENS,
+        memory_fraction=None, master_addr="127.0.0.1", master_port=free_port(), world=world,
+    )  # fmt: skip
+
+
+def engine_over(backend: object, tokenizer: object) -> Engine:
+    capacity = backend.capacity  # type: ignore[attr-defined]
+    limits = SchedulerLimits(
+        max_batch_prefill_tokens=64,
+        max_batch_total_tokens=capacity.kv_tokens,
+        max_sequences=8,
+        prefill_step_tokens=capacity.prefill_step_tokens,
+    )
+    engine = Engine(backend, tokenizer, limits, 16, (tokenizer.eos_token_id,))  # type: ignore[arg-type, attr-defined]
+    engine.start()
+    return engine
+
+
+def tokens_of(engine: Engine, reqs: list[GenerationRequest]) -> list[list[int]]:
+    async def together() -> list[list[int]]:
+        results = await asyncio.gather(*(collect(engine.generate(r)) for r in reqs))
+        return [[e.token.id for e in events] for events in results]
+
+    return run(together())
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 heads over 2 KV heads, vocabulary 127 (not a multiple of 2), untied head."""
+    model = tiny_model(
+        "llama", seed=3, vocab_size=127, tie_word_embeddings=False, intermediate_size=64
+    )
+    return save_model(model, tmp_path_factory.mktemp("gqa"))
+
+
+def check_two_shards(model_dir: Path, device: str) -> None:
+    """Two shards' greedy tokens equal one device's, alone and batched; workers end on close."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reqs = [
+        request(tokenizer, PROMPTS[i % len(PROMPTS)], f"r{i}", max_new_tokens=10, ignore_eos=True)
+        for i in range(4)
+    ]
+    one = PagedTorchBackend.load(
+        model_dir, device, "float32", max_sequences=8, max_sequence_tokens=TOKENS,
+        max_prefill_tokens=64, kv_tokens=8 * TOKENS,
+    )  # fmt: skip
+    engine = engine_over(one, tokenizer)
+    try:
+        expected = [tokens_of(engine, [r])[0] for r in reqs]
+    finally:
+        engine.stop()
+    assert len({tuple(t) for t in expected}) > 1
+    sharded = TensorParallelBackend(settings(model_dir, device=device))
+    engine = engine_over(sharded, tokenizer)
+    try:
+        assert sharded.capacity.kv_tokens == one.capacity.kv_tokens
+        assert [tokens_of(engine, [r])[0] for r in reqs] == expected  # alone
+        assert tokens_of(engine, reqs) == expected  # in one batch
+    finally:
+        engine.stop()
+        sharded.close()
+    assert all(not w.is_alive() for w in sharded.group.workers)
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny-gqa"])
+def test_two_shards_generate_what_one_does(
+    which: str, demo_model_dir: Path, tiny_gqa_dir: Path
+) -> None:
+    check_two_shards(demo_model_dir if which == "demo" else tiny_gqa_dir, "cpu")
+
+
+def test_a_killed_shard_ends_the_server_naming_it(demo_model_dir: Path) -> None:
+    failures: list[str] = []
+    done = threading.Event()
+
+    def on_failure(message: str) -> None:
+        failures.append(message)
+        done.set()
+
+    sharded = TensorParallelBackend(settings(demo_model_dir), on_failure=on_failure)
+    try:
+        (worker,) = sharded.group.workers
+        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        assert done.wait(20)
+        assert failures == ["shard 1 exited with code -9"]
+    finally:
+        sharded.close()  # the dead rank is not waited for
+
+
+def test_shard_counts_must_divide_the_heads() -> None:
+    config = {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 704}
+    assert shard_unsupported_reason(config, 2) is None
+    assert shard_unsupported_reason(config, 3) == (
+        "3 shards must divide its 4 KV heads, 8 attention heads and 704-wide MLP; "
+        "--num-shard can be 1, 2, 4"
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_two_gpu_shards_generate_what_one_gpu_does(demo_model_dir: Path) -> None:
+    """NCCL between two GPUs: the greedy tokens of one GPU, alone and batched."""
+    check_two_shards(demo_model_dir, "cuda")

@@ -1,0 +1,454 @@
+"""Attention over a paged KV cache for packed batches (no padding), and the cache writes.
+
+The cache of one layer is a pool of pages: keys and values of shape
+[num_blocks, block_size, kv_heads, head_dim]. A packed step holds the new tokens of several
+sequences back to back: queries [tokens, heads, head_dim], `cu_seq_q` their cumulative counts
+per sequence ([n + 1], starting at 0), `seqused_k` each sequence's KV length once this step's
+tokens are written ([n]), and `block_table` [n, max_blocks] (int32) the pages of each sequence
+in order (tgis.engine.block_manager hands them out). A sequence's queries are its last tokens:
+query j of a sequence with q tokens and k keys sits at position k - q + j and sees keys 0..that
+position (within the sliding window, if any). That covers prefill (q = k), a prefill chunk after
+cached or earlier tokens (q < k) and decode (q = 1) in one call.
+
+`paged_attention` runs PyTorch's flash attention (`torch.nn.attention.varlen.varlen_attn`, which
+reads the pages through `block_table` and `seqused_k`) on CUDA where the installed torch has it,
+and `paged_attention_reference` everywhere else: a plain-torch computation that is also what the
+CUDA kernel is tested against.
+
+A forward builds one `StepMetadata` per step (`step_metadata`, on the host, from the scheduler's
+block tables) and every layer reuses it: the flash path's tensors, and for the plain-torch path
+the gather indices and masks precomputed once (`attend`): the one-query rows of decodes as one
+SDPA over their gathered pages, each longer query run through SDPA. `attend` is what
+the cpu backend runs; it is tested against `paged_attention_reference`.
+
+Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
+[num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
+together, [kv_heads, num_blocks, block_size, head_dim], so that gathering a batch's pages
+(`index_select` of whole blocks) yields keys already laid out for one attention call per step
+with no further copy: three times faster than gathering per token on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tgis.backends.common.masks import additive_mask, causal_mask
+from tgis.engine.transfer import host_to_device, to_device
+
+
+def pool_shape(
+    flash: bool, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """The shape of one layer's key (or value) pool: pages for flash attention, head-major
+    for the plain-torch path (module doc)."""
+    if flash:
+        return (num_blocks, block_size, kv_heads, head_dim)
+    return (kv_heads, num_blocks, block_size, head_dim)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    heads_first: bool = False,
+) -> None:
+    """Store new keys/values [tokens, kv_heads, head_dim] at flat slots (block * size +
+    offset) of a pages pool, or of a head-major one (`heads_first`)."""
+    if heads_first:
+        kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            heads_major = new.transpose(0, 1).to(cache.dtype)
+            cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, heads_major)
+        return
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    heads_first: bool = False,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their sequences' pages; [tokens, heads, dim].
+
+    Scores and softmax in float32; the output has the query's dtype. `window` keeps the last
+    `window` positions up to and including the query's own (Mistral's sliding window).
+    `heads_first`: the pools are head-major (`pool_shape`).
+    """
+    if heads_first:
+        k_cache, v_cache = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)
+    heads, block_size = query.shape[1], k_cache.shape[1]
+    group = heads // k_cache.shape[2]
+    out = torch.empty(query.shape[:2] + v_cache.shape[3:], dtype=query.dtype, device=query.device)
+    starts, lengths = cu_seq_q.tolist(), seqused_k.tolist()
+    for i, kv_len in enumerate(lengths):
+        q_start, q_end = starts[i], starts[i + 1]
+        if q_end == q_start:
+            continue
+        pages = block_table[i, : -(-kv_len // block_size)].long()
+        keys = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+        values = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(group, dim=1)
+        q = query[q_start:q_end]
+        q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=query.device)
+        visible = causal_mask(q_pos[None], kv_len, window)[0, 0]  # [queries, keys]
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(query.dtype)
+    return out
+
+
+# The dtypes flash attention computes in; float32 models attend through plain torch.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_paged_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `varlen_attn` with a paged cache can run on `device` for a model in `dtype`:
+    CUDA, torch >= 2.12 (varlen_attn's block_table), float16 or bfloat16."""
+    return device.type == "cuda" and dtype in FLASH_DTYPES and "block_table" in _varlen_parameters()
+
+
+def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the paged engine attends on `device` in `dtype`, and why, for the start-up log and
+    /info."""
+    if flash_paged_available(device, dtype):
+        return "flash attention over KV pages (varlen_attn with block_table)"
+    if device.type != "cuda":
+        why = f"needs CUDA; this is {device.type}"
+    elif dtype not in FLASH_DTYPES:
+        why = f"needs float16 or bfloat16; the model is {str(dtype).removeprefix('torch.')}"
+    else:
+        why = (
+            "needs torch >= 2.12, whose varlen_attn takes block_table; this is torch "
+            f"{torch.__version__}"
+        )
+    return f"plain torch over head-major KV blocks (flash attention {why})"
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    """The installed torch's `varlen_attn` parameters (none without CUDA or the function),
+    looked up once: every attention call asks."""
+    if not torch.cuda.is_available():
+        return frozenset()
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_q: int,
+    max_k: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """As `paged_attention_reference`, through flash attention where `flash_paged_available`
+    (pools laid out as `pool_shape` says for that: pages with flash, head-major without).
+
+    `max_q` / `max_k` are the longest query run and KV length of the step, known on the host
+    (passing them avoids a device sync).
+    """
+    if not flash_paged_available(query.device, query.dtype):
+        # Without flash attention the pools are head-major (`pool_shape`).
+        return paged_attention_reference(
+            query, k_cache, v_cache, cu_seq_q, seqused_k, block_table, scale, window, True
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    # Flash attention's window counts the keys left of the query's own position.
+    left = -1 if window is None else window - 1
+    seqused = seqused_k.int()
+    cu_seq_k = torch.nn.functional.pad(seqused.cumsum(0, dtype=torch.int32), (1, 0))
+    # One split of the KV length per sequence: the result of a sequence then does not depend
+    # on the rest of the batch (the kernel's split-KV choice does), so greedy tokens are the
+    # same alone and in any batch. Older torch has no choice to make.
+    splits = {"num_splits": 1} if "num_splits" in _varlen_parameters() else {}
+    return varlen_attn(
+        query,
+        k_cache,
+        v_cache,
+        cu_seq_q.int(),
+        cu_seq_k,
+        max_q,
+        max_k,
+        scale=scale,
+        window_size=(left, 0),
+        enable_gqa=query.shape[1] != k_cache.shape[2],
+        seqused_k=seqused,
+        block_table=block_table.int(),
+        **splits,
+    )  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _DecodeRows:
+    """The one-query sequences of a step, attended together: their rows in the packed
+    queries; `blocks` [rows * kv_heads * pages] the head-major pool's blocks to gather
+    (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
+    and an additive mask [rows, 1, 1, pages * block_size] per sliding window. `whole`: they
+    are every row of the step, in order (a decode step: no gather of queries, no scatter of
+    results)."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    masks: dict[int | None, torch.Tensor]
+    whole: bool = False
+
+
+@dataclass(frozen=True)
+class _PrefillRun:
+    """A sequence with several queries: rows q_start..q_end of the packed queries over the
+    keys at `slots` [kv_len]; a boolean mask [1, 1, q, kv_len] per window, or None where
+    plain causal attention over its own tokens is exact."""
+
+    q_start: int
+    q_end: int
+    slots: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """What attention needs of one packed step, shared by every layer (see module doc)."""
+
+    slot_mapping: torch.Tensor  # [tokens] long: where each new token's K/V goes
+    cu_seq_q: torch.Tensor  # [n + 1] int32
+    seqused_k: torch.Tensor  # [n] int32
+    block_table: torch.Tensor  # [n, max_blocks] int32
+    max_q: int
+    max_k: int
+    flash: bool
+    decode: _DecodeRows | None = None
+    prefill: tuple[_PrefillRun, ...] = ()
+
+
+def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat pool slots (block * block_size + offset) of positions start..end-1 of a sequence
+    whose block table is `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def step_metadata(
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+    windows: Sequence[int | None] = (None,),
+    num_blocks: int = 0,
+    kv_heads: int = 1,
+    flash: bool = False,
+) -> StepMetadata:
+    """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
+    `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
+    model's layers use (None: full attention); `num_blocks` / `kv_heads`: the pool's, which
+    the plain-torch path's gather indices need; `flash`: the pool is laid out for flash
+    attention (`KVPool.flash`)."""
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor(
+        [list(blocks) + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.int32
+    )
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    slot_mapping = torch.tensor(
+        [
+            s
+            for blocks, q, kv in zip(block_tables, query_lens, kv_lens, strict=True)
+            for s in slots_of(blocks, kv - q, kv, block_size)
+        ]
+    )
+    decode, prefill = None, ()
+    if not flash:
+        decode = _decode_rows(
+            query_lens, kv_lens, block_tables, block_size, starts, device, windows,
+            num_blocks, kv_heads,
+        )  # fmt: skip
+        prefill = tuple(
+            _prefill_run(
+                starts[i],
+                starts[i + 1],
+                slots_of(block_tables[i], 0, kv_lens[i], block_size),
+                device,
+                windows,
+            )
+            for i, q in enumerate(query_lens)
+            if q > 1
+        )
+    return StepMetadata(
+        slot_mapping=host_to_device(slot_mapping, device),
+        cu_seq_q=to_device(starts, torch.int32, device),
+        seqused_k=to_device(kv_lens, torch.int32, device),
+        block_table=host_to_device(table, device),
+        max_q=max(query_lens),
+        max_k=max(kv_lens),
+        flash=flash,
+        decode=decode,
+        prefill=prefill,
+    )
+
+
+def _decode_rows(
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    starts: list[int],
+    device: torch.device,
+    windows: Sequence[int | None],
+    num_blocks: int,
+    kv_heads: int,
+) -> _DecodeRows | None:
+    picked = [i for i, q in enumerate(query_lens) if q == 1]
+    if not picked:
+        return None
+    pages = max(-(-kv_lens[i] // block_size) for i in picked)
+    padded = []
+    for i in picked:
+        used = list(block_tables[i][: -(-kv_lens[i] // block_size)])
+        padded.append(used + [0] * (pages - len(used)))
+    table = torch.tensor(padded, dtype=torch.long)
+    heads = torch.arange(kv_heads)[None, :, None] * num_blocks
+    blocks = (heads + table[:, None]).flatten()
+    positions = torch.tensor([kv_lens[i] - 1 for i in picked])[:, None]
+    length = pages * block_size
+    masks = {
+        w: additive_mask(causal_mask(positions, length, w)).view(len(picked), 1, 1, length)
+        for w in set(windows)
+    }
+    rows = torch.tensor([starts[i] for i in picked])
+    return _DecodeRows(
+        host_to_device(rows, device),
+        host_to_device(blocks, device),
+        {w: host_to_device(m, device) for w, m in masks.items()},
+        whole=len(picked) == len(query_lens),
+    )
+
+
+def _prefill_run(
+    q_start: int,
+    q_end: int,
+    slots: list[int],
+    device: torch.device,
+    windows: Sequence[int | None],
+) -> _PrefillRun:
+    kv_len, q = len(slots), q_end - q_start
+    positions = torch.arange(kv_len - q, kv_len)[None]
+    masks = {
+        w: None
+        if q == kv_len and (w is None or q <= w)
+        else host_to_device(causal_mask(positions, kv_len, w), device)
+        for w in set(windows)
+    }
+    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row [rows, heads, dim] over head-major pools: `blocks` and `mask` as
+    `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the additive
+    mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
+    attention (softmax accumulated in float32 for every dtype)."""
+    rows, heads, dim = query.shape
+    kv_heads = k_cache.shape[0]
+    block_elems = k_cache.shape[2] * dim
+    # [rows, kv_heads, T, dim]: whole blocks, already in attention's layout.
+    keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
+    values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
+    attended = F.scaled_dot_product_attention(
+        query.view(rows, heads, 1, dim),
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
+    return attended.view(rows, heads, dim)
+
+
+def attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMetadata,
+    scale: float,
+    window: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed queries [tokens, heads, dim] over the pool (this step's K/V already written)
+    -> [tokens, heads, dim]: flash attention over a pages pool where `meta.flash`, else plain
+    torch over a head-major pool (`pool_shape`). `key` / `value`: this step's new keys and
+    values [tokens, kv_heads, dim], which a prompt computed whole in this step attends to
+    directly instead of gathering them back from the pool."""
+    if meta.flash:
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.cu_seq_q,
+            meta.seqused_k,
+            meta.block_table,
+            scale,
+            meta.max_q,
+            meta.max_k,
+            window,
+        )
+    # Head-major pools: [kv_heads, num_blocks, block_size, dim].
+    heads, dim = query.shape[1], v_cache.shape[-1]
+    kv_heads = k_cache.shape[0]
+    out = query.new_empty(query.shape[0], heads, dim)
+    if meta.decode is not None:
+        d = meta.decode
+        picked = query if d.whole else query[d.rows]
+        decoded = decode_attention(picked, k_cache, v_cache, d.blocks, d.masks[window], scale)
+        if d.whole:
+            return decoded
+        out[d.rows] = decoded
+    keys_flat = k_cache.view(kv_heads, -1, dim)
+    values_flat = v_cache.view(kv_heads, -1, dim)
+    for run in meta.prefill:
+        mask = run.masks[window]
+        rows = slice(run.q_start, run.q_end)
+        if key is not None and value is not None and run.slots.shape[0] == run.q_end - run.q_start:
+            keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+        else:
+            keys, values = keys_flat[:, run.slots], values_flat[:, run.slots]
+        out[rows] = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        )[0].transpose(0, 1)
+    return out

@@ -1,0 +1,516 @@
+"""The cpu / cuda backend for llama-family models: packed steps over a paged KV pool.
+
+Implements `PagedBackend`: it holds the model (`PagedLlamaForward`) and the pool, and keeps no
+per-sequence state. Each `forward` gets the step's chunks with their block tables (the
+engine's `PagedScheduler` owns them), packs the tokens, builds the attention metadata once and
+runs one forward for prefill chunks and decodes together.
+
+The pool's size is `kv_tokens` when given (`--max-batch-total-tokens`); otherwise it is what
+memory holds: on CUDA the share `--cuda-memory-fraction` allows of the device, less the weights
+and the measured peak of a forward at the largest prefill chunk (a profiling run, as TGI and
+vLLM do); on CPU half the available memory, capped at what `max_sequences` sequences of
+`max_sequence_tokens` could ever fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedModel
+
+from tgis.backends.common.device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
+from tgis.backends.common.graphs import GraphApi
+from tgis.backends.common.kv import kv_bytes_per_token
+from tgis.backends.common.warmup import powers_of_two, run_plan
+from tgis.backends.models.llama import native_kv_shape
+from tgis.backends.paged.attention import (
+    attention_path,
+    flash_paged_available,
+    slots_of,
+    step_metadata,
+)
+from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_bytes
+from tgis.backends.paged.forward import KVPool, PagedLlamaForward
+from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
+from tgis.backends.paged.lora import LoraShapes, LoraStacks
+from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.transfer import to_device
+from tgis.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tgis.backends.models.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+# Tokens per KV block. PyTorch's flash attention reads a paged cache in pages of 256 tokens;
+# the plain-torch path gathers any size, and small blocks share prompt prefixes more finely.
+BLOCK_SIZE = {"cuda": 256, "cpu": 16}
+# Tokens one CPU step prefills at most: a CPU prefill is compute-bound from a few hundred
+# tokens on, so larger chunks only delay the decodes sharing the step.
+CPU_PREFILL_STEP_TOKENS = 512
+# Prompt length of the short sequences warmup decodes with.
+WARMUP_PROMPT = 8
+
+
+def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Bytes the paged pool holds per token of `model`: every layer's K and V, in its dtype."""
+    shape = native_kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
+
+
+class PagedTorchBackend:
+    """A llama-family causal LM on a torch CPU or CUDA device (implements `PagedBackend`)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_sequences: int,
+        max_sequence_tokens: int,
+        max_prefill_tokens: int,
+        kv_tokens: int | None = None,
+        block_size: int | None = None,
+        memory_fraction: float | None = None,
+        cuda_graphs: bool | None = None,
+        graph_api: GraphApi | None = None,
+        parallel: TensorParallel | None = None,
+        shared_kv_bytes_per_token: int = 0,
+        compile: bool = False,
+    ) -> None:
+        """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
+        allocate the pool. max_sequences: the most sequences one step holds (the batch);
+        max_sequence_tokens: prompt + generated tokens of one sequence (rope tables);
+        max_prefill_tokens: the largest prefill chunk (profiling and warmup). cuda_graphs:
+        decode through CUDA graphs recorded at warmup (paged_graphs.py); None: wherever
+        flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
+        are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per token of
+        another cache sized along with this one (a draft model's, as many tokens): a pool sized
+        from memory leaves it its share. compile: decode steps run through graphs compiled at
+        warmup (paged_compile.py; the plain-torch attention path only), and a pool sized from
+        memory leaves room for their copies of the weights."""
+        if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
+            raise ValueError(
+                "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
+            )
+        self.model = model.eval()
+        self.device_obj = next(model.parameters()).device
+        self.device = str(self.device_obj)
+        self.name = self.device_obj.type
+        self.dtype = next(model.parameters()).dtype
+        # Under tensor parallelism `model` is this rank's slices (tensor_parallel.py).
+        self.parallel = parallel
+        self.vocab_size = (
+            parallel.vocab_size
+            if parallel is not None
+            else int(model.get_output_embeddings().weight.shape[0])
+        )
+        self.max_sequence_tokens = max_sequence_tokens
+        cpu = self.name == "cpu"
+        self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
+        self.block_size = block_size or BLOCK_SIZE.get(self.name, 16)
+        self.kv_shape = native_kv_shape(model)
+        per_token = paged_kv_bytes_per_token(model)
+        # Rope tables and weights first: the pool takes what memory is left.
+        with torch.inference_mode():
+            self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
+        self.path.parallel = parallel
+        graphs = self._use_graphs(cuda_graphs, graph_api)
+        if compile and (graphs or self.path.pool.flash or parallel is not None):
+            raise ConfigError(
+                "--compile compiles the decode step of the plain-torch attention path on one "
+                f"device; here the paged engine attends with "
+                f"{attention_path(self.device_obj, self.dtype)}"
+                f"{' under tensor parallelism' if parallel is not None else ''}",
+                "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
+                "attention runs",
+            )
+        weight_copies = weight_copies_bytes(model) if compile else 0
+        num_blocks = self._size_pool(
+            kv_tokens,
+            per_token + shared_kv_bytes_per_token,
+            max_sequences * max_sequence_tokens,
+            memory_fraction,
+            weight_copies,
+        )
+        if parallel is not None:  # every rank's pool has the same blocks
+            num_blocks = parallel.agree_min(num_blocks)
+        with torch.inference_mode():
+            # With graphs, one more block than the scheduler knows: padding rows write there.
+            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
+        # LoRA adapters' stacks (tgis.backends.paged.lora), for the model's projections.
+        self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
+        self.compiled = CompiledDecode(self.path, max_sequences) if compile else None
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.path,
+                graph_api or CudaGraphApi(),
+                max_sequences,
+                max_blocks=-(-max_sequence_tokens // self.block_size),
+                max_kv_len=max_sequence_tokens,
+                scratch_block=num_blocks,
+            )
+        self._capacity = BackendCapacity(
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            kv_tokens=num_blocks * self.block_size,
+            kv_bytes_per_token=per_token,
+            prefill_step_tokens=self.prefill_chunk if cpu else None,
+            kv_budget_tokens=self._memory_tokens,
+            block_size=self.block_size,
+            # Adapters are not sharded: tensor parallelism serves the base model only.
+            lora=parallel is None,
+        )
+        logger.info(
+            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
+            self.device,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            per_token,
+        )
+
+    def runtime(self) -> dict[str, Any]:
+        """What the start-up log and /info say of this backend beside its capacity: its
+        attention path, the batch sizes whose decode replays a CUDA graph or runs a compiled
+        graph (none: eager)."""
+        return {
+            "attention": attention_path(self.device_obj, self.dtype),
+            "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
+            "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
+        }
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: str | None = None,
+        *,
+        max_sequences: int,
+        max_sequence_tokens: int,
+        max_prefill_tokens: int,
+        kv_tokens: int | None = None,
+        memory_fraction: float | None = None,
+        num_threads: int | None = None,
+        compile: bool = False,
+    ) -> PagedTorchBackend:
+        """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1")."""
+        model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
+        return cls(
+            model,
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            max_prefill_tokens=max_prefill_tokens,
+            kv_tokens=kv_tokens,
+            memory_fraction=memory_fraction,
+            compile=compile,
+        )
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return self._capacity
+
+    def _allocate_pool(self, num_blocks: int) -> KVPool:
+        shape = self.kv_shape
+        return KVPool.allocate(
+            shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
+            self.dtype, self.device_obj,
+        )  # fmt: skip
+
+    def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
+        """Whether decode runs through recorded graphs (see __init__)."""
+        possible = api is not None or flash_paged_available(self.device_obj, self.dtype)
+        if requested and not possible:
+            raise ConfigError(
+                "--cuda-graphs needs flash attention over the paged cache (CUDA, torch >= "
+                "2.12 with varlen_attn's block_table, a float16 or bfloat16 model); here the "
+                f"paged engine attends with {attention_path(self.device_obj, self.dtype)}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve in bfloat16 on a GPU with "
+                "torch >= 2.12",
+            )
+        self._graphs_required = bool(requested)
+        return possible if requested is None else requested
+
+    # --- the pool's size ---------------------------------------------------------------------
+
+    def _size_pool(
+        self,
+        kv_tokens: int | None,
+        per_token: int,
+        most: int,
+        fraction: float | None,
+        reserved: int = 0,
+    ) -> int:
+        """Blocks of the pool: `kv_tokens` when given, else what memory holds (module doc)
+        less `reserved` bytes that other copies will take."""
+        self._memory_tokens: int | None = None
+        if kv_tokens is not None:
+            source = f"--max-batch-total-tokens {kv_tokens}"
+            budget = kv_tokens
+        elif self.name == "cuda":
+            fraction = KV_MEMORY_FRACTION["cuda"] if fraction is None else fraction
+            free = max(0, self._cuda_free_after_peak(fraction) - reserved)
+            source = f"{fraction:.0%} of the GPU less weights and the prefill peak"
+            budget = free // per_token
+        else:
+            fraction = KV_MEMORY_FRACTION.get(self.name, 0.5) if fraction is None else fraction
+            free = max(0, available_memory(self.device_obj) - reserved)
+            source = f"{fraction:.0%} of {free / 2**30:.1f} GiB available"
+            # Never more than the sequences could fill (whole blocks each).
+            whole = -(-most // self.block_size) * self.block_size
+            self._memory_tokens = int(free * fraction) // per_token
+            budget = min(self._memory_tokens, whole)
+        blocks = budget // self.block_size
+        if blocks * self.block_size < self.max_sequence_tokens:
+            raise ConfigError(
+                f"the KV cache ({source}: {budget} tokens at {per_token} bytes each) cannot "
+                f"hold one sequence of {self.max_sequence_tokens} tokens",
+                "lower --max-total-tokens, raise --max-batch-total-tokens or free memory",
+            )
+        return blocks
+
+    def _cuda_free_after_peak(self, fraction: float) -> int:
+        """Bytes of the device the pool may take: `fraction` of its memory, less what the
+        process holds now (weights) and the peak of one forward over the largest chunk with
+        its logits at every position ([tokens, vocab] in float32, what a request for prompt
+        logprobs costs: the engine takes each chunk's details before the next step)."""
+        torch.cuda.synchronize(self.device_obj)
+        torch.cuda.reset_peak_memory_stats(self.device_obj)
+        tokens = self.prefill_chunk
+        item = PackedItem(
+            -1,
+            tuple(i % self.vocab_size for i in range(tokens)),
+            0,
+            (0,) * -(-tokens // self.block_size),
+            prompt_logits=True,
+        )
+        saved = self.path.pool
+        self.path.pool = self._allocate_pool(len(item.block_table))
+        try:
+            self._forward_packed([item])
+            torch.cuda.synchronize(self.device_obj)
+            peak = torch.cuda.max_memory_allocated(self.device_obj)
+        finally:
+            self.path.pool = saved
+            torch.cuda.empty_cache()
+        _free, total = torch.cuda.mem_get_info(self.device_obj)
+        return max(0, int(total * fraction) - peak)
+
+    # --- steps -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """Run one packed step. Raises ValueError (before any write) for token ids outside the
+        vocabulary, positions beyond max_sequence_tokens or block tables too short."""
+        if not items:
+            return PackedOutput(torch.empty((0, self.vocab_size), device=self.device_obj), ())
+        self._check(items)
+        graphed = self._graphed(items)
+        if graphed is not None:
+            return PackedOutput(graphed, (None,) * len(items))
+        return self._forward_packed(items)
+
+    @torch.inference_mode()
+    def _forward_packed(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """`forward` without checks or CUDA graphs: the compiled decode graph where one runs
+        the step, else the eager forward (also the profiling run, before capacity)."""
+        query_lens = [len(item.token_ids) for item in items]
+        kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
+        windows = self.path.windows
+        pool = self.path.pool
+        meta = step_metadata(
+            query_lens,
+            kv_lens,
+            [item.block_table for item in items],
+            self.block_size,
+            self.device_obj,
+            windows,
+            pool.num_blocks,
+            pool.kv_heads,
+            pool.flash,
+        )
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        offsets: list[int] = []
+        for item, n in zip(items, query_lens, strict=True):
+            offset = len(ids)
+            offsets.append(offset)
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + n))
+            if item.prompt_logits:
+                rows.extend(range(offset, offset + n))
+            elif item.sample:
+                rows.append(offset + n - 1)
+        device = self.device_obj
+        # The step's token ids, positions and logit rows in one copy.
+        inputs = to_device([*ids, *positions, *rows], torch.long, device)
+        tokens = len(ids)
+        if self.compiled is not None and self._plain_decode(items):
+            logits = self.compiled.run(inputs[:tokens], inputs[tokens : 2 * tokens], meta)
+            return PackedOutput(logits, (None,) * len(items))
+        logits = self.path.forward(
+            inputs[:tokens],
+            inputs[tokens : 2 * tokens],
+            meta,
+            inputs[2 * tokens :],
+            [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
+            self.lora.step([item.adapter for item in items], query_lens),
+        )
+        if not any(item.prompt_logits for item in items):
+            # One row per sampling chunk, in order: the logits are the sampled rows already.
+            return PackedOutput(logits, (None,) * len(items))
+        last: list[int] = []
+        prompt: list[torch.Tensor | None] = []
+        row = 0
+        for item, n in zip(items, query_lens, strict=True):
+            taken = n if item.prompt_logits else int(item.sample)
+            if item.sample:
+                last.append(row + taken - 1)
+            prompt.append(logits[row : row + n] if item.prompt_logits else None)
+            row += taken
+        chosen = logits[to_device(last, torch.long, device)] if last else logits[:0]
+        return PackedOutput(chosen, tuple(prompt))
+
+    def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:
+        """Logits of a decode step replayed from its graph; None when the step runs eagerly
+        (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, a LoRA adapter,
+        or more rows than the largest bucket)."""
+        graphs = self.graphs
+        if graphs is None or not self._plain_decode(items):
+            return None
+        if graphs.graph_for(len(items)) is None:
+            return None
+        size = self.block_size
+        return graphs.run(
+            [item.token_ids[0] for item in items],
+            [item.start for item in items],
+            [slots_of(item.block_table, item.start, item.start + 1, size)[0] for item in items],
+            [item.block_table for item in items],
+        )
+
+    @staticmethod
+    def _plain_decode(items: Sequence[PackedItem]) -> bool:
+        """Whether every item samples one token from one token of input, with no prompt
+        logits, prompt-prefix embeddings or LoRA adapter: a step graphs can run."""
+        return not any(
+            len(i.token_ids) != 1
+            or not i.sample
+            or i.prompt_logits
+            or i.embeds is not None
+            or i.adapter is not None
+            for i in items
+        )
+
+    def _check(self, items: Sequence[PackedItem]) -> None:
+        limit, size = self.max_sequence_tokens, self.block_size
+        blocks = self._capacity.num_blocks
+        for item in items:
+            end = item.start + len(item.token_ids)
+            if not item.token_ids or item.start < 0 or end > limit:
+                raise ValueError(
+                    f"sequence {item.seq_id}: positions {item.start}..{end - 1} outside "
+                    f"0..{limit - 1} (max_sequence_tokens)"
+                )
+            if len(item.block_table) * size < end:
+                raise ValueError(
+                    f"sequence {item.seq_id}: {len(item.block_table)} blocks of {size} "
+                    f"cannot hold {end} positions"
+                )
+            if min(item.block_table) < 0 or max(item.block_table) >= blocks:
+                raise ValueError(f"sequence {item.seq_id}: block ids outside [0, {blocks})")
+            if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+                raise ValueError(
+                    f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
+                )
+
+    # --- warmup ------------------------------------------------------------------------------
+
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        """The shapes the scheduler can send: the largest prefill chunk it allows (the
+        longest prompt, capped by the chunk budget), then a decode step per power-of-two
+        batch size up to the largest batch the pool holds."""
+        longest = max(1, min(max_input_tokens, self.prefill_chunk, self.max_sequence_tokens - 1))
+        per_seq = -(-(WARMUP_PROMPT + 1) // self.block_size)
+        rows = max(1, min(max_batch_size, self._capacity.max_sequences))
+        rows = min(rows, max(1, self._capacity.num_blocks // per_seq))
+        plan = [Shape("prefill", 1, longest)]
+        return plan + [Shape("decode", n, 1) for n in powers_of_two(1, rows)]
+
+    def run_shape(self, shape: Shape) -> ShapeTiming:
+        """Run one step of `shape` on dummy tokens in blocks of the pool (serving has not
+        started: nothing else owns them)."""
+        per_seq = -(-max(shape.length, WARMUP_PROMPT + 1) // self.block_size)
+        blocks = iter(range(self._capacity.num_blocks))
+        tables = [tuple(next(blocks) for _ in range(per_seq)) for _ in range(shape.rows)]
+
+        def tokens(n: int) -> tuple[int, ...]:
+            return tuple(j % self.vocab_size for j in range(n))
+
+        if shape.phase == "prefill":
+            items = [PackedItem(-1 - i, tokens(shape.length), 0, t) for i, t in enumerate(tables)]
+        else:
+            items = [
+                PackedItem(-1 - i, (1 % self.vocab_size,), WARMUP_PROMPT, t)
+                for i, t in enumerate(tables)
+            ]
+        start = time.perf_counter()
+        out = self.forward(items)
+        out.last.sum().item()  # wait for the device
+        return ShapeTiming(shape, time.perf_counter() - start, 0)
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        """Compile the decode graphs (with --compile), then run the plan once: pays the
+        one-off costs (allocator growth, kernel selection, thread pools) before serving; then
+        records the CUDA graphs of decode, one shape each, largest first (they share one
+        memory pool)."""
+        plan = self.warmup_plan(max_batch_size, max_input_tokens)
+        timings: list[ShapeTiming] = []
+
+        def timed(batch: int, action: Callable[[int], None]) -> None:
+            """Run `action(batch)`, which builds one decode graph, as a warmup shape."""
+            start = time.perf_counter()
+            action(batch)
+            seconds = time.perf_counter() - start
+            timings.append(ShapeTiming(Shape("decode", batch, 1), seconds, 1))
+            if on_shape is not None:
+                on_shape(timings[-1])
+
+        if self.compiled is not None:
+            rows = max(shape.rows for shape in plan if shape.phase == "decode")
+            for batch in (g for g in GRAPHS if g <= rows):
+                timed(batch, self.compiled.compile)
+        timings += run_plan(plan, self.run_shape, on_shape)
+        if self.graphs is not None:
+            for bucket in sorted(self.graphs.buckets, reverse=True):
+                try:
+                    timed(bucket, self.graphs.capture)
+                except RuntimeError as exc:
+                    self._graph_capture_failed(bucket, exc)
+                    break
+        return timings
+
+    def _graph_capture_failed(self, bucket: int, exc: RuntimeError) -> None:
+        """Recording a graph failed: an error when --cuda-graphs asked for them, else decode
+        runs eagerly (correct, slower) and the log says why."""
+        if self._graphs_required:
+            raise ConfigError(
+                f"--cuda-graphs: recording the decode graph of batch {bucket} failed: {exc}",
+                "serve with --no-cuda-graphs (TGIS_CUDA_GRAPHS=false)",
+            ) from exc
+        logger.warning(
+            "recording the decode graph of batch %d failed (%s): decode runs eagerly", bucket, exc
+        )
+        self.graphs = None

@@ -1,0 +1,140 @@
+"""The llama-family forward (llama, mistral, qwen2) over packed tokens and a paged KV pool.
+
+One call runs any mix of prefill chunks and decodes: the step's tokens back to back
+([tokens, hidden], no padding), each with its own position; every layer writes the new keys
+and values at their slots of the pool and attends through `paged_attention.attend` with the
+step's metadata (flash attention on CUDA, plain torch elsewhere). Weights and rope tables come
+from `LlamaWeights` (fused QKV, Llama 3 / linear / yarn rope scaling, tied embeddings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from tgis.backends.common.masks import place_embeds
+from tgis.backends.models.llama import LayerWeights, LlamaWeights
+from tgis.backends.paged.attention import (
+    StepMetadata,
+    attend,
+    flash_paged_available,
+    pool_shape,
+    write_kv,
+)
+from tgis.backends.paged.lora import LoraStep
+
+# One layer's attention inside `PagedLlamaForward.layers_over`: (index, layer, q, k, v) -> out.
+LayerAttention = Callable[
+    [int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """Per layer one key and one value tensor, allocated once (zeroed: padded reads of the
+    plain-torch path must stay finite): pages [num_blocks, block_size, kv_heads, head_dim]
+    for flash attention, head-major [kv_heads, num_blocks, block_size, head_dim] otherwise
+    (`paged_attention.pool_shape`)."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    flash: bool
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVPool:
+        flash = flash_paged_available(device, dtype)
+        shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
+
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            tuple(make() for _ in range(num_layers)),
+            tuple(make() for _ in range(num_layers)),
+            flash,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys[0].shape[0 if self.flash else 1]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[1 if self.flash else 2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys[0].shape[2 if self.flash else 0]
+
+
+class PagedLlamaForward(LlamaWeights):
+    """`forward` over a `KVPool`; see the module docstring."""
+
+    name = "paged"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pool: KVPool,
+        max_positions: int,
+        fuse_gate_up: bool | None = None,
+        transposed: bool | None = None,
+    ) -> None:
+        super().__init__(model, pool.keys[0].device, max_positions, fuse_gate_up, transposed)
+        self.pool = pool
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: StepMetadata,
+        logits_rows: torch.Tensor,
+        embeds: Sequence[tuple[int, torch.Tensor | None]] = (),
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
+        """input_ids / positions [tokens] (long, on the device) -> float32 logits of the
+        token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
+        rows take those embeddings instead of their tokens' (prompt prefixes); `lora`: the
+        step's rows that go through LoRA adapters."""
+        flash = self.pool.flash
+
+        def attention(
+            index: int, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            keys, values = self.pool.keys[index], self.pool.values[index]
+            write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not flash)
+            return attend(q, keys, values, meta, self.scaling, layer.window, k, v)
+
+        x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
+        return self._logits(self.layers_over(x, positions, attention, lora)[logits_rows])
+
+    def layers_over(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
+        """Every decoder layer over x [tokens, hidden] at `positions`, each one's attention
+        (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
+        v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
+        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            adapted = lora.layer(index) if lora is not None else None
+            q, k, v = self._qkv(layer, x, cos, sin, adapted)
+            out = attention(index, layer, q, k, v)
+            x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
+        return x

@@ -1,0 +1,180 @@
+"""CUDA graphs of the paged forward's decode steps: one graph per batch-size bucket.
+
+A decode step (every sequence computes one token) of n sequences runs the graph of the
+smallest bucket >= n (1, 2, 4, 8, 16, 32, ... up to the largest batch), recorded once at warmup,
+largest first, into one memory pool. The graphs read persistent input buffers (token ids,
+positions, slot mapping, block tables, KV lengths) that each step fills with one copy per
+buffer; flash attention reads only each sequence's real KV length (`seqused_k`), so one graph
+serves any mix of lengths. Rows beyond n are padding: their one token is written to a scratch
+block of the pool that no sequence owns, and their logits are dropped.
+
+Prefill and mixed steps (and decode batches beyond the largest bucket) run eagerly. Graphs
+need the flash attention path (CUDA, torch >= 2.12): the plain-torch path's gather shapes
+depend on the KV lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tgis.backends.common.graphs import GraphApi
+from tgis.backends.common.warmup import powers_of_two
+from tgis.backends.paged.attention import StepMetadata
+from tgis.backends.paged.forward import PagedLlamaForward
+from tgis.engine.transfer import host_to_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    logits: torch.Tensor  # [bucket, vocab], written by each replay
+
+
+class DecodeGraphs:
+    """Recorded decode steps of `path` for batch buckets up to `max_batch`."""
+
+    def __init__(
+        self,
+        path: PagedLlamaForward,
+        api: GraphApi,
+        max_batch: int,
+        max_blocks: int,
+        max_kv_len: int,
+        scratch_block: int,
+    ) -> None:
+        """max_blocks: the longest block table (max_sequence_tokens / block_size, rounded
+        up); max_kv_len: the longest KV length a sequence reaches; scratch_block: a block of
+        the pool no sequence owns (padding rows write there)."""
+        self.path = path
+        self.api = api
+        self.buckets = powers_of_two(1, max_batch)
+        self.max_kv_len = max_kv_len
+        block_size = path.pool.block_size
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        device = path.device
+        size = self.buckets[-1]
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((size,), self.scratch_slot, dtype=torch.long, device=device)
+        self.seqused_k = torch.ones(size, dtype=torch.int32, device=device)
+        self.block_table = torch.full(
+            (size, max_blocks), scratch_block, dtype=torch.int32, device=device
+        )
+        self.cu_seq_q = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(size, device=device)
+        self._graphs: dict[int, _Graph] = {}
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._graphs))
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket holding `batch` rows (None: larger than every bucket)."""
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def graph_for(self, batch: int) -> int | None:
+        """The recorded bucket a decode step of `batch` rows replays (None: it runs eagerly)."""
+        bucket = self.bucket_for(batch)
+        return bucket if bucket in self._graphs else None
+
+    @torch.inference_mode()
+    def capture(self, bucket: int) -> None:
+        """Record the decode step of `bucket` rows (all padding while recording)."""
+        meta = StepMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            cu_seq_q=self.cu_seq_q[: bucket + 1],
+            seqused_k=self.seqused_k[:bucket],
+            block_table=self.block_table[:bucket],
+            max_q=1,
+            max_k=self.max_kv_len,
+            flash=True,
+        )
+
+        def step() -> torch.Tensor:
+            return self.path.forward(
+                self.input_ids[:bucket], self.positions[:bucket], meta, self.rows[:bucket]
+            )
+
+        graph, logits = self.api.capture(step)
+        self._graphs[bucket] = _Graph(graph, logits)
+
+    def capture_all(self) -> None:
+        """Every bucket, largest first (the pool grows once, smaller graphs reuse it)."""
+        for bucket in sorted(self.buckets, reverse=True):
+            self.capture(bucket)
+        logger.info("CUDA graphs recorded for decode batches %s", list(self.buckets))
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """One decode step of n = len(token_ids) sequences through the bucket's graph:
+        logits [n, vocab] (float32). The caller checked that n fits a captured bucket."""
+        n = len(token_ids)
+        bucket = self.graph_for(n)
+        if bucket is None:
+            raise ValueError(f"no CUDA graph holds a decode batch of {n}")
+        width = self.block_table.shape[1]
+        pad = bucket - n
+        scratch = [self.scratch_block] * width
+        host = torch.tensor(
+            [
+                [*token_ids, *([0] * pad)],
+                [*positions, *([0] * pad)],
+                [*slots, *([self.scratch_slot] * pad)],
+                [*(p + 1 for p in positions), *([1] * pad)],
+            ],
+            dtype=torch.long,
+        )
+        table = torch.tensor(
+            [[*blocks, *scratch[len(blocks) :]] for blocks in block_tables] + [scratch] * pad,
+            dtype=torch.int32,
+        )
+        device = self.input_ids.device
+        host = host_to_device(host, device)
+        self.input_ids[:bucket].copy_(host[0])
+        self.positions[:bucket].copy_(host[1])
+        self.slot_mapping[:bucket].copy_(host[2])
+        self.seqused_k[:bucket].copy_(host[3])
+        self.block_table[:bucket].copy_(host_to_device(table, device))
+        captured = self._graphs[bucket]
+        self.api.replay(captured.graph)
+        return captured.logits[:n]
+
+
+class CudaGraphApi:
+    """GraphApi for CUDA graphs (torch.cuda.CUDAGraph). Recording only records, so the step
+    runs once eagerly on a side stream first (as PyTorch requires before capture: lazy
+    initializations must not be recorded) and the graph is replayed once after recording to
+    produce the output. All graphs share one memory pool."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+
+    def capture(self, step: Any) -> tuple[Any, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # idempotent: padding rows write the scratch block
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step()
+        self.pool = graph.pool()
+        graph.replay()
+        return graph, output
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()

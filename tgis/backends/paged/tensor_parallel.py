@@ -1,0 +1,386 @@
+"""Tensor parallelism for the paged llama-family engine over torch.distributed.
+
+`--num-shard N` runs N processes, one per device, in one torch.distributed group (NCCL on
+cuda, gloo on cpu). Each loads only its slices of the weights from the safetensors files:
+q/k/v by KV-head groups and gate/up by rows (column-parallel), o and down by columns
+(row-parallel, an all-reduce after each), the embedding and lm_head by vocabulary rows (an
+all-reduce after the embedding, an all-gather of the logits). Its KV pool holds its KV heads.
+
+Rank 0 is the server: scheduler, HTTP/gRPC and sampling. Every step it broadcasts the step
+(`TensorParallelBackend.forward`) and the other ranks (`worker_main`) run the same forward,
+whose collectives line the ranks up. A rank that fails, or dies, ends the server with a
+message naming the rank and its error (`ShardGroup` watches them); SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tgis.backends.models.parallel import TensorParallel
+from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.errors import ConfigError
+
+log = logging.getLogger("tgis.backends.paged.tensor_parallel")
+
+# How long a collective may wait for a rank before the group gives up (a dead rank otherwise
+# hangs the others): beyond any step, short enough to end a broken server.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def shard_unsupported_reason(config: dict[str, Any], world: int) -> str | None:
+    """Why a llama-family config.json cannot be split `world` ways, or None."""
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    ffn = config.get("intermediate_size")
+    if not isinstance(heads, int) or not isinstance(kv, int) or not isinstance(ffn, int):
+        return "its config.json lacks num_attention_heads / intermediate_size"
+    valid = [n for n in range(1, kv + 1) if kv % n == 0 and heads % n == 0 and ffn % n == 0]
+    if world not in valid:
+        return (
+            f"{world} shards must divide its {kv} KV heads, {heads} attention heads and "
+            f"{ffn}-wide MLP; --num-shard can be {', '.join(map(str, valid))}"
+        )
+    return None
+
+
+def local_config(config: Any, world: int) -> Any:
+    """The config of one rank's part of the model (same head size and hidden size)."""
+    local = config.__class__.from_dict(config.to_dict())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    local.head_dim = head_dim
+    local.num_attention_heads = config.num_attention_heads // world
+    local.num_key_value_heads = (config.num_key_value_heads or config.num_attention_heads) // world
+    local.intermediate_size = config.intermediate_size // world
+    local.vocab_size = math.ceil(config.vocab_size / world)
+    return local
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Parameter name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in mapping.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ConfigError(
+            f"{model_dir} has no safetensors weights: each shard reads only its slices of them",
+            "convert the weights first: tgis convert-to-safetensors MODEL",
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _slice_of(name: str, config: Any, rank: int, world: int) -> tuple[int, int, int] | None:
+    """(dimension, start, stop) of parameter `name` that rank `rank` holds; None: whole."""
+    heads = config.num_attention_heads
+    kv = config.num_key_value_heads or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rows = math.ceil(config.vocab_size / world)
+    q = heads // world * head_dim
+    k = kv // world * head_dim
+    ffn = config.intermediate_size // world
+    parts = name.split(".")
+    leaf = ".".join(parts[-2:])
+    if leaf in ("q_proj.weight", "q_proj.bias"):
+        return 0, rank * q, (rank + 1) * q
+    if leaf in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+        return 0, rank * k, (rank + 1) * k
+    if leaf == "o_proj.weight":
+        return 1, rank * q, (rank + 1) * q
+    if leaf in ("gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias"):
+        return 0, rank * ffn, (rank + 1) * ffn
+    if leaf == "down_proj.weight":
+        return 1, rank * ffn, (rank + 1) * ffn
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, rank * rows, (rank + 1) * rows
+    return None
+
+
+def load_shard(
+    model_dir: Path, rank: int, world: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Any, TensorParallel]:
+    """Rank `rank`'s part of the model, read slice by slice from the safetensors files."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
+    config = AutoConfig.from_pretrained(model_dir)
+    reason = shard_unsupported_reason(config.to_dict(), world)
+    if reason is not None:
+        raise ConfigError(f"--num-shard {world}: {reason}", "pick one of the values named")
+    local = local_config(config, world)
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+    wanted = model.state_dict()
+    files = _weight_files(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    opened: dict[Path, Any] = {}
+    try:
+        for name, target in wanted.items():
+            source = name
+            if source not in files and name == "lm_head.weight" and config.tie_word_embeddings:
+                source = "model.embed_tokens.weight"
+            if source not in files:
+                continue  # buffers (rotary tables) are built by the model itself
+            handle = opened.get(files[source])
+            if handle is None:
+                handle = opened[files[source]] = safe_open(files[source], "pt").__enter__()
+            part = _slice_of(source, config, rank, world)
+            view = handle.get_slice(source)
+            if part is None:
+                tensor = view[:]
+            elif part[0] == 0:
+                tensor = view[part[1] : part[2]]
+            else:
+                tensor = view[:, part[1] : part[2]]
+            if source in ("model.embed_tokens.weight", "lm_head.weight"):
+                padded = torch.zeros(target.shape, dtype=tensor.dtype)
+                padded[: tensor.shape[0]] = tensor
+                tensor = padded
+            if name.endswith(("o_proj.bias", "down_proj.bias")) and rank != 0:
+                tensor = torch.zeros_like(tensor)  # row-parallel biases: added once
+            state[name] = tensor.to(device=device, dtype=target.dtype)
+    finally:
+        for handle in opened.values():
+            handle.__exit__(None, None, None)
+    missing = [n for n in wanted if n not in state and not n.endswith("inv_freq")]
+    if missing:
+        raise ConfigError(f"{model_dir}: the weights lack {missing[:3]}", "check the checkpoint")
+    model.load_state_dict(state, strict=False)
+    return model.eval(), TensorParallel(rank, world, config.vocab_size)
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What every rank builds its backend with (the same on all of them)."""
+
+    model_dir: str
+    device: str  # "cpu" or "cuda"
+    dtype: str | None
+    max_sequences: int
+    max_sequence_tokens: int
+    max_prefill_tokens: int
+    kv_tokens: int | None
+    memory_fraction: float | None
+    master_addr: str
+    master_port: int
+    world: int
+
+
+def _join(settings: ShardSettings, rank: int) -> torch.device:
+    """Join the group; this rank's device."""
+    if settings.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.world))
+        backend = "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{settings.master_addr}:{settings.master_port}",
+        rank=rank,
+        world_size=settings.world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    return device
+
+
+def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
+    """This rank's PagedTorchBackend over its slices (in the group already)."""
+    from tgis.backends.common.device import resolve_dtype
+    from tgis.backends.paged.backend import PagedTorchBackend
+
+    device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
+    dtype = resolve_dtype(device, settings.dtype, None)
+    model, tp = load_shard(Path(settings.model_dir), rank, settings.world, dtype, device)
+    return PagedTorchBackend(
+        model,
+        max_sequences=settings.max_sequences,
+        max_sequence_tokens=settings.max_sequence_tokens,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        kv_tokens=settings.kv_tokens,
+        memory_fraction=settings.memory_fraction,
+        cuda_graphs=False,
+        parallel=tp,
+    )
+
+
+def _broadcast(message: Any) -> Any:
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def worker_main(settings: ShardSettings, rank: int, errors: Any) -> None:
+    """A rank other than 0: build, then run every step rank 0 broadcasts, until `stop`."""
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        _join(settings, rank)
+        backend = build_rank_backend(settings, rank)
+        while True:
+            kind, payload = _broadcast(None)
+            if kind == "forward":
+                backend.forward(payload)
+            elif kind == "warmup":
+                backend.warmup(*payload)
+            elif kind == "stop":
+                break
+    except BaseException as exc:  # reported to rank 0, which ends the server
+        errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose server is gone has nothing to serve."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class ShardGroup:
+    """Rank 0's view of the other ranks: starts them, watches them, stops them."""
+
+    def __init__(self, settings: ShardSettings, on_failure: Callable[[str], None]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.errors = context.Queue()
+        self.workers = [
+            context.Process(
+                target=worker_main,
+                args=(settings, rank, self.errors),
+                name=f"tgis-shard-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, settings.world)
+        ]
+        for worker in self.workers:
+            worker.start()
+        self._on_failure = on_failure
+        self._stopping = False
+        threading.Thread(target=self._watch, name="tgis-shard-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, worker in enumerate(self.workers, start=1):
+                if worker.exitcode is not None and not self._stopping:
+                    message = f"shard {rank} exited with code {worker.exitcode}"
+                    try:
+                        failed, error, _ = self.errors.get(timeout=1.0)
+                        message = f"shard {failed} failed: {error}"
+                    except Exception:  # no report: it was killed
+                        pass
+                    self._on_failure(message)
+                    return
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        for worker in self.workers:
+            worker.join(timeout)
+            if worker.is_alive():
+                worker.kill()
+
+
+def fail_server(message: str) -> None:
+    """A shard is gone: the server cannot serve; end it with the message (a supervisor
+    restarts it)."""
+    log.error("%s: the server stops", message)
+    os._exit(1)
+
+
+class TensorParallelBackend:
+    """Rank 0's PagedBackend: each step is broadcast to the other ranks, then run here."""
+
+    def __init__(
+        self, settings: ShardSettings, on_failure: Callable[[str], None] = fail_server
+    ) -> None:
+        self.settings = settings
+        self.group = ShardGroup(settings, on_failure)
+        try:
+            _join(settings, 0)
+            self.inner = build_rank_backend(settings, 0)
+        except BaseException:
+            self.group.stop(1.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        self.name = f"{self.inner.name} x{settings.world}"
+        self.device = self.inner.device
+        self.vocab_size = self.inner.vocab_size
+        self.dtype = self.inner.dtype
+        self.device_obj = self.inner.device_obj
+        self._closed = False
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return self.inner.capacity
+
+    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+        payload = [item if item.embeds is None else _with_cpu_embeds(item) for item in items]
+        _broadcast(("forward", payload))
+        return self.inner.forward(items)
+
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        return self.inner.warmup_plan(max_batch_size, max_input_tokens)
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        _broadcast(("warmup", (max_batch_size, max_input_tokens)))
+        return self.inner.warmup(max_batch_size, max_input_tokens, on_shape)
+
+    def close(self) -> None:
+        """Stop the other ranks (those still alive) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        self.group._stopping = True
+        try:
+            if all(worker.is_alive() for worker in self.group.workers):
+                _broadcast(("stop", None))
+        finally:
+            self.group.stop()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _with_cpu_embeds(item: PackedItem) -> PackedItem:
+    from dataclasses import replace
+
+    assert item.embeds is not None
+    return replace(item, embeds=item.embeds.cpu())
+
+
+__all__ = [
+    "ShardSettings",
+    "TensorParallel",
+    "TensorParallelBackend",
+    "load_shard",
+    "shard_unsupported_reason",
+]
