@@ -1,4 +1,4 @@
-"""Decode ms/step of the torch backend's forward paths vs HF's own `model(...)`.
+"""Decode ms/step of the cpu / cuda engines' forwards vs HF's own `model(...)`.
 
 Builds a random Llama with SmolLM2-135M's shape (vocab 49152, hidden 576, 30 layers, 9 heads,
 3 KV heads, intermediate 1536, tied embeddings), prefills `batch` prompts of `--context`
@@ -8,9 +8,10 @@ prints the median ms per step:
 
 - hf-dynamic: `model(input_ids[b, 1], past_key_values=DynamicCache)`, the bare HF forward
   over equal-length rows without padding (HF's best case; no sampling, no generate());
-- native: `TorchDynamicBackend.decode` on the native llama path, equal-length rows;
-- native-ragged: the same with prompt lengths spread over context/2..context (padding masks);
-- hf-path: `TorchDynamicBackend.decode` on the generic HF path (with --hf-path).
+- paged: `PagedTorchBackend.forward` of one decode token per row, equal-length rows;
+- paged-ragged: the same with prompt lengths spread over context/2..context;
+- fallback: `TorchDynamicBackend.decode`, transformers' forward over the slot cache (with
+  --fallback).
 
     .venv/bin/python scripts/measure_decode.py --batches 1 16 32 --dtype float32
 """
@@ -26,7 +27,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tgis.backends.fallback.backend import TorchDynamicBackend
-from tgis.engine.backend import PrefillItem
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.engine.backend import PackedItem, PrefillItem
 
 Step = Callable[[], object]
 
@@ -54,7 +56,21 @@ def hf_dynamic(model: LlamaForCausalLM, batch: int, context: int) -> Step:
     return step
 
 
-def backend_decode(backend: TorchDynamicBackend, lengths: list[int]) -> Step:
+def paged_decode(backend: PagedTorchBackend, lengths: list[int]) -> Step:
+    """Prefill prompts of `lengths` into `backend`'s pool, each in blocks of its own; return
+    one decode step of all of them (each step writes the same next position again)."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    block = backend.capacity.block_size or 1
+    per_row = -(-(max(lengths) + 1) // block)
+    tables = [tuple(range(i * per_row, (i + 1) * per_row)) for i in range(len(lengths))]
+    for seq_id, n in enumerate(lengths):  # one by one: bounded prefill memory
+        prompt = tuple(torch.randint(4, backend.vocab_size, (n,), generator=gen).tolist())
+        backend.forward([PackedItem(seq_id, prompt, 0, tables[seq_id])])
+    items = [PackedItem(i, (5,), n, tables[i]) for i, n in enumerate(lengths)]
+    return lambda: backend.forward(items)
+
+
+def fallback_decode(backend: TorchDynamicBackend, lengths: list[int]) -> Step:
     """Prefill prompts of `lengths` into `backend`; return one decode step of all of them."""
     gen = torch.Generator().manual_seed(len(lengths))
     ids = list(range(len(lengths)))
@@ -83,7 +99,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--hf-path", action="store_true", help="also time the generic HF path")
+    parser.add_argument(
+        "--fallback", action="store_true", help="also time the fallback engine's forward"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,32 +111,32 @@ def main() -> None:
     limits = {"max_sequences": max_batch, "max_sequence_tokens": total}
     limits["kv_tokens"] = max_batch * total
 
-    def backend(native: bool) -> TorchDynamicBackend:
-        return TorchDynamicBackend(model, native=native, **limits)
+    def paged() -> PagedTorchBackend:
+        pool = {**limits, "kv_tokens": max_batch * (total + 16)}  # whole blocks per row
+        return PagedTorchBackend(model, max_prefill_tokens=args.context, block_size=16, **pool)
 
-    # Each backend has its own slots; the native ones share (re-fused) weights with `model`.
-    native, native_ragged = backend(True), backend(True)
-    hf_path = backend(False) if args.hf_path else None
+    # Each backend has its own pool; the paged ones share (re-fused) weights with `model`.
+    fallback = TorchDynamicBackend(model, **limits) if args.fallback else None
+    even_backend, ragged_backend = paged(), paged()
     print(
         f"threads={torch.get_num_threads()} dtype={args.dtype} context={args.context} "
         f"steps={args.steps} (median ms per decode step)"
     )
-    columns = ["hf-dynamic", "native", "native-ragged"] + (["hf-path"] if hf_path else [])
+    columns = ["hf-dynamic", "paged", "paged-ragged"] + (["fallback"] if fallback else [])
     print(f"{'batch':>5} " + " ".join(f"{c:>13}" for c in columns) + f" {'speedup':>8}")
     for batch in args.batches:
         even = [args.context] * batch
         ragged = [args.context - (args.context // 2) * i // max(1, batch - 1) for i in range(batch)]
         steps = [
             hf_dynamic(model, batch, args.context),
-            backend_decode(native, even),
-            backend_decode(native_ragged, ragged),
+            paged_decode(even_backend, even),
+            paged_decode(ragged_backend, ragged),
         ]
-        if hf_path is not None:
-            steps.append(backend_decode(hf_path, even))
+        if fallback is not None:
+            steps.append(fallback_decode(fallback, even))
         row = interleaved_ms(steps, args.steps)
-        for owner in (native, native_ragged, hf_path):
-            for seq_id in range(batch if owner is not None else 0):
-                owner.release(seq_id)  # type: ignore[union-attr]
+        for seq_id in range(batch if fallback is not None else 0):
+            fallback.release(seq_id)  # type: ignore[union-attr]
         cells = " ".join(f"{v:13.1f}" for v in row)
         print(f"{batch:>5} {cells} {row[0] / row[1]:7.1f}x", flush=True)
 

@@ -33,7 +33,6 @@ VARIANTS: dict[str, tuple[str, dict[str, object]]] = {
     "falcon_alibi": ("falcon", {**_ROPE, "alibi": True}),
 }
 ALL_VARIANTS = tuple(VARIANTS)
-NATIVE_VARIANTS = ("llama", "mistral", "qwen2")
 # Prompts of different lengths; token ids avoid the special ids 0..3.
 PROMPTS = ((5, 17, 42, 99, 7, 63, 120), (200, 11), (9, 8, 7, 6, 5, 4, 30, 31, 32, 33, 34, 35, 36))
 
@@ -58,7 +57,6 @@ def make_backend(
     model: PreTrainedModel,
     max_sequences: int = 16,
     max_sequence_tokens: int = 64,
-    native: bool | None = None,
     **kwargs: object,
 ) -> TorchDynamicBackend:
     """A backend over a copy of `model` with an explicit KV budget (no memory probing)."""
@@ -67,7 +65,6 @@ def make_backend(
         max_sequences=max_sequences,
         max_sequence_tokens=max_sequence_tokens,
         kv_tokens=max_sequences * max_sequence_tokens,
-        native=native,
         **kwargs,  # type: ignore[arg-type]
     )
 

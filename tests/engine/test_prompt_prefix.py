@@ -48,10 +48,10 @@ def reference(hf_model, req: GenerationRequest) -> list[int]:
     return out[0].tolist()[-NEW_TOKENS:]
 
 
-def slot_engine(demo_model_dir: Path, tokenizer, native: bool) -> Engine:
+def slot_engine(demo_model_dir: Path, tokenizer) -> Engine:
     backend = TorchDynamicBackend.load(
         demo_model_dir, "cpu", "float32", max_sequences=8, max_sequence_tokens=256,
-        native=native, prefill_chunk_tokens=8,
+        prefill_chunk_tokens=8,
     )  # fmt: skip
     limits = SchedulerLimits(
         max_batch_prefill_tokens=2048, max_batch_total_tokens=8 * 256, max_sequences=8
@@ -64,8 +64,7 @@ def slot_engine(demo_model_dir: Path, tokenizer, native: bool) -> Engine:
 ENGINES = {
     # Prefill chunks of 8 tokens: a 12-token prefix spans chunks.
     "paged": lambda d, t: make_paged_engine(d, t, prefill_tokens=8),
-    "slot-native": lambda d, t: slot_engine(d, t, native=True),
-    "slot-transformers": lambda d, t: slot_engine(d, t, native=False),
+    "slot": slot_engine,
 }
 
 

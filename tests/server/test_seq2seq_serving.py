@@ -11,12 +11,12 @@ import grpc
 import httpx
 import pytest
 import torch
-from tgis.backends.seq2seq.backend import Seq2SeqBackend
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from tests.backends.seq2seq.test_backend import NEW_TOKENS, prefix_rows, prefixed_reference
 from tests.factories import save_model, tiny_model
 from tests.server.conftest import live_server
+from tgis.backends.seq2seq.backend import Seq2SeqBackend
 from tgis.config import LauncherArgs, ModelFacts, build_serve_config
 from tgis.errors import ConfigError
 from tgis.fmaas import generation_pb2 as pb

@@ -11,7 +11,6 @@ from transformers import PreTrainedModel
 
 from tests.backends.conftest import (
     ALL_VARIANTS,
-    NATIVE_VARIANTS,
     PROMPTS,
     VARIANTS,
     greedy_reference,
@@ -53,21 +52,10 @@ def test_greedy_tokens_equal_generate(
 ) -> None:
     model = tiny_lm(variant)
     backend = make_backend(model)
-    assert backend.path.name == ("native" if variant in NATIVE_VARIANTS else "hf")
-    expected = [greedy_reference(model, p, NEW_TOKENS) for p in PROMPTS]
-    assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
-    assert backend.running == 0
-
-
-@pytest.mark.parametrize("variant", NATIVE_VARIANTS)
-def test_generic_path_runs_llama_family_too(
-    tiny_lm: Callable[..., PreTrainedModel], variant: str
-) -> None:
-    model = tiny_lm(variant)
-    backend = make_backend(model, native=False)
     assert backend.path.name == "hf"
     expected = [greedy_reference(model, p, NEW_TOKENS) for p in PROMPTS]
     assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
+    assert backend.running == 0
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
@@ -79,10 +67,8 @@ def test_prompt_logits_equal_full_forward(
     or right-padded into one batch) equal HF's full-sequence forward of each prompt."""
     model = tiny_lm(variant)
     backend = make_backend(model)
-    if isinstance(backend.path, HFForward):
-        backend.path.pad_slack = pad_slack
-    elif pad_slack:
-        pytest.skip("the native path packs prompts without padding")
+    assert isinstance(backend.path, HFForward)
+    backend.path.pad_slack = pad_slack
     items = [PrefillItem(i, p, prompt_logprobs=i != 1) for i, p in enumerate(PROMPTS)]
     out = backend.prefill(items)
     assert out.last.shape == (len(PROMPTS), backend.vocab_size)
@@ -122,21 +108,19 @@ def test_padding_groups_bound_the_waste() -> None:
     assert pad_groups([7, 2, 13], 10.0) == [[2, 0, 1]]
 
 
-@pytest.mark.parametrize(
-    ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("bloom", None)]
-)
+@pytest.mark.parametrize("variant", ["llama", "gpt2", "bloom"])
 def test_continuous_batching_is_invisible_to_each_sequence(
-    tiny_lm: Callable[..., PreTrainedModel], variant: str, native: bool | None
+    tiny_lm: Callable[..., PreTrainedModel], variant: str
 ) -> None:
     """16 sequences of different lengths join at different steps, leave when done, and are
     decoded in shuffled order (sometimes only a subset): each gets the tokens and logits it
     gets alone."""
     model = tiny_lm(variant)
     prompts, budgets = random_prompts(16, seed=7, vocab=256)
-    solo = make_backend(model, max_sequences=1, native=native)
+    solo = make_backend(model, max_sequences=1)
     alone = [alone_run(solo, p, n) for p, n in zip(prompts, budgets, strict=True)]
 
-    backend = make_backend(model, max_sequences=16, native=native)
+    backend = make_backend(model, max_sequences=16)
     joins = {0: range(0, 5), 2: range(5, 9), 3: range(9, 10), 6: range(10, 16)}
     tokens, logits = staggered_greedy(backend, prompts, budgets, joins)
     assert backend.running == 0
@@ -147,14 +131,13 @@ def test_continuous_batching_is_invisible_to_each_sequence(
         )
 
 
-@pytest.mark.parametrize("native", [True, False])
 def test_release_moves_last_slot_into_the_hole(
-    tiny_lm: Callable[..., PreTrainedModel], native: bool
+    tiny_lm: Callable[..., PreTrainedModel],
 ) -> None:
     model = tiny_lm("llama")
     prompts = (*PROMPTS, (77, 78, 79))
     expected = [greedy_reference(model, p, 6) for p in prompts]
-    backend = make_backend(model, max_sequences=4, native=native)
+    backend = make_backend(model, max_sequences=4)
     out = backend.prefill([PrefillItem(10 + i, p) for i, p in enumerate(prompts)])
     tokens = {10 + i: [int(row.argmax())] for i, row in enumerate(out.last)}
     for _ in range(2):
@@ -190,14 +173,13 @@ def test_release_moves_last_slot_into_the_hole(
     assert backend.slot_of(20) == 3
 
 
-@pytest.mark.parametrize("native", [True, False])
 def test_chunked_prefill_equals_one_pass(
-    tiny_lm: Callable[..., PreTrainedModel], native: bool
+    tiny_lm: Callable[..., PreTrainedModel],
 ) -> None:
     model = tiny_lm("qwen2")
     items = [PrefillItem(i, p, prompt_logprobs=True) for i, p in enumerate(PROMPTS)]
-    whole = make_backend(model, native=native).prefill(items)
-    chunked_backend = make_backend(model, native=native, prefill_chunk_tokens=5)
+    whole = make_backend(model).prefill(items)
+    chunked_backend = make_backend(model, prefill_chunk_tokens=5)
     chunked = chunked_backend.prefill(items)
     torch.testing.assert_close(chunked.last, whole.last, atol=1e-5, rtol=0)
     for a, b in zip(chunked.prompt, whole.prompt, strict=True):
@@ -296,7 +278,7 @@ def test_load_from_a_model_directory(tmp_path: Path) -> None:
     backend = TorchDynamicBackend.load(
         model_dir, max_sequences=4, max_sequence_tokens=32, kv_tokens=1000, num_threads=threads
     )
-    assert (backend.name, backend.device, backend.path.name) == ("cpu", "cpu", "native")
+    assert (backend.name, backend.device, backend.path.name) == ("cpu", "cpu", "hf")
     assert backend.vocab_size == 128
     # The default: bf16 where the CPU computes it natively, float32 elsewhere.
     assert backend.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
@@ -307,20 +289,10 @@ def test_load_from_a_model_directory(tmp_path: Path) -> None:
         max_sequences=2,
         max_sequence_tokens=32,
         kv_tokens=64,
-        native=False,
         num_threads=threads,
     )
-    assert generic.path.name == "hf"
     assert generic.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     assert generic.capacity.max_sequences == 2
-    with pytest.raises(ConfigError, match="native forward path cannot run"):
-        TorchDynamicBackend(
-            tiny_model("gpt2"),
-            max_sequences=1,
-            max_sequence_tokens=8,
-            kv_tokens=8,
-            native=True,
-        )
 
 
 def test_dtype_rules() -> None:
@@ -377,15 +349,13 @@ def test_the_dtype_probe_times_real_matmuls() -> None:
 
 @pytest.mark.cuda
 @cuda_only
-@pytest.mark.parametrize(
-    ("variant", "native"), [("llama", True), ("llama", False), ("gpt2", None), ("falcon", None)]
-)
+@pytest.mark.parametrize("variant", ["llama", "gpt2", "falcon"])
 def test_cuda_greedy_tokens_equal_generate(
-    tiny_lm: Callable[..., PreTrainedModel], variant: str, native: bool | None
+    tiny_lm: Callable[..., PreTrainedModel], variant: str
 ) -> None:
     arch, fields = VARIANTS[variant]
     model = tiny_model(arch, seed=0, **fields).to("cuda")  # type: ignore[arg-type]
-    backend = make_backend(model, native=native)
+    backend = make_backend(model)
     assert backend.name == "cuda"
     expected = [greedy_reference(tiny_lm(variant), p, NEW_TOKENS) for p in PROMPTS]
     assert run_greedy(backend, PROMPTS, NEW_TOKENS) == expected
@@ -431,3 +401,13 @@ def test_warmup_fits_tiny_sequence_limits(tiny_lm: Callable[..., PreTrainedModel
         backend = make_backend(tiny_lm("llama"), max_sequences=2, max_sequence_tokens=tokens)
         timings = backend.warmup(2, tokens - 1)
         assert timings and backend.running == 0
+
+
+def test_a_sliding_window_shorter_than_the_sequences_is_refused() -> None:
+    """transformers' sliding-window mask shares one cache position across rows, so the slot
+    engine refuses a window shorter than its sequences (the paged engine masks per row)."""
+    arch, fields = VARIANTS["mistral"]
+    model = tiny_model(arch, seed=2, **{**fields, "sliding_window": 6})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"sliding window of 6 tokens.*--max-total-tokens to 6"):
+        make_backend(model, max_sequence_tokens=32)
+    assert make_backend(model, max_sequence_tokens=6).path.name == "hf"

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
-from tests.backends.fallback.test_llama import CONTINUATION, build, hf_logits
+from tests.backends.models.test_llama import CASES, CONTINUATION, build, hf_logits
 from tests.backends.paged_driver import greedy, scheduler_for
 from tests.factories import tiny_model
 from tgis.backends.paged.attention import flash_paged_available
@@ -45,7 +45,7 @@ def fresh(variant: str = "llama", seed: int = 0, **overrides: object) -> PreTrai
     return tiny_model(arch, seed=seed, **{**fields, **overrides})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case", ["llama-tied", "llama3-rope", "mistral", "qwen2-untied-biases"])
+@pytest.mark.parametrize("case", CASES)
 def test_prompt_and_decode_logits_equal_hf(case: str) -> None:
     """Prompts of three lengths prefilled in one packed step (every position's logits), then
     decoded together: each row equals HF's full forward over the same tokens."""

@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
-from tgis.backends.seq2seq.backend import Seq2SeqBackend
 from transformers import PreTrainedModel
 
 from tests.factories import tiny_model
+from tgis.backends.seq2seq.backend import Seq2SeqBackend
 from tgis.engine.backend import PrefillItem
 from tgis.errors import ConfigError
 

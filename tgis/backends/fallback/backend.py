@@ -4,8 +4,9 @@ Sequences join (prefill) and leave (release) between decode steps. The running s
 always occupy slots 0..n-1 of the `SlotKVCache`; a release moves the last slot into the hole,
 so a decode step reads the cache through views with no gather and no per-step cache copy.
 
-Two forward paths share that cache (see forward.py): the native llama path (llama, mistral,
-qwen2) and the generic HF path (any causal LM through its own forward).
+The forward is transformers' own (`HFForward`) over that cache: this is the engine for the
+architectures the paged engine does not run (llama, mistral and qwen2 always run paged; see
+models/llama.py's `native_unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.warmup import CompileWatch, powers_of_two, run_plan
 from tgis.backends.fallback.forward import DecodeBatch, ForwardPath, PrefillSegment
 from tgis.backends.fallback.hf_forward import HFForward, probe_kv_shape
-from tgis.backends.fallback.llama import LlamaNativeForward
 from tgis.backends.fallback.slot_cache import SlotKVCache
-from tgis.backends.models.llama import native_kv_shape, native_unsupported_reason
 from tgis.config import use_inductor_cache
 from tgis.engine.backend import (
     BackendCapacity,
@@ -60,7 +59,6 @@ class TorchDynamicBackend:
         max_sequences: int,
         max_sequence_tokens: int,
         kv_tokens: int | None = None,
-        native: bool | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         kv_memory_fraction: float | None = None,
         compile: bool = False,
@@ -70,8 +68,7 @@ class TorchDynamicBackend:
         compile: run decode steps through torch.compile (dynamic shapes: the batch size and
         the KV length vary per step without recompiling); warmup pays the compilation.
 
-        native: True requires the native llama path, False forces the generic HF path, None
-        picks native where the model supports it. kv_tokens: the KV budget in tokens; None
+        kv_tokens: the KV budget in tokens; None
         sizes it from free memory (`kv_memory_fraction` of it). max_sequences is clamped to
         what the budget holds at max_sequence_tokens each.
         """
@@ -88,14 +85,8 @@ class TorchDynamicBackend:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else model.config.vocab_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
 
-        reason = native_unsupported_reason(model) if native is not False else "disabled"
-        if native is True and reason is not None:
-            raise ConfigError(
-                f"the native forward path cannot run this model: {reason}", "use native=False"
-            )
-        use_native = native is not False and reason is None
         with torch.inference_mode():
-            shape = native_kv_shape(model) if use_native else probe_kv_shape(model)
+            shape = probe_kv_shape(model)
         per_token = kv_bytes_per_token(
             shape.num_layers, shape.num_heads, shape.head_dim, self.dtype, shape.value_head_dim
         )
@@ -113,9 +104,7 @@ class TorchDynamicBackend:
                 self.device_obj,
                 shape.value_head_dim,
             )
-        self.path: ForwardPath = (
-            LlamaNativeForward(model, cache) if use_native else HFForward(model, cache)
-        )
+        self.path: ForwardPath = HFForward(model, cache)
         self.cache = cache
         self.compiled = compile
         self._watch = CompileWatch(self.compilations)
@@ -155,7 +144,6 @@ class TorchDynamicBackend:
         max_sequences: int,
         max_sequence_tokens: int,
         kv_tokens: int | None = None,
-        native: bool | None = None,
         num_threads: int | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         compile: bool = False,
@@ -179,7 +167,6 @@ class TorchDynamicBackend:
             max_sequences=max_sequences,
             max_sequence_tokens=max_sequence_tokens,
             kv_tokens=kv_tokens,
-            native=native,
             prefill_chunk_tokens=prefill_chunk_tokens,
             compile=compile,
         )

@@ -1,12 +1,9 @@
-"""The small interface between `TorchDynamicBackend` and its two forward implementations.
+"""What `TorchDynamicBackend` asks of its forward (`HFForward`, hf_forward.py: any causal LM
+through the model's own forward and a `transformers` Cache that writes into the slot cache).
 
 The backend owns sequences, slots and lengths; a `ForwardPath` only runs the model over the
 slot cache: `prefill` appends prompt segments to given slots, `decode` appends one token to
 each of a set of slots. Both return float32 logits.
-
-- `HFForward` (hf_forward.py): any causal LM, through the model's own forward and a
-  `transformers` Cache that writes into the slot cache.
-- `LlamaNativeForward` (llama_native.py): a lean forward for llama, mistral and qwen2.
 """
 
 from __future__ import annotations

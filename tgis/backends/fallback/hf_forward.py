@@ -88,7 +88,7 @@ class HFForward:
                 f"{type(model).__name__} uses a sliding window of {min(windows)} tokens, shorter "
                 f"than max_sequence_tokens={cache.max_tokens}, which the generic forward path "
                 "cannot mask per row",
-                "use the native path or lower --max-total-tokens",
+                f"lower --max-total-tokens to {min(windows)} or less",
             )
         self.model = model
         self.cache = cache

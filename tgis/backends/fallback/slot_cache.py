@@ -1,4 +1,4 @@
-"""The slot-compacted KV cache shared by every torch forward path.
+"""The slot-compacted KV cache of the fallback engine.
 
 Per layer, one K and one V tensor of shape [max_sequences, num_kv_heads, max_sequence_tokens,
 head_dim] is allocated once. A running sequence owns one slot (a row of dim 0) and its tokens
@@ -7,9 +7,8 @@ occupy positions [0, length) of that row. The backend keeps the running sequence
 never the whole cache. A decode step over slots 0..n-1 then reads the cache through the views
 `K[:n, :, :T]` (T = longest sequence + 1) with no gather copy.
 
-`KVStep` tells a forward pass which rows it touches and where its new tokens go, so the generic
-HF path (through a `transformers` Cache) and the native llama path write and read the cache with
-the same two methods.
+`KVStep` tells a forward pass which rows it touches and where its new tokens go; the forward
+(through a `transformers` Cache) writes and reads the cache with the same two methods.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A lean forward for llama-family models (llama, mistral, qwen2) over the slot cache.
+"""The llama family (llama, mistral, qwen2): which models the lean forwards run, and their
+weights in the layouts those forwards compute with.
 
-Uses the HF model's weights, not its modules: per layer one fused QKV matmul (with qwen2's
-biases), rotary embedding from precomputed cos/sin tables, grouped-query attention without
-repeating K/V, a gate/up matmul (fused on CUDA), fused RMSNorm. No HF module calls, mask
-builders or cache objects run per step.
-
-Prefill packs every segment's tokens into one [tokens, hidden] batch (no padding: the matmuls
-see exactly the real tokens) and runs `scaled_dot_product_attention` per segment. Decode runs
-one token per row, reading the running prefix of the slot cache through views, with attention
-as two batched matmuls (faster than SDPA's CPU kernel for a single query).
+`LlamaWeights` takes the HF model's weights, not its modules: per layer one fused QKV matmul
+(with qwen2's biases), rotary embedding from precomputed cos/sin tables, a gate/up matmul (fused
+on CUDA), RMSNorm's scales. The paged forward (paged/forward.py) and the fixed-shape forward
+(static/kv.py) subclass it and differ only in how attention reads the cache.
 
 Fusing re-points the HF modules' weights at slices of the fused tensors, so the model keeps
 working (and tests can compare against it) without a second copy of the weights.
@@ -48,7 +44,8 @@ class LayerUpdate(Protocol):
 
 
 def native_unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why the native path cannot run `model` (None when it can)."""
+    """Why the paged engine (and the fixed-shape forward) cannot run `model` (None when it
+    can)."""
     config = model.config
     if config.model_type not in NATIVE_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {NATIVE_MODEL_TYPES}"
@@ -62,7 +59,7 @@ def native_unsupported_reason(model: PreTrainedModel) -> str | None:
 
 
 def native_kv_shape(model: PreTrainedModel) -> KVShape:
-    """The slot cache shape the native path needs for `model`."""
+    """What one layer of `model` keeps per token in a KV cache."""
     config = model.config
     attn = model.model.layers[0].self_attn
     return KVShape(
@@ -126,9 +123,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class LlamaWeights:
     """A llama-family model's weights in the layouts the lean forwards run: fused QKV (and
-    gate/up where faster), norms' scales, rope tables. The forwards over a slot cache
-    (`LlamaNativeForward`), a paged pool (paged_llama.py) and a static cache (static_kv.py)
-    share it and differ only in how attention reads the cache."""
+    gate/up where faster), norms' scales, rope tables. The forwards over a paged pool
+    (paged/forward.py) and over a static cache (static/kv.py) share it and differ only in how
+    attention reads the cache."""
 
     @torch.no_grad()
     def __init__(
@@ -176,7 +173,7 @@ class LlamaWeights:
         attn, mlp = layer.self_attn, layer.mlp
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.variance_epsilon != self.eps:
-                raise ValueError("the native path needs one RMSNorm epsilon for all norms")
+                raise ValueError("the llama forward needs one RMSNorm epsilon for all norms")
         t = self.transposed
         qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], t)
         if self.fuse_gate_up:

@@ -1,8 +1,8 @@
 """The collectives of tensor parallelism, as the llama forward calls them.
 
-A small module of its own so that the forward (llama_native.py) and the paged backend can name
+A small module of its own so that the forward (models/llama.py) and the paged backend can name
 `TensorParallel` without importing the machinery that starts and drives the ranks
-(tensor_parallel.py).
+(paged/tensor_parallel.py).
 """
 
 from __future__ import annotations
