@@ -31,7 +31,7 @@ def test_block_table_and_slots() -> None:
     assert m.block_table(1) == [3]
     # position p -> block table[p // 4], offset p % 4
     assert [m.slot(0, p) for p in (0, 3, 4, 9)] == [0, 3, 4, 9]
-    assert m.slots(1, 0, 2) == [12, 13]
+    assert [m.slot(1, p) for p in (0, 1)] == [12, 13]
     assert m.append(0, 5) == 10 and m.append(0, 5) == 11  # fills block 2
     assert m.append(0, 5) == 16 and m.block_table(0) == [0, 1, 2, 4]  # crosses into a new block
     assert m.num_tokens(0) == 13 and m.used_blocks == 5

@@ -17,21 +17,33 @@ _SETTING_OF = {
     "cors_allow_origin": "cors_allow_origins",
 }
 
+# Values longer than this (a model path, a list of adapters) are printed whole below the table
+# rather than cut to the terminal's width inside it.
+LONG_VALUE = 40
+
 
 def render_config(console: Console, config: ServeConfig) -> None:
     """The resolved settings with the flag or variable that set each (blank: a default or
     derived value), then the advisory notes."""
     table = Table(title="Resolved configuration", title_justify="left")
-    table.add_column("setting", style="bold")
-    table.add_column("value")
-    table.add_column("set by", style="cyan")
+    # Folded, never cut: a narrow terminal wraps a cell instead of ending it in an ellipsis.
+    table.add_column("setting", style="bold", overflow="fold")
+    table.add_column("value", overflow="fold")
+    table.add_column("set by", style="cyan", overflow="fold")
     sources: dict[str, list[str]] = {}
     for name, spelled in config.sources:
         sources.setdefault(_SETTING_OF.get(name, name), []).append(spelled)
+    long: list[tuple[str, str]] = []
     for key, value in config.summary().items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
-        table.add_row(key, escape(str(value)), escape(", ".join(sources.get(key, []))))
+        text = str(value)
+        if len(text) > LONG_VALUE:
+            long.append((key, text))
+            text = "(below)"
+        table.add_row(key, escape(text), escape(", ".join(sources.get(key, []))))
     console.print(table)
+    for key, text in long:
+        console.print(f"[bold]{key}[/]: {escape(text)}", soft_wrap=True, highlight=False)
     for note in config.notes:
         console.print(f"[cyan]note:[/] {escape(note)}")

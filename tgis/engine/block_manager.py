@@ -250,10 +250,6 @@ class BlockManager:
         blocks = self._seqs[seq_id].blocks
         return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of positions start..end-1 (the K/V writes of one prefill chunk)."""
-        return [self.slot(seq_id, p) for p in range(start, end)]
-
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 

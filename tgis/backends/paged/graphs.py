@@ -106,12 +106,6 @@ class DecodeGraphs:
         graph, logits = self.api.capture(step)
         self._graphs[bucket] = _Graph(graph, logits)
 
-    def capture_all(self) -> None:
-        """Every bucket, largest first (the pool grows once, smaller graphs reuse it)."""
-        for bucket in sorted(self.buckets, reverse=True):
-            self.capture(bucket)
-        logger.info("CUDA graphs recorded for decode batches %s", list(self.buckets))
-
     @torch.inference_mode()
     def run(
         self,
