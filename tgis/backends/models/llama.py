@@ -163,7 +163,7 @@ class LlamaWeights:
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(base.layers)]
         self.windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
         self.embed = base.embed_tokens.weight
-        # Tensor parallelism (tensor_parallel.py): this rank's slices, and the collectives.
+        # Tensor parallelism (paged/tensor_parallel.py): this rank's slices, and the collectives.
         self.parallel: TensorParallel | None = None
         self.final_norm = base.norm.weight
         self.lm_head = model.get_output_embeddings().weight

@@ -87,12 +87,12 @@ class PagedTorchBackend:
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
         max_sequence_tokens: prompt + generated tokens of one sequence (rope tables);
         max_prefill_tokens: the largest prefill chunk (profiling and warmup). cuda_graphs:
-        decode through CUDA graphs recorded at warmup (paged_graphs.py); None: wherever
+        decode through CUDA graphs recorded at warmup (paged/graphs.py); None: wherever
         flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
         are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per token of
         another cache sized along with this one (a draft model's, as many tokens): a pool sized
         from memory leaves it its share. compile: decode steps run through graphs compiled at
-        warmup (paged_compile.py; the plain-torch attention path only), and a pool sized from
+        warmup (paged/compile.py; the plain-torch attention path only), and a pool sized from
         memory leaves room for their copies of the weights."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
@@ -103,7 +103,7 @@ class PagedTorchBackend:
         self.device = str(self.device_obj)
         self.name = self.device_obj.type
         self.dtype = next(model.parameters()).dtype
-        # Under tensor parallelism `model` is this rank's slices (tensor_parallel.py).
+        # Under tensor parallelism `model` is this rank's slices (paged/tensor_parallel.py).
         self.parallel = parallel
         self.vocab_size = (
             parallel.vocab_size

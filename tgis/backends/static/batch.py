@@ -16,7 +16,7 @@ Two prefill modes (ShapePolicy.prefill_mode):
 
 The device-specific parts are two small interfaces: a `StaticModel` (runs a padded prefill into
 given rows, a decode over rows [0, n)) and `DeviceOps` (where inputs go, how a step ends).
-Shapes come from the `ShapePolicy` (buckets.py); so does the warmup plan.
+Shapes come from the `ShapePolicy` (static/buckets.py); so does the warmup plan.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The gaudi backend: the static batch (static_batch.py) on an Intel Gaudi HPU, with seed 003's
+"""The gaudi backend: the static batch (static/batch.py) on an Intel Gaudi HPU, with seed 003's
 buckets (buckets.gaudi_policy) and HPU graphs.
 
-The model is the project's fixed-shape llama forward (static_kv.StaticLlamaForward), so every
+The model is the project's fixed-shape llama forward (static/kv.py's StaticLlamaForward), so every
 step of a bucket has the same shapes. On the HPU it runs in lazy mode: ops accumulate and each
 step ends with `habana_frameworks.torch.core.mark_step()`, which compiles the accumulated graph
 the first time and reuses it afterwards. On top of that, steps run through HPU graphs

@@ -18,7 +18,7 @@ method, `forward(input_ids, position_ids, seq_ids, sampling_params)`, which pick
 Without on-device sampling the output is float logits [b, 1, vocab]; with it, sampled tokens
 [b]. tgis samples on the host, so a model compiled with on-device sampling is refused.
 
-How the static batch maps onto it (see static_batch.py for the backend side):
+How the static batch maps onto it (see static/batch.py for the backend side):
 - a prompt of 2+ tokens runs the context-encoding graph, one sequence per call when the model
   batches continuously (prefill mode "insert"), the whole batch at once otherwise ("rebuild");
   inputs are padded here to `max_context_length` with position id 0, so the last real token
@@ -131,7 +131,7 @@ def kv_bytes_per_token(hf_config: Any, dtype: Any) -> int:
 
 
 class NeuronStaticModel:
-    """The `StaticModel` of static_batch.py over a loaded NeuronModelForCausalLM."""
+    """The `StaticModel` of static/batch.py over a loaded NeuronModelForCausalLM."""
 
     def __init__(self, model: NeuronModel, pad_token_id: int = 0) -> None:
         config = model.neuron_config

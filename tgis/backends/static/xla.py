@@ -1,7 +1,7 @@
 """The tpu backend: the static batch on a torch-xla device (a TPU, or the CPU with
 PJRT_DEVICE=CPU, where the same XLA programs compile and run).
 
-Each step traces the fixed-shape forward (static_kv.py) and ends with a sync (`mark_step`):
+Each step traces the fixed-shape forward (static/kv.py) and ends with a sync (`mark_step`):
 XLA compiles one program per bucket the first time it is met and replays it afterwards, so
 after warmup no request recompiles (tests_xla count compilations with torch-xla's metrics).
 With a compile cache directory, compiled programs persist across processes: `tgis warmup`
