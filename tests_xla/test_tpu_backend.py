@@ -11,8 +11,8 @@ import torch
 from tests.backends.conftest import VARIANTS, greedy_reference, make_backend
 from tests.backends.scenarios import alone_run, random_prompts, staggered_greedy
 from tests.factories import tiny_model
-from tgis.backends.static.buckets import static_policy
 from tgis.backends.static.batch import StaticBatchBackend
+from tgis.backends.static.buckets import static_policy
 from tgis.backends.static.kv import StaticLlamaForward
 from tgis.backends.static.xla import XlaOps
 from tgis.engine.backend import Shape
