@@ -5,12 +5,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from transformers import PreTrainedModel
+
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.backend import PackedItem, PagedBackend
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.types import LoraAdapter
+
+
+def paged(
+    model: PreTrainedModel,
+    blocks: int = 32,
+    block_size: int = 4,
+    max_sequences: int = 16,
+    max_sequence_tokens: int = 64,
+    prefill: int = 64,
+) -> PagedTorchBackend:
+    """A paged backend over `model` with an explicit pool of `blocks` blocks (no memory
+    probing)."""
+    return PagedTorchBackend(
+        model,
+        max_sequences=max_sequences,
+        max_sequence_tokens=max_sequence_tokens,
+        max_prefill_tokens=prefill,
+        kv_tokens=blocks * block_size,
+        block_size=block_size,
+    )
 
 
 def scheduler_for(

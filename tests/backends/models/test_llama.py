@@ -11,11 +11,10 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference, make_backend
-from tests.backends.paged_driver import greedy
+from tests.backends.paged_driver import greedy, paged
 from tests.factories import tiny_model
 from tgis.backends.models import llama
 from tgis.backends.models.llama import native_unsupported_reason
-from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.backend import PackedItem, PrefillItem
 
 CONTINUATION = (11, 250, 4, 4, 97)
@@ -66,17 +65,6 @@ def build(case: str) -> PreTrainedModel:
 def hf_logits(model: PreTrainedModel, tokens: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
-
-
-def paged(model: PreTrainedModel) -> PagedTorchBackend:
-    return PagedTorchBackend(
-        model,
-        max_sequences=4,
-        max_sequence_tokens=32,
-        max_prefill_tokens=64,
-        kv_tokens=96,
-        block_size=4,
-    )
 
 
 def test_models_the_llama_forwards_refuse(tiny_lm: Callable[..., PreTrainedModel]) -> None:

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
 from tests.backends.models.test_llama import CASES, CONTINUATION, build, hf_logits
-from tests.backends.paged_driver import greedy, scheduler_for
+from tests.backends.paged_driver import greedy, paged, scheduler_for
 from tests.factories import tiny_model
 from tgis.backends.paged.attention import flash_paged_available
 from tgis.backends.paged.backend import PagedTorchBackend
@@ -20,24 +20,6 @@ from tgis.engine.backend import PackedItem, Shape
 from tgis.errors import ConfigError
 
 NEW = 6
-
-
-def paged(
-    model: PreTrainedModel,
-    blocks: int = 32,
-    block_size: int = 4,
-    max_sequences: int = 16,
-    max_sequence_tokens: int = 64,
-    prefill: int = 64,
-) -> PagedTorchBackend:
-    return PagedTorchBackend(
-        model,
-        max_sequences=max_sequences,
-        max_sequence_tokens=max_sequence_tokens,
-        max_prefill_tokens=prefill,
-        kv_tokens=blocks * block_size,
-        block_size=block_size,
-    )
 
 
 def fresh(variant: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from tgis.backends.common.device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
 from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.warmup import CompileWatch, powers_of_two, run_plan
-from tgis.backends.fallback.forward import DecodeBatch, ForwardPath, PrefillSegment
+from tgis.backends.fallback.forward import DecodeBatch, PrefillSegment
 from tgis.backends.fallback.hf_forward import HFForward, probe_kv_shape
 from tgis.backends.fallback.slot_cache import SlotKVCache
 from tgis.config import use_inductor_cache
@@ -104,7 +104,7 @@ class TorchDynamicBackend:
                 self.device_obj,
                 shape.value_head_dim,
             )
-        self.path: ForwardPath = HFForward(model, cache)
+        self.path = HFForward(model, cache)
         self.cache = cache
         self.compiled = compile
         self._watch = CompileWatch(self.compilations)

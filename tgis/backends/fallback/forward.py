@@ -1,20 +1,19 @@
-"""What `TorchDynamicBackend` asks of its forward (`HFForward`, hf_forward.py: any causal LM
+"""The steps `TorchDynamicBackend` hands its forward (`HFForward`, hf_forward.py: any causal LM
 through the model's own forward and a `transformers` Cache that writes into the slot cache).
 
-The backend owns sequences, slots and lengths; a `ForwardPath` only runs the model over the
-slot cache: `prefill` appends prompt segments to given slots, `decode` appends one token to
-each of a set of slots. Both return float32 logits.
+The backend owns sequences, slots and lengths; the forward only runs the model over the slot
+cache: `prefill` appends prompt segments (`PrefillSegment`) to given slots, `decode` appends one
+token to each of a set of slots (`DecodeBatch`). Both return float32 logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from tgis.backends.fallback.slot_cache import KVStep, SlotKVCache
+from tgis.backends.fallback.slot_cache import KVStep
 
 
 @dataclass(frozen=True)
@@ -50,22 +49,6 @@ class DecodeBatch:
         return KVStep(
             batch=n, query_len=1, kv_len=self.kv_len, slots=self.slots, positions=self.positions
         )
-
-
-class ForwardPath(Protocol):
-    """A model forward over a `SlotKVCache`."""
-
-    name: str
-    cache: SlotKVCache
-
-    def prefill(self, segments: Sequence[PrefillSegment]) -> list[torch.Tensor]:
-        """Run the segments, write their K/V, return per segment float32 logits
-        [len(input_ids), vocab] if `all_logits` else [1, vocab]."""
-        ...
-
-    def decode(self, batch: DecodeBatch) -> torch.Tensor:
-        """Append one token per row, return float32 logits [n, vocab]."""
-        ...
 
 
 def group_by_start(segments: Sequence[PrefillSegment]) -> dict[int, list[int]]:

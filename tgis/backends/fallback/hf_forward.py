@@ -166,7 +166,8 @@ class HFForward:
         return logits[select].float()  # the model bypassed its lm_head module
 
     def prefill(self, segments: Sequence[PrefillSegment]) -> list[torch.Tensor]:
-        """See `ForwardPath.prefill`."""
+        """Run the segments, write their K/V, return per segment float32 logits
+        [len(input_ids), vocab] if `all_logits` else [1, vocab]."""
         results: list[torch.Tensor | None] = [None] * len(segments)
         for start, indices in group_by_start(segments).items():
             lengths = [len(segments[i].input_ids) for i in indices]
@@ -224,7 +225,7 @@ class HFForward:
         return list(logits.split(counts))
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
-        """See `ForwardPath.decode`."""
+        """Append one token per row, return float32 logits [n, vocab]."""
         positions = batch.positions
         # [n, kv_len]: row i sees positions 0..positions[i] (its past and the new token).
         keys = torch.arange(batch.kv_len, device=self.device)
