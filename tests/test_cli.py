@@ -49,6 +49,14 @@ def test_serve_check_resolves_the_bundled_model() -> None:
     assert result.returncode == 0, result.stderr
     assert "demo-model" in result.stdout
     assert "max_total_tokens" in result.stdout
+    # The backend that would serve it, and why.
+    assert "engine: paged engine on cpu: the paged forward runs llama" in result.stdout
+
+
+def test_serve_check_refuses_what_the_chosen_engine_cannot_do() -> None:
+    result = run_tgis("serve", "--check", "--backend", "cpu", "--num-shard", "3")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: --num-shard 3: 3 shards must divide its ")
 
 
 def test_config_error_is_one_line_naming_flag_and_fix() -> None:

@@ -13,8 +13,7 @@ from tests.engine.test_engine import request, tokenizer
 from tests.engine.test_speculation import EDIT, Counts, outputs
 from tests.factories import make_lora_adapter, make_model_dir, tiny_model, tiny_tokenizer
 from tests.server.conftest import make_config
-from tgis.backends.fallback.backend import TorchDynamicBackend
-from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.choose import load_backend
 from tgis.config import GaudiSettings, check_kv_budget
 from tgis.engine.backend import BackendCapacity
 from tgis.engine.draft import DraftModelProposer
@@ -23,7 +22,6 @@ from tgis.launch import (
     backend_runtime,
     build_service,
     load_draft_model,
-    load_torch_backend,
     scheduler_limits,
     vocabulary_mismatch,
 )
@@ -65,31 +63,12 @@ def test_kv_budget_is_the_smaller_of_flag_and_capacity() -> None:
     )
 
 
-def test_cpu_picks_the_paged_engine_for_llama_and_the_slot_engine_otherwise(
-    tmp_path: Path,
-) -> None:
-    llama = make_model_dir(tmp_path / "llama", "llama")
-    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
-    paged = load_torch_backend(make_config(max_batch_total_tokens=512), llama)
-    assert isinstance(paged, PagedTorchBackend) and paged.capacity.kv_tokens == 512
-    assert isinstance(load_torch_backend(make_config(), gpt2), TorchDynamicBackend)
-    # --compile compiles the engine's decode: the paged one's for llama, the slot one's else.
-    compiled = load_torch_backend(make_config(compile=True, max_batch_total_tokens=512), llama)
-    assert isinstance(compiled, PagedTorchBackend) and compiled.compiled is not None
-    slot = load_torch_backend(make_config(compile=True), gpt2)
-    assert isinstance(slot, TorchDynamicBackend) and slot.compiled
-    with pytest.raises(ConfigError, match="--prefix-caching needs the paged engine"):
-        load_torch_backend(make_config(prefix_caching=True), gpt2)
-    with pytest.raises(ConfigError, match="--speculate needs the paged engine"):
-        load_torch_backend(make_config(speculate=4), gpt2)
-
-
 def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
     """What the start-up log and /info say: the engine, its attention path and why, the
     decode graphs recorded (none on a CPU), the KV pool and the dtype."""
     llama = make_model_dir(tmp_path / "llama", "llama")
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
-    paged = load_torch_backend(make_config(max_batch_total_tokens=512, dtype="float32"), llama)
+    paged = load_backend(make_config(max_batch_total_tokens=512, dtype="float32"), llama)
     facts = backend_runtime(paged)
     assert facts == {
         "engine": "paged",
@@ -102,7 +81,7 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
         "kv_tokens": 512,
         "dtype": "float32",
     }
-    slot = backend_runtime(load_torch_backend(make_config(max_batch_total_tokens=512), gpt2))
+    slot = backend_runtime(load_backend(make_config(max_batch_total_tokens=512), gpt2))
     assert slot["engine"] == "slot" and slot["kv_tokens"] == 512 and "kv_blocks" not in slot
 
 
@@ -166,7 +145,9 @@ def test_adapters_need_the_paged_engine_and_servable_adapters(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
-    with pytest.raises(ConfigError, match="LoRA adapters run in the paged engine of llama-family"):
+    with pytest.raises(
+        ConfigError, match="LoRA adapters runs in the paged engine, which cannot run gpt2"
+    ):
         build_service(make_config(lora_adapter_dir=str(tmp_path), warmup_enabled=False), gpt2)
     # An adapter of another model: its shapes are not the demo model's.
     make_lora_adapter(tiny_model("llama"), tmp_path / "other", target_modules=["q_proj"])

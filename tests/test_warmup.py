@@ -98,3 +98,19 @@ def test_serve_warms_up_unless_disabled(demo_model_dir: Path) -> None:
                 assert service.warmup is None
         finally:
             service.engine.stop()
+
+
+def test_paged_warmup_fits_sequences_shorter_than_its_decode_prompt(demo_model_dir: Path) -> None:
+    """Warmup decodes after a short prompt; where a sequence holds fewer tokens than that
+    prompt, it decodes after the longest prompt that fits instead of past the rope tables."""
+    config = make_config(
+        model_id=str(demo_model_dir), max_input_tokens=4, max_total_tokens=5,
+        max_batch_prefill_tokens=8, max_concurrent_requests=2,
+    )  # fmt: skip
+    service = build_service(config, demo_model_dir, start_engine=False)
+    try:
+        assert service.warmup is not None
+        shapes = [t.shape for t in service.warmup.timings]
+        assert shapes[:2] == [Shape("prefill", 1, 4), Shape("decode", 1, 1)]
+    finally:
+        service.stop()

@@ -1,7 +1,7 @@
 """Wire a validated ServeConfig into a running service: backend -> engine -> HTTP app.
 
-Shared by `tgis serve` and `tgis warmup`; the only place that picks a concrete backend class
-for the engine (the engine itself knows only the Backend protocol).
+Used by `tgis serve`; backends/choose.py decides which backend serves the model (the engine
+itself knows only the Backend protocol).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tgis.config import ENV_NAMES, ServeConfig, check_kv_budget, use_inductor_cache
+from tgis.config import ServeConfig, check_kv_budget
 from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
-from tgis.errors import BackendUnavailableError, ConfigError
+from tgis.errors import ConfigError
 from tgis.prefix_store import PrefixStore
 from tgis.warmup import WarmupReport, run_warmup
 
@@ -63,93 +63,14 @@ class DraftModel:
     kv_bytes_per_token: int
 
 
-def load_backend(
-    config: ServeConfig, model_dir: Path, draft: DraftModel | None = None
-) -> Backend | PagedBackend:
-    """The backend `config.backend` names, loaded with the config's limits."""
-    if config.backend in ("cpu", "cuda"):
-        return load_torch_backend(config, model_dir, draft)
-    if config.backend == "tpu":
-        from tgis.backends.static.tpu import load_tpu_backend
-
-        return load_tpu_backend(config, model_dir)
-    if config.backend == "neuron":
-        from tgis.backends.static.neuron import load_neuron_backend
-
-        return load_neuron_backend(config, model_dir)
-    if config.backend == "gaudi":
-        from tgis.backends.static.gaudi import load_gaudi_backend
-
-        return load_gaudi_backend(config, model_dir)
-    raise BackendUnavailableError(
-        f"unknown backend {config.backend!r}",
-        "serve with --backend cpu, cuda, tpu, neuron or gaudi",
-    )
-
-
-def load_torch_backend(
-    config: ServeConfig, model_dir: Path, draft: DraftModel | None = None
-) -> Backend | PagedBackend:
-    """cpu / cuda: the paged engine for llama-family models (with CUDA graphs for decode on
-    cuda, unless --cuda-graphs false; with --compile, decode through compiled graphs), the
-    slot engine (transformers' forward, compiled with --compile) for the others."""
-    import torch
-
-    from tgis.backends.common.device import load_causal_lm
-    from tgis.backends.fallback.backend import TorchDynamicBackend
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES, native_unsupported_reason
-    from tgis.backends.paged.backend import PagedTorchBackend
-    from tgis.backends.seq2seq.backend import is_encoder_decoder
-
-    slots = config.max_batch_size or config.max_concurrent_requests
-    model_config = json.loads((model_dir / "config.json").read_text())
-    if config.num_shard > 1:
-        return load_sharded_backend(config, model_dir, model_config, slots)
-    if is_encoder_decoder(model_config):
-        return load_seq2seq_backend(config, model_dir, slots)
-    model = load_causal_lm(model_dir, torch.device(config.backend), config.dtype)
-    if config.compile and config.compile_cache:
-        use_inductor_cache(Path(config.compile_cache))
-    reason = native_unsupported_reason(model)
-    if reason is None:
-        return PagedTorchBackend(
-            model,
-            max_sequences=slots,
-            max_sequence_tokens=config.max_total_tokens,
-            max_prefill_tokens=config.max_batch_prefill_tokens,
-            kv_tokens=config.max_batch_total_tokens,
-            memory_fraction=config.cuda_memory_fraction,
-            cuda_graphs=config.cuda_graphs if config.backend == "cuda" else False,
-            shared_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
-            compile=config.compile,
-        )
-    for name, flag in (
-        ("prefix_caching", "--prefix-caching"),
-        ("cuda_graphs", "--cuda-graphs"),
-        ("speculate", "--speculate"),
-    ):
-        if getattr(config, name):
-            raise ConfigError(
-                f"{flag} needs the paged engine, which cannot run here: {reason}",
-                f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model, or drop {flag} ({ENV_NAMES[name]})",
-            )
-    return TorchDynamicBackend(
-        model,
-        max_sequences=slots,
-        max_sequence_tokens=config.max_total_tokens,
-        kv_tokens=config.max_batch_total_tokens,
-        kv_memory_fraction=config.cuda_memory_fraction,
-        compile=config.compile,
-    )
-
-
 def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     """--draft-model's weights on the serving device, after checking that its tokenizer is the
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
+    from tgis.backends.choose import FAMILIES, model_facts
     from tgis.backends.common.device import load_causal_lm
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES, native_unsupported_reason
+    from tgis.backends.models.llama import unsupported_reason
     from tgis.backends.paged.backend import paged_kv_bytes_per_token
     from tgis.hub import resolve_model_dir
 
@@ -162,13 +83,13 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             f"{name}: its tokenizer is not the model's ({mismatch})",
             "draft with a smaller model of the same family, trained with the same tokenizer",
         )
-    model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
-    reason = native_unsupported_reason(model)
+    reason = unsupported_reason(model_facts(draft_dir).config)
     if reason is not None:
         raise ConfigError(
             f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",
-            f"draft with a {'/'.join(NATIVE_MODEL_TYPES)} model",
+            f"draft with a {FAMILIES} model",
         )
+    model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
     return DraftModel(model, paged_kv_bytes_per_token(model))
 
 
@@ -209,94 +130,6 @@ def draft_proposer(
     step = draft_backend.capacity.prefill_step_tokens or config.max_batch_prefill_tokens
     return DraftModelProposer(
         draft_backend, vocab_size=getattr(backend, "vocab_size", None), max_step_tokens=step
-    )
-
-
-def _refuse_options(
-    config: ServeConfig, names: tuple[str, ...], message: str, fix: str = ""
-) -> None:
-    """A ConfigError for the first of the boolean options `names` that is set; `message`
-    and the fix name it where they say {option}."""
-    for name in names:
-        if getattr(config, name):
-            option = "--" + name.replace("_", "-")
-            hint = f"drop {option} ({ENV_NAMES[name]}){fix}"
-            raise ConfigError(message.format(option=option), hint)
-
-
-def load_sharded_backend(
-    config: ServeConfig, model_dir: Path, model_config: dict[str, Any], slots: int
-) -> PagedBackend:
-    """--num-shard N on cpu / cuda: the paged engine over N tensor-parallel processes."""
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES
-    from tgis.backends.paged.tensor_parallel import (
-        ShardSettings,
-        TensorParallelBackend,
-        shard_unsupported_reason,
-    )
-
-    flag = f"--num-shard {config.num_shard}"
-    kind = model_config.get("model_type")
-    if kind not in NATIVE_MODEL_TYPES:
-        raise ConfigError(
-            f"{flag}: tensor parallelism runs the paged engine of {'/'.join(NATIVE_MODEL_TYPES)} "
-            f"models; this model is {kind}",
-            "serve it with --num-shard 1",
-        )
-    reason = shard_unsupported_reason(model_config, config.num_shard)
-    if reason is not None:
-        raise ConfigError(f"{flag}: {reason}", "pick one of the values named")
-    _refuse_options(
-        config,
-        ("compile", "cuda_graphs"),
-        "{option} and " + flag + ": sharded steps run eagerly",
-        ", or serve on one device",
-    )
-    import torch
-
-    from tgis.backends.common.device import layer_shape, resolve_dtype
-
-    if config.backend == "cuda" and torch.cuda.device_count() < config.num_shard:
-        raise ConfigError(
-            f"{flag} needs {config.num_shard} GPUs; {torch.cuda.device_count()} are visible",
-            "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
-        )
-    # Resolved once here, so that every rank computes in the same dtype.
-    dtype = resolve_dtype(
-        torch.device(config.backend), config.dtype, model_config.get("dtype"),
-        layer_shape(model_config),
-    )  # fmt: skip
-    settings = ShardSettings(
-        model_dir=str(model_dir),
-        device=config.backend,
-        dtype=str(dtype).removeprefix("torch."),
-        max_sequences=slots,
-        max_sequence_tokens=config.max_total_tokens,
-        max_prefill_tokens=config.max_batch_prefill_tokens,
-        kv_tokens=config.max_batch_total_tokens,
-        memory_fraction=config.cuda_memory_fraction,
-        master_addr=config.master_addr,
-        master_port=config.master_port,
-        world=config.num_shard,
-    )
-    return TensorParallelBackend(settings)
-
-
-def load_seq2seq_backend(config: ServeConfig, model_dir: Path, slots: int) -> Backend:
-    """cpu / cuda: an encoder-decoder model in the slot engine (`Seq2SeqBackend`)."""
-    from tgis.backends.seq2seq.backend import Seq2SeqBackend
-
-    _refuse_options(
-        config,
-        ("prefix_caching", "cuda_graphs", "compile", "speculate"),
-        "{option} is for decoder-only models; this model is an encoder-decoder one",
-    )
-    return Seq2SeqBackend.load(
-        model_dir,
-        config.backend,
-        config.dtype,
-        max_sequences=slots,
-        max_sequence_tokens=config.max_total_tokens,
     )
 
 
@@ -350,18 +183,13 @@ def build_service(
     """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), build the engine
     and, with `start_engine`, start its loop on a thread of its own. `tgis serve` runs the
     loop on this (its main) thread instead: `service.engine.run()`."""
+    from tgis.backends.choose import choose_backend, load_backend, model_facts
+
+    choice = choose_backend(config, model_facts(model_dir))
     tokenizer = load_tokenizer(model_dir)
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
-    backend = load_backend(config, model_dir, draft)
+    backend = load_backend(config, model_dir, choice, draft.kv_bytes_per_token if draft else 0)
     capacity = backend.capacity
-    if (config.lora_adapters or config.lora_adapter_dir) and not capacity.lora:
-        raise ConfigError(
-            "--lora-adapters / --lora-adapter-dir: LoRA adapters run in the paged engine of "
-            f"llama-family models on one device; this model runs on the {backend.name} "
-            f"{'slot engine' if capacity.block_size is None else 'backend'}",
-            "serve a llama/mistral/qwen2 model, or drop the adapters "
-            "(LORA_ADAPTERS, LORA_ADAPTER_DIR)",
-        )
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:

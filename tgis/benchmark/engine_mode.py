@@ -78,78 +78,51 @@ def load_backend(
     compile: bool = False,
     num_shard: int = 1,
 ) -> Backend | PagedBackend:
-    """The backend `tgis serve` would run for `model_dir`, sized for `max_batch` sequences of
-    the run: the paged one for llama-family models (its CUDA graphs recorded, or with
-    `compile` its decode graphs compiled, here; over `num_shard` tensor-parallel processes
-    when more than 1), the slot one for the others (with `compile`, decode through
-    torch.compile, compiled here)."""
-    import torch
-
-    from tgis.backends.common.device import load_causal_lm
-    from tgis.backends.fallback.backend import TorchDynamicBackend
-    from tgis.backends.models.llama import native_unsupported_reason
-    from tgis.backends.paged.backend import PagedTorchBackend
+    """The backend `tgis serve` would run for `model_dir` (backends/choose.py picks it from the
+    same validated config), sized for `max_batch` sequences of the run and warmed up as serve
+    warms it (CUDA graphs recorded, or with `compile` decode compiled, here); over `num_shard`
+    tensor-parallel processes when more than 1."""
+    from tgis.backends.choose import choose_backend, model_facts
+    from tgis.backends.choose import load_backend as load_chosen
+    from tgis.backends.registry import detect_backend
+    from tgis.config import LauncherArgs, build_serve_config
+    from tgis.warmup import run_warmup
 
     total = prompt_tokens + decode_tokens + 1
-    if num_shard > 1:
-        return _sharded(model_dir, device, dtype, max_batch, prompt_tokens, total, num_shard)
-    model = load_causal_lm(model_dir, torch.device(device), dtype)
-    if native_unsupported_reason(model) is None:
-        paged = PagedTorchBackend(
-            model,
-            max_sequences=max_batch,
-            max_sequence_tokens=total,
-            max_prefill_tokens=max_batch * prompt_tokens,
-            kv_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
-            cuda_graphs=False if compile else None,
-            compile=compile,
-        )
-        if paged.graphs is not None or paged.compiled is not None:
-            paged.warmup(max_batch, prompt_tokens)
-        return paged
-    backend = TorchDynamicBackend(
-        model,
-        max_sequences=max_batch,
-        max_sequence_tokens=total,
-        kv_tokens=max_batch * total,
-        compile=compile,
+    facts = model_facts(model_dir)
+    args = LauncherArgs(
+        model_id=str(model_dir),
+        backend=device,
+        dtype=dtype,
+        max_concurrent_requests=max_batch,
+        max_batch_size=max_batch,
+        max_input_tokens=prompt_tokens,
+        max_total_tokens=total,
+        max_batch_prefill_tokens=max_batch * prompt_tokens,
+        max_batch_total_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
+        compile=compile or None,
+        num_shard=num_shard,
+        master_port=free_port() if num_shard > 1 else None,
     )
-    if compile:
-        backend.warmup(max_batch, prompt_tokens)
+    config = build_serve_config(args, facts, {}, detect_backend)
+    backend = load_chosen(config, model_dir, choose_backend(config, facts))
+    try:
+        run_warmup(backend, config)
+    except BaseException:
+        close = getattr(backend, "close", None)
+        if close is not None:  # tensor-parallel shards
+            close()
+        raise
     return backend
 
 
-def _sharded(
-    model_dir: Path,
-    device: str,
-    dtype: str | None,
-    max_batch: int,
-    prompt_tokens: int,
-    total: int,
-    num_shard: int,
-) -> PagedBackend:
-    """The paged backend over `num_shard` tensor-parallel processes (tensor_parallel.py)."""
+def free_port() -> int:
+    """A free TCP port on this machine (the shards' rendezvous)."""
     import socket
 
-    from tgis.backends.paged.tensor_parallel import ShardSettings, TensorParallelBackend
-
-    with socket.socket() as s:  # a free rendezvous port on this machine
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    settings = ShardSettings(
-        model_dir=str(model_dir),
-        device=device,
-        dtype=dtype,
-        max_sequences=max_batch,
-        max_sequence_tokens=total,
-        max_prefill_tokens=max_batch * prompt_tokens,
-        kv_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
-        memory_fraction=None,
-        master_addr="127.0.0.1",
-        master_port=port,
-        world=num_shard,
-    )
-    return TensorParallelBackend(settings)
+        return int(s.getsockname()[1])
 
 
 def special_token_ids(model_dir: Path) -> set[int]:

@@ -48,6 +48,7 @@ def command(
 
     from rich.console import Console
 
+    from tgis.backends.choose import choose_backend, model_facts
     from tgis.commands.show_config import render_config
     from tgis.launch import build_service, service_info
     from tgis.server import Metrics, create_app, serve
@@ -55,15 +56,13 @@ def command(
 
     config, model_dir = resolve_launcher_config(launcher)
     console = Console()
-    render_config(console, config)
+    render_config(console, config, choose_backend(config, model_facts(model_dir)))
     if check:
         return
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    metrics = Metrics(
-        config.max_total_tokens, config.max_batch_size or config.max_concurrent_requests
-    )
+    metrics = Metrics(config.max_total_tokens, config.batch_slots)
     # The model loads, warms up and runs on this thread: torch keeps one OpenMP team.
     service = build_service(config, model_dir, observer=metrics, start_engine=False)
     try:

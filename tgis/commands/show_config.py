@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from tgis.config import ServeConfig
+
+if TYPE_CHECKING:
+    from tgis.backends.choose import BackendChoice
 
 # Launcher settings shown under another name in the resolved configuration.
 _SETTING_OF = {
@@ -22,9 +27,12 @@ _SETTING_OF = {
 LONG_VALUE = 40
 
 
-def render_config(console: Console, config: ServeConfig) -> None:
+def render_config(
+    console: Console, config: ServeConfig, choice: BackendChoice | None = None
+) -> None:
     """The resolved settings with the flag or variable that set each (blank: a default or
-    derived value), then the advisory notes."""
+    derived value), then the backend `choice` that serves the model and why, then the
+    advisory notes."""
     table = Table(title="Resolved configuration", title_justify="left")
     # Folded, never cut: a narrow terminal wraps a cell instead of ending it in an ellipsis.
     table.add_column("setting", style="bold", overflow="fold")
@@ -45,5 +53,7 @@ def render_config(console: Console, config: ServeConfig) -> None:
     console.print(table)
     for key, text in long:
         console.print(f"[bold]{key}[/]: {escape(text)}", soft_wrap=True, highlight=False)
+    if choice is not None:
+        console.print(f"[bold]engine[/]: {escape(choice.describe())}", soft_wrap=True)
     for note in config.notes:
         console.print(f"[cyan]note:[/] {escape(note)}")

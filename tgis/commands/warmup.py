@@ -48,14 +48,15 @@ def command(
 
     from rich.console import Console
 
+    from tgis.backends.choose import choose_backend, load_backend, model_facts
     from tgis.commands.show_config import render_config
-    from tgis.launch import load_backend
 
     config, model_dir = resolve_launcher_config(launcher)
+    choice = choose_backend(config, model_facts(model_dir))
     console = Console()
-    render_config(console, config)
+    render_config(console, config, choice)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    loaded = load_backend(config, model_dir)
+    loaded = load_backend(config, model_dir, choice)
     try:
         report = _warm(console, loaded, config)
     finally:

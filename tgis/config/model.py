@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tgis.config.dtypes import cast_type
@@ -49,6 +49,8 @@ class ModelFacts:
     neuron: NeuronExport | None = None
     # An encoder-decoder model (T5, BART, ...: config.json's is_encoder_decoder).
     encoder_decoder: bool = False
+    # The whole config.json, for the rules that read more of it (which engine can run it).
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def from_config(
@@ -68,5 +70,9 @@ class ModelFacts:
         elif neuron_config is not None:
             neuron = NeuronExport.from_mapping(neuron_config, "neuron_config.json")
         return ModelFacts(
-            config.get("model_type"), max_pos, neuron, bool(config.get("is_encoder_decoder"))
+            config.get("model_type"),
+            max_pos,
+            neuron,
+            bool(config.get("is_encoder_decoder")),
+            dict(config),
         )

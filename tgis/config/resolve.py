@@ -100,9 +100,7 @@ def build_serve_config(
         gaudi = None
     num_shard = check_sharding(backend, values, r)
     check_draft_model(values, r, num_shard)
-    lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(
-        backend, values, r, num_shard
-    )
+    lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
     if values["cuda_graphs"] and not warmup_enabled:

@@ -247,10 +247,10 @@ def check_draft_model(values: dict[str, Any], r: Sources, num_shard: int) -> Non
 
 
 def lora_settings(
-    backend: str, values: dict[str, Any], r: Sources, num_shard: int
+    values: dict[str, Any], r: Sources
 ) -> tuple[tuple[tuple[str, str], ...], str | None, int, int]:
     """--lora-adapters parsed into (name, path) pairs, --lora-adapter-dir, --max-loras and
-    --max-lora-rank, checked."""
+    --max-lora-rank, checked (which engine serves adapters: backends/choose.py)."""
     spec, directory = values["lora_adapters"] or "", values["lora_adapter_dir"] or None
     pairs: list[tuple[str, str]] = []
     for entry in (e.strip() for e in spec.split(",")):
@@ -276,16 +276,6 @@ def lora_settings(
             raise ConfigError(
                 f"{r.label(name, limits[name])} must be in [1, 1024]",
                 f"set {flag(name)} to a count such as {DEFAULTS[name]} (the default)",
-            )
-    if pairs or directory:
-        given = r.label("lora_adapters", spec) if pairs else r.label("lora_adapter_dir", directory)
-        if backend not in ("cpu", "cuda") or num_shard > 1:
-            where = f"the {backend} backend" if num_shard == 1 else f"--num-shard {num_shard}"
-            raise ConfigError(
-                f"{given}: LoRA adapters run in the paged engine of the cpu and cuda backends, "
-                f"on one device; not on {where}",
-                "drop --lora-adapters and --lora-adapter-dir (LORA_ADAPTERS, LORA_ADAPTER_DIR), "
-                "or serve with --backend cpu/cuda and --num-shard 1",
             )
     if directory is not None and not Path(directory).is_dir():
         raise ConfigError(
@@ -329,18 +319,6 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
                 "ways to compile decode",
                 "keep one of them",
             )
-    if values["speculate"] and backend not in ("cpu", "cuda"):
-        raise ConfigError(
-            f"{r.label('speculate', values['speculate'])} needs the paged engine of the cpu and "
-            f"cuda backends; {backend} runs fixed shapes",
-            "drop --speculate (SPECULATE)",
-        )
-    if values["prefix_caching"] and backend not in ("cpu", "cuda"):
-        raise ConfigError(
-            f"{r.label('prefix_caching', 'true')} needs the paged KV cache of the cpu and cuda "
-            f"backends; {backend} keeps a static cache",
-            "drop --prefix-caching (PREFIX_CACHING)",
-        )
     store = values["prefix_store_path"]
     if store is not None:
         if backend not in ("cpu", "cuda"):

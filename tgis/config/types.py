@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tgis.config.parse import flag
+
 BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 # Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
 STATIC_BACKENDS = ("tpu", "neuron")
@@ -260,6 +262,17 @@ class ServeConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)
     # Where each setting given by the user came from: field -> `--flag` or `ENV_NAME`.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def batch_slots(self) -> int:
+        """The sequences one step may hold: --max-batch-size, else --max-concurrent-requests."""
+        return self.max_batch_size or self.max_concurrent_requests
+
+    def label(self, name: str, value: Any) -> str:
+        """How a message names a setting the user gave: `--flag value` or `ENV=value` as it
+        was given (the flag where it came from a default)."""
+        spelled = dict(self.sources).get(name) or flag(name)
+        return f"{spelled} {value}" if spelled.startswith("-") else f"{spelled}={value}"
 
     def summary(self) -> dict[str, Any]:
         """A flat, JSON-friendly view for logs and `/info`."""

@@ -121,7 +121,7 @@ def create_app(
     if metrics is None:
         metrics = Metrics(
             max_total_tokens=config.max_total_tokens,
-            max_batch_size=config.max_batch_size or config.max_concurrent_requests,
+            max_batch_size=config.batch_slots,
         )
     lifecycle = Lifecycle()
     limits = RequestLimits.from_config(config)

@@ -14,7 +14,7 @@ from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference, make_ba
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import tiny_model
 from tgis.backends.models import llama
-from tgis.backends.models.llama import native_unsupported_reason
+from tgis.backends.models.llama import unsupported_reason
 from tgis.engine.backend import PackedItem, PrefillItem
 
 CONTINUATION = (11, 250, 4, 4, 97)
@@ -68,10 +68,10 @@ def hf_logits(model: PreTrainedModel, tokens: tuple[int, ...]) -> torch.Tensor:
 
 
 def test_models_the_llama_forwards_refuse(tiny_lm: Callable[..., PreTrainedModel]) -> None:
-    assert native_unsupported_reason(tiny_lm("llama")) is None
-    assert "model_type 'gpt2'" in (native_unsupported_reason(tiny_lm("gpt2")) or "")
+    assert unsupported_reason(tiny_lm("llama").config.to_dict()) is None
+    assert "model_type 'gpt2'" in (unsupported_reason(tiny_lm("gpt2").config.to_dict()) or "")
     dynamic = tiny_lm("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    assert "rope type 'dynamic'" in (native_unsupported_reason(dynamic) or "")
+    assert "rope type 'dynamic'" in (unsupported_reason(dynamic.config.to_dict()) or "")
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
         paged(dynamic)
     # The fallback engine serves it through transformers' forward, still exactly.
@@ -79,6 +79,25 @@ def test_models_the_llama_forwards_refuse(tiny_lm: Callable[..., PreTrainedModel
     assert backend.path.name == "hf"
     out = backend.prefill([PrefillItem(0, PROMPTS[2])])
     assert int(out.last[0].argmax()) == greedy_reference(dynamic, PROMPTS[2], 1)[0]
+
+
+def test_the_refusal_reads_every_spelling_of_a_configs_rope() -> None:
+    """config.json names the rope as transformers 4 wrote it (`rope_scaling`, with `type` in
+    older files) or as transformers 5 does (`rope_parameters`); no rope section is the
+    default one."""
+    llama = {"model_type": "mistral"}
+    assert unsupported_reason(llama) is None
+    assert unsupported_reason({**llama, "rope_scaling": None}) is None
+    assert unsupported_reason({**llama, "rope_scaling": {"type": "linear", "factor": 2}}) is None
+    for rope in ({"type": "dynamic"}, {"rope_type": "longrope"}):
+        assert "depends on the sequence length" in (
+            unsupported_reason({**llama, "rope_scaling": rope}) or ""
+        )
+    v5 = {**llama, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}
+    assert "rope type 'dynamic'" in (unsupported_reason(v5) or "")
+    assert unsupported_reason({"model_type": "qwen3"}) == (
+        "model_type 'qwen3' is not one of ('llama', 'mistral', 'qwen2')"
+    )
 
 
 def test_fused_weights_are_shared_with_the_hf_modules() -> None:

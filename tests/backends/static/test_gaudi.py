@@ -553,16 +553,6 @@ def test_quant_config_is_refused(fake: FakeHabana, llama_dir: Path) -> None:
     assert "QUANT_CONFIG" in text and "FP8" in text and "unset QUANT_CONFIG" in text
 
 
-def test_non_llama_models_are_refused(
-    tiny_lm: Callable[..., PreTrainedModel], fake: FakeHabana, tmp_path: Path
-) -> None:
-    tiny_lm("gpt2").save_pretrained(tmp_path)
-    with pytest.raises(ConfigError) as err:
-        load_gaudi_backend(gaudi_config(), tmp_path, device="cpu")
-    text = str(err.value)
-    assert "'gpt2'" in text and "llama" in text and "qwen2" in text
-
-
 def test_a_non_gaudi_config_is_refused(fake: FakeHabana, llama_dir: Path) -> None:
     config = build_serve_config(LauncherArgs(backend="cpu"), ModelFacts("llama", 128), {})
     with pytest.raises(ConfigError, match="gaudi settings"):

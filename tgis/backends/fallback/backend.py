@@ -5,8 +5,8 @@ always occupy slots 0..n-1 of the `SlotKVCache`; a release moves the last slot i
 so a decode step reads the cache through views with no gather and no per-step cache copy.
 
 The forward is transformers' own (`HFForward`) over that cache: this is the engine for the
-architectures the paged engine does not run (llama, mistral and qwen2 always run paged; see
-models/llama.py's `native_unsupported_reason`).
+architectures the paged engine does not run (backends/choose.py decides which engine runs a
+model).
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class TorchDynamicBackend:
         max_sequences: int,
         max_sequence_tokens: int,
         kv_tokens: int | None = None,
+        kv_memory_fraction: float | None = None,
         num_threads: int | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         compile: bool = False,
@@ -167,6 +168,7 @@ class TorchDynamicBackend:
             max_sequences=max_sequences,
             max_sequence_tokens=max_sequence_tokens,
             kv_tokens=kv_tokens,
+            kv_memory_fraction=kv_memory_fraction,
             prefill_chunk_tokens=prefill_chunk_tokens,
             compile=compile,
         )

@@ -13,8 +13,9 @@ working (and tests can compare against it) without a second copy of the weights.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +44,21 @@ class LayerUpdate(Protocol):
         ...
 
 
-def native_unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why the paged engine (and the fixed-shape forward) cannot run `model` (None when it
-    can)."""
-    config = model.config
-    if config.model_type not in NATIVE_MODEL_TYPES:
-        return f"model_type {config.model_type!r} is not one of {NATIVE_MODEL_TYPES}"
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+def unsupported_reason(config: Mapping[str, Any]) -> str | None:
+    """Why the llama family's forwards (paged and fixed-shape) cannot run the model this
+    config.json describes (None when they can): another architecture, or a rope whose
+    frequencies change with the sequence's length."""
+    model_type = config.get("model_type")
+    if model_type not in NATIVE_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {NATIVE_MODEL_TYPES}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = (
+        rope.get("rope_type", rope.get("type", "default"))
+        if isinstance(rope, Mapping)
+        else "default"
+    )
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type {rope_type!r} depends on the sequence length"
-    attn = model.model.layers[0].self_attn
-    if any(hasattr(attn, name) for name in ("q_norm", "k_norm")):
-        return "attention has q/k norms"
     return None
 
 
@@ -139,7 +143,7 @@ class LlamaWeights:
         """Take `model`'s weights (re-pointing its modules at the fused copies) and precompute
         rope tables for `max_positions` positions. fuse_gate_up / transposed: weight
         layouts, by default the faster ones measured for the device and dtype (see _fuse)."""
-        reason = native_unsupported_reason(model)
+        reason = unsupported_reason(model.config.to_dict())
         if reason is not None:
             raise ValueError(f"the native llama path cannot run this model: {reason}")
         config, base = model.config, model.model

@@ -38,6 +38,7 @@ from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_by
 from tgis.backends.paged.forward import KVPool, PagedLlamaForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
+from tgis.config import use_inductor_cache
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
@@ -199,9 +200,16 @@ class PagedTorchBackend:
         kv_tokens: int | None = None,
         memory_fraction: float | None = None,
         num_threads: int | None = None,
+        cuda_graphs: bool | None = None,
+        shared_kv_bytes_per_token: int = 0,
         compile: bool = False,
+        compile_cache: Path | None = None,
     ) -> PagedTorchBackend:
-        """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1")."""
+        """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
+        as `__init__` takes it. With `compile`, `compile_cache`
+        keeps inductor's caches (a second start compiles faster)."""
+        if compile and compile_cache is not None:
+            use_inductor_cache(compile_cache)
         model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
         return cls(
             model,
@@ -210,6 +218,8 @@ class PagedTorchBackend:
             max_prefill_tokens=max_prefill_tokens,
             kv_tokens=kv_tokens,
             memory_fraction=memory_fraction,
+            cuda_graphs=cuda_graphs,
+            shared_kv_bytes_per_token=shared_kv_bytes_per_token,
             compile=compile,
         )
 
@@ -433,12 +443,18 @@ class PagedTorchBackend:
 
     # --- warmup ------------------------------------------------------------------------------
 
+    @property
+    def _warmup_prompt(self) -> int:
+        """The prompt warmup's decode steps follow: WARMUP_PROMPT tokens, fewer where a
+        sequence holds fewer."""
+        return min(WARMUP_PROMPT, self.max_sequence_tokens - 1)
+
     def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
         """The shapes the scheduler can send: the largest prefill chunk it allows (the
         longest prompt, capped by the chunk budget), then a decode step per power-of-two
         batch size up to the largest batch the pool holds."""
         longest = max(1, min(max_input_tokens, self.prefill_chunk, self.max_sequence_tokens - 1))
-        per_seq = -(-(WARMUP_PROMPT + 1) // self.block_size)
+        per_seq = -(-(self._warmup_prompt + 1) // self.block_size)
         rows = max(1, min(max_batch_size, self._capacity.max_sequences))
         rows = min(rows, max(1, self._capacity.num_blocks // per_seq))
         plan = [Shape("prefill", 1, longest)]
@@ -447,7 +463,7 @@ class PagedTorchBackend:
     def run_shape(self, shape: Shape) -> ShapeTiming:
         """Run one step of `shape` on dummy tokens in blocks of the pool (serving has not
         started: nothing else owns them)."""
-        per_seq = -(-max(shape.length, WARMUP_PROMPT + 1) // self.block_size)
+        per_seq = -(-max(shape.length, self._warmup_prompt + 1) // self.block_size)
         blocks = iter(range(self._capacity.num_blocks))
         tables = [tuple(next(blocks) for _ in range(per_seq)) for _ in range(shape.rows)]
 
@@ -458,7 +474,7 @@ class PagedTorchBackend:
             items = [PackedItem(-1 - i, tokens(shape.length), 0, t) for i, t in enumerate(tables)]
         else:
             items = [
-                PackedItem(-1 - i, (1 % self.vocab_size,), WARMUP_PROMPT, t)
+                PackedItem(-1 - i, (1 % self.vocab_size,), self._warmup_prompt, t)
                 for i, t in enumerate(tables)
             ]
         start = time.perf_counter()

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tgis.backends.models.parallel import TensorParallel
+from tgis.config import ServeConfig
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
 
@@ -183,6 +184,39 @@ class ShardSettings:
     master_addr: str
     master_port: int
     world: int
+
+    @staticmethod
+    def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
+        """The settings of --num-shard N processes serving the model in `model_dir` under
+        `config`; a ConfigError when fewer GPUs are visible than shards."""
+        from tgis.backends.common.device import layer_shape, resolve_dtype
+
+        world = config.num_shard
+        if config.backend == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(
+                f"{config.label('num_shard', world)} needs {world} GPUs; "
+                f"{torch.cuda.device_count()} are visible",
+                "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
+            )
+        model_config = json.loads((model_dir / "config.json").read_text())
+        # Resolved once here, so that every rank computes in the same dtype.
+        dtype = resolve_dtype(
+            torch.device(config.backend), config.dtype, model_config.get("dtype"),
+            layer_shape(model_config),
+        )  # fmt: skip
+        return ShardSettings(
+            model_dir=str(model_dir),
+            device=config.backend,
+            dtype=str(dtype).removeprefix("torch."),
+            max_sequences=config.batch_slots,
+            max_sequence_tokens=config.max_total_tokens,
+            max_prefill_tokens=config.max_batch_prefill_tokens,
+            kv_tokens=config.max_batch_total_tokens,
+            memory_fraction=config.cuda_memory_fraction,
+            master_addr=config.master_addr,
+            master_port=config.master_port,
+            world=world,
+        )
 
 
 def _join(settings: ShardSettings, rank: int) -> torch.device:

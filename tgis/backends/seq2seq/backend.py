@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -466,9 +465,4 @@ def _rows(embeds: torch.Tensor | None) -> int:
     return 0 if embeds is None else int(embeds.shape[0])
 
 
-def is_encoder_decoder(config: dict[str, Any]) -> bool:
-    """Whether a config.json describes an encoder-decoder model."""
-    return bool(config.get("is_encoder_decoder"))
-
-
-__all__ = ["SUPPORTED", "Seq2SeqBackend", "decoder_for", "is_encoder_decoder"]
+__all__ = ["SUPPORTED", "Seq2SeqBackend", "decoder_for"]

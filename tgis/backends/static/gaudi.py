@@ -305,18 +305,6 @@ class GaudiBatchBackend(StaticBatchBackend):
             return super().run_shape(shape)
 
 
-def _check_family(model_type: str | None, reason: str | None) -> None:
-    """ConfigError when the fixed-shape llama forward cannot run the model."""
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES
-
-    if reason is not None:
-        raise ConfigError(
-            f"the gaudi backend cannot serve model_type {model_type!r}: {reason}; its "
-            f"fixed-shape forward runs the llama family ({', '.join(NATIVE_MODEL_TYPES)})",
-            "serve it with --backend cpu or --backend cuda",
-        )
-
-
 def build_gaudi_backend(
     model: Any,
     settings: GaudiSettings,
@@ -325,10 +313,8 @@ def build_gaudi_backend(
     *,
     device: str | torch.device = "hpu",
 ) -> GaudiBatchBackend:
-    """The backend over a loaded llama-family `model` (already on `device`)."""
-    from tgis.backends.models.llama import native_unsupported_reason
-
-    _check_family(model.config.model_type, native_unsupported_reason(model))
+    """The backend over a loaded llama-family `model` (already on `device`; backends/choose.py
+    refuses other families)."""
     enable_graphs = settings.enable_hpu_graph and settings.lazy_mode
     if settings.enable_hpu_graph and not settings.lazy_mode:
         logger.warning("PT_HPU_LAZY_MODE=0: HPU graphs need lazy mode, running without them")
@@ -366,13 +352,8 @@ def load_gaudi_backend(
             "unset QUANT_CONFIG to serve in bfloat16 (or --dtype)",
         )
     habana = import_habana()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES
-
-    model_type = getattr(AutoConfig.from_pretrained(model_dir), "model_type", None)
-    if model_type not in NATIVE_MODEL_TYPES:
-        _check_family(model_type, "not a llama-family architecture")
     dtype = torch_dtype(config.dtype) if config.dtype else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model = model.eval().to(torch.device(device))

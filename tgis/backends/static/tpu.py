@@ -33,7 +33,6 @@ def load_tpu_backend(config: ServeConfig, model_dir: Path) -> StaticBatchBackend
     import_xla()
     from transformers import AutoModelForCausalLM
 
-    from tgis.backends.models.llama import NATIVE_MODEL_TYPES, native_unsupported_reason
     from tgis.backends.static.kv import StaticLlamaForward
 
     shape = config.static_shape
@@ -48,14 +47,7 @@ def load_tpu_backend(config: ServeConfig, model_dir: Path) -> StaticBatchBackend
             config.compile_cache,
         )
     dtype = tpu_dtype(config.dtype, ops.platform())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    reason = native_unsupported_reason(model)
-    if reason is not None:
-        raise ConfigError(
-            f"the tpu backend cannot run {model_dir.name}: {reason}",
-            f"serve a {'/'.join(NATIVE_MODEL_TYPES)} model on tpu, or use --backend cpu/cuda",
-        )
-    model = model.to(ops.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(ops.device)
     forward = StaticLlamaForward(model, shape.batch_size, shape.sequence_length)
     mode = config.prefill_mode or "insert"
     policy = static_policy(

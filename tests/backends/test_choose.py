@@ -1,0 +1,139 @@
+"""backends/choose.py: one function names the design that serves a model, says why, and
+refuses every option that design cannot honour; `load_backend` loads what it chose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import make_model_dir
+from tgis.backends.choose import BackendChoice, choose_backend, load_backend, model_facts
+from tgis.backends.fallback.backend import TorchDynamicBackend
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.config import LauncherArgs, ModelFacts, ServeConfig, build_serve_config
+from tgis.errors import ConfigError
+
+LLAMA = {
+    "model_type": "llama",
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 256,
+}
+GPT2 = {"model_type": "gpt2", "n_positions": 1024}
+T5 = {"model_type": "t5", "is_encoder_decoder": True, "n_positions": 512}
+DYNAMIC_ROPE = {**LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+
+
+def config_of(
+    model: dict[str, Any], env: dict[str, str] | None = None, **flags: Any
+) -> tuple[ServeConfig, ModelFacts]:
+    facts = ModelFacts.from_config(model)
+    return build_serve_config(LauncherArgs(**flags), facts, env or {}), facts
+
+
+def choose(model: dict[str, Any], env: dict[str, str] | None = None, **flags: Any) -> BackendChoice:
+    return choose_backend(*config_of(model, env, **flags))
+
+
+def refusal(model: dict[str, Any], env: dict[str, str] | None = None, **flags: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        choose(model, env, **flags)
+    return str(info.value)
+
+
+def test_each_model_gets_its_design_and_the_reason() -> None:
+    paged = choose(LLAMA, backend="cuda")
+    assert (paged.design, paged.shards) == ("paged", 1)
+    assert paged.describe() == "paged engine on cuda: the paged forward runs llama"
+    sharded = choose(LLAMA, backend="cpu", num_shard=2)
+    assert (sharded.design, sharded.shards) == ("paged", 2)
+    assert sharded.describe().startswith("paged engine on cpu x 2 shards: ")
+    fallback = choose(GPT2, backend="cpu")
+    assert fallback.design == "fallback"
+    assert "the paged engine cannot run gpt2: model_type 'gpt2' is not one of" in fallback.reason
+    assert "rope type 'dynamic'" in choose(DYNAMIC_ROPE, backend="cpu").reason
+    assert choose(T5, backend="cuda").design == "seq2seq"
+    tpu = choose(LLAMA, backend="tpu")
+    assert tpu.design == "static"
+    assert tpu.reason == "the llama family's fixed-shape forward runs llama"
+    assert choose(LLAMA, backend="gaudi").design == "static"
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gaudi"])
+def test_static_forwards_refuse_other_families(backend: str) -> None:
+    text = refusal(GPT2, backend=backend)
+    assert f"the {backend} backend cannot serve gpt2: model_type 'gpt2'" in text
+    assert "llama, mistral, qwen2" in text and "--backend cpu or --backend cuda" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "given"),
+    [
+        ({"prefix_caching": True}, {}, "--prefix-caching true: prefix caching"),
+        ({}, {"SPECULATE": "2"}, "SPECULATE=2: speculative decoding"),
+        ({"lora_adapters": "a=/x"}, {}, "--lora-adapters a=/x: LoRA adapters"),
+        ({}, {"LORA_ADAPTERS": "a=/x"}, "LORA_ADAPTERS=a=/x: LoRA adapters"),
+    ],
+)
+def test_the_paged_engines_options_are_refused_elsewhere(
+    flags: dict[str, Any], env: dict[str, str], given: str, tmp_path: Path
+) -> None:
+    # A model the paged engine cannot run: named, with why, and the fix.
+    text = refusal(GPT2, env, backend="cpu", **flags)
+    assert text.startswith(f"{given} runs in the paged engine, which cannot run gpt2: ")
+    assert "or serve a llama/mistral/qwen2 model" in text
+    # A backend of fixed shapes.
+    text = refusal(LLAMA, env, backend="gaudi", **flags)
+    assert text.startswith(f"{given} runs in the paged engine of the cpu and cuda backends; ")
+    assert "gaudi runs a static batch" in text and "--backend cpu/cuda" in text
+    # An encoder-decoder model.
+    assert refusal(T5, env, backend="cpu", **flags).startswith(
+        f"{given} is for decoder-only models; t5 is an encoder-decoder one"
+    )
+
+
+def test_cuda_graphs_and_compile_need_a_design_that_runs_them() -> None:
+    assert "--cuda-graphs true: CUDA graphs of decode runs in the paged engine" in refusal(
+        GPT2, backend="cuda", cuda_graphs=True
+    )
+    assert "TGIS_COMPILE=true: compiled decode is for decoder-only models" in refusal(
+        T5, {"TGIS_COMPILE": "true"}, backend="cpu"
+    )
+    # transformers' forward compiles on the fallback engine.
+    assert choose(GPT2, backend="cpu", compile=True).design == "fallback"
+
+
+def test_tensor_parallelism_runs_the_paged_engine_on_several_devices() -> None:
+    assert "--num-shard 2: tensor parallelism runs in the paged engine" in refusal(
+        GPT2, backend="cpu", num_shard=2
+    )
+    assert "NUM_SHARD=2: tensor parallelism is for decoder-only models" in refusal(
+        T5, {"NUM_SHARD": "2"}, backend="cpu"
+    )
+    text = refusal(LLAMA, backend="cpu", num_shard=3)
+    assert text.startswith("--num-shard 3: 3 shards must divide its 4 KV heads")
+    assert "--num-shard can be 1, 2, 4" in text
+    for flags, given in (
+        ({"compile": True}, "--compile true: compiled decode"),
+        ({"lora_adapters": "a=/x"}, "--lora-adapters a=/x: LoRA adapters"),
+    ):
+        text = refusal(LLAMA, backend="cpu", num_shard=2, **flags)
+        assert text.startswith(f"{given} runs on one device; --num-shard 2 runs sharded steps")
+        assert "or serve on one device (--num-shard 1)" in text
+
+
+def test_load_backend_loads_the_choice(tmp_path: Path) -> None:
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
+    flags = {"backend": "cpu", "max_total_tokens": 64, "max_batch_total_tokens": 512}
+    config, facts = config_of(dict(model_facts(llama).config), **flags)
+    paged = load_backend(config, llama)
+    assert isinstance(paged, PagedTorchBackend) and paged.compiled is None
+    compiled = load_backend(config_of(dict(facts.config), **flags, compile=True)[0], llama)
+    assert isinstance(compiled, PagedTorchBackend) and compiled.compiled is not None
+    config, _ = config_of(dict(model_facts(gpt2).config), **flags, compile=True)
+    slot = load_backend(config, gpt2)
+    assert isinstance(slot, TorchDynamicBackend) and slot.compiled

@@ -1,0 +1,237 @@
+"""Which backend serves a model, and why: the one place that decides.
+
+`choose_backend` reads the validated ServeConfig and the model's config.json (no weights) and
+names the design that will run it, with the reason `tgis serve --check` and the start-up log
+print:
+
+- tpu / gaudi: the static batch over the llama family's fixed-shape forward; neuron: the static
+  batch of the model compiled for Neuron cores (static/).
+- cpu / cuda, an encoder-decoder model: the seq2seq engine (seq2seq/).
+- cpu / cuda, a model the paged forward runs (models/): the paged engine (paged/), over
+  --num-shard tensor-parallel processes when more than one.
+- cpu / cuda, any other causal LM: transformers' forward over the slot cache (fallback/).
+
+It refuses, naming the setting and the fix, every option the chosen design cannot honour: the
+paged engine's options (prefix caching, CUDA graphs, speculation, LoRA) anywhere else, and what
+a design runs without (compiled decode on sharded or encoder-decoder steps). `load_backend`
+then loads the chosen design; `tgis serve`, `tgis warmup` and `tgis benchmark --engine` all go
+through both.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from tgis.backends.models.llama import NATIVE_MODEL_TYPES, unsupported_reason
+from tgis.config import ENV_NAMES, ModelFacts, ServeConfig
+from tgis.config.parse import flag
+from tgis.errors import BackendUnavailableError, ConfigError
+
+if TYPE_CHECKING:
+    from tgis.engine.backend import Backend, PagedBackend
+
+log = logging.getLogger("tgis.backends")
+
+Design = Literal["paged", "fallback", "seq2seq", "static"]
+
+# What the paged engine alone serves: setting -> what it is, for messages.
+PAGED_ONLY = {
+    "prefix_caching": "prefix caching",
+    "cuda_graphs": "CUDA graphs of decode",
+    "speculate": "speculative decoding",
+    "lora_adapters": "LoRA adapters",
+    "lora_adapter_dir": "LoRA adapters",
+}
+FAMILIES = "/".join(NATIVE_MODEL_TYPES)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The design that serves the model on `backend` (the device), and why."""
+
+    backend: str
+    design: Design
+    reason: str
+    # Tensor-parallel processes of the paged engine (1: one device).
+    shards: int = 1
+
+    def describe(self) -> str:
+        """One line: `paged engine on cuda: ...`."""
+        engine = {
+            "paged": "paged engine",
+            "fallback": "fallback engine (transformers' forward, slot cache)",
+            "seq2seq": "seq2seq engine",
+            "static": "static batch",
+        }[self.design]
+        shards = f" x {self.shards} shards" if self.shards > 1 else ""
+        return f"{engine} on {self.backend}{shards}: {self.reason}"
+
+
+def model_facts(model_dir: Path) -> ModelFacts:
+    """The facts of the model in `model_dir` (its config.json, and neuron_config.json)."""
+    from tgis.hub import read_model_config
+
+    return ModelFacts.from_config(*read_model_config(model_dir))
+
+
+def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
+    """The design serving a model of `facts` under `config`; a ConfigError for an option that
+    design cannot honour."""
+    kind = facts.model_type or "this model"
+    if config.backend in ("tpu", "neuron", "gaudi"):
+        return _static(config, facts, kind)
+    if facts.encoder_decoder:
+        _refuse(
+            config,
+            (*PAGED_ONLY, "compile", "num_shard"),
+            "{given}: {what} is for decoder-only models; " + f"{kind} is an encoder-decoder one",
+        )
+        return BackendChoice(config.backend, "seq2seq", f"{kind} is an encoder-decoder model")
+    reason = unsupported_reason(facts.config)
+    if reason is not None:
+        _refuse(
+            config,
+            (*PAGED_ONLY, "num_shard"),
+            "{given}: {what} runs in the paged engine, which cannot run " + f"{kind}: {reason}",
+            f", or serve a {FAMILIES} model",
+        )
+        return BackendChoice(
+            config.backend, "fallback", f"the paged engine cannot run {kind}: {reason}"
+        )
+    if config.num_shard == 1:
+        return BackendChoice(config.backend, "paged", f"the paged forward runs {kind}")
+    from tgis.backends.paged.tensor_parallel import shard_unsupported_reason
+
+    sharded = config.label("num_shard", config.num_shard)
+    shard_reason = shard_unsupported_reason(dict(facts.config), config.num_shard)
+    if shard_reason is not None:
+        raise ConfigError(f"{sharded}: {shard_reason}", "pick one of the values named")
+    _refuse(
+        config,
+        ("compile", "cuda_graphs", "lora_adapters", "lora_adapter_dir"),
+        "{given}: {what} runs on one device; " + f"{sharded} runs sharded steps eagerly",
+        ", or serve on one device (--num-shard 1)",
+    )
+    return BackendChoice(
+        config.backend,
+        "paged",
+        f"the paged forward runs {kind}, tensor-parallel",
+        config.num_shard,
+    )
+
+
+def _static(config: ServeConfig, facts: ModelFacts, kind: str) -> BackendChoice:
+    """tpu, neuron, gaudi: a static batch of fixed shapes."""
+    if config.backend == "neuron":
+        reason = "optimum-neuron runs the model compiled for Neuron cores"
+    else:
+        refusal = unsupported_reason(facts.config)
+        if refusal is not None:
+            raise ConfigError(
+                f"the {config.backend} backend cannot serve {kind}: {refusal}; its fixed-shape "
+                f"forward runs the llama family ({', '.join(NATIVE_MODEL_TYPES)})",
+                "serve it with --backend cpu or --backend cuda",
+            )
+        reason = f"the llama family's fixed-shape forward runs {kind}"
+    _refuse(
+        config,
+        tuple(PAGED_ONLY),
+        "{given}: {what} runs in the paged engine of the cpu and cuda backends; "
+        + f"{config.backend} runs a static batch",
+        ", or serve with --backend cpu/cuda",
+    )
+    return BackendChoice(config.backend, "static", reason)
+
+
+def _setting(config: ServeConfig, name: str) -> Any:
+    """The value of setting `name` when it asks for something (None when it is off)."""
+    value = getattr(config, name)
+    if name == "lora_adapters":
+        return ",".join(f"{n}={p}" for n, p in value) or None
+    if name == "num_shard":
+        return value if value > 1 else None
+    return value if value not in (None, False, 0) else None
+
+
+def _refuse(config: ServeConfig, names: tuple[str, ...], message: str, fix: str = "") -> None:
+    """A ConfigError for the first setting of `names` that is on; `message` names it where
+    it says {given} (as the user gave it) and {what} (what it asks for)."""
+    for name in names:
+        value = _setting(config, name)
+        if value is None:
+            continue
+        what = PAGED_ONLY.get(name) or {
+            "compile": "compiled decode",
+            "num_shard": "tensor parallelism",
+        }.get(name, name)
+        given = config.label(name, "true" if value is True else value)
+        raise ConfigError(
+            message.format(given=given, what=what), f"drop {flag(name)} ({ENV_NAMES[name]}){fix}"
+        )
+
+
+def load_backend(
+    config: ServeConfig,
+    model_dir: Path,
+    choice: BackendChoice | None = None,
+    shared_kv_bytes_per_token: int = 0,
+) -> Backend | PagedBackend:
+    """Load the backend `choice` names (by default `choose_backend`'s for the model in
+    `model_dir`) with the config's limits. `shared_kv_bytes_per_token`: what a draft model's
+    KV cache takes per token of the paged pool (its share of free memory)."""
+    if choice is None:
+        choice = choose_backend(config, model_facts(model_dir))
+    log.info("backend: %s", choice.describe())
+    if choice.design == "paged" and choice.shards > 1:
+        from tgis.backends.paged.tensor_parallel import ShardSettings, TensorParallelBackend
+
+        return TensorParallelBackend(ShardSettings.of(config, model_dir))
+    # What every cpu / cuda design is loaded with: where, and the sequences it holds.
+    where = (model_dir, config.backend, config.dtype)
+    slots = {"max_sequences": config.batch_slots, "max_sequence_tokens": config.max_total_tokens}
+    if choice.design == "seq2seq":
+        from tgis.backends.seq2seq.backend import Seq2SeqBackend
+
+        return Seq2SeqBackend.load(*where, **slots)
+    compiled = {
+        "kv_tokens": config.max_batch_total_tokens,
+        "compile": config.compile,
+        "compile_cache": Path(config.compile_cache) if config.compile_cache else None,
+    }
+    if choice.design == "paged":
+        from tgis.backends.paged.backend import PagedTorchBackend
+
+        return PagedTorchBackend.load(
+            *where,
+            **slots,
+            **compiled,
+            max_prefill_tokens=config.max_batch_prefill_tokens,
+            memory_fraction=config.cuda_memory_fraction,
+            cuda_graphs=config.cuda_graphs,
+            shared_kv_bytes_per_token=shared_kv_bytes_per_token,
+        )
+    if choice.design == "fallback":
+        from tgis.backends.fallback.backend import TorchDynamicBackend
+
+        return TorchDynamicBackend.load(
+            *where, **slots, **compiled, kv_memory_fraction=config.cuda_memory_fraction
+        )
+    if config.backend == "tpu":
+        from tgis.backends.static.tpu import load_tpu_backend
+
+        return load_tpu_backend(config, model_dir)
+    if config.backend == "neuron":
+        from tgis.backends.static.neuron import load_neuron_backend
+
+        return load_neuron_backend(config, model_dir)
+    if config.backend == "gaudi":
+        from tgis.backends.static.gaudi import load_gaudi_backend
+
+        return load_gaudi_backend(config, model_dir)
+    raise BackendUnavailableError(
+        f"unknown backend {config.backend!r}",
+        "serve with --backend cpu, cuda, tpu, neuron or gaudi",
+    )
