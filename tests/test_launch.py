@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tgis.launch import (
     build_service,
     load_draft_model,
     scheduler_limits,
+    service_info,
     vocabulary_mismatch,
 )
 from tgis.server.metrics import Metrics
@@ -43,6 +45,33 @@ def test_scheduler_limits_combine_config_and_capacity() -> None:
     assert (limits.max_waiting_tokens, limits.waiting_served_ratio) == (7, 1.2)
     assert limits.prefill_step_tokens == 96
     assert limits.queue_threshold_ms is None  # first come, first served
+
+
+def test_each_engine_gets_the_admission_policy_in_force() -> None:
+    """TGI's policy on the slot engine (its defaults where unset); on the paged engine only
+    when either setting is given, the other then at TGI's default."""
+    paged = replace(CAPACITY, block_size=16)
+    unset = make_config()
+    assert (unset.waiting_served_ratio, unset.max_waiting_tokens) == (None, None)
+    for config, on_slot, on_paged in (
+        (unset, (0.3, 20), (0.0, 0)),
+        (make_config(waiting_served_ratio=1.2), (1.2, 20), (1.2, 20)),
+        (make_config(max_waiting_tokens=4), (0.3, 4), (0.3, 4)),
+    ):
+        for capacity, want in ((CAPACITY, on_slot), (paged, on_paged)):
+            limits = scheduler_limits(config, capacity, 700)
+            assert (limits.waiting_served_ratio, limits.max_waiting_tokens) == want
+
+
+def test_info_reports_the_admission_policy_in_force(demo_model_dir: Path) -> None:
+    for overrides, want in (({}, (0.0, 0)), ({"waiting_served_ratio": 2.0}, (2.0, 20))):
+        config = make_config(warmup_enabled=False, **overrides)
+        service = build_service(config, demo_model_dir, start_engine=False)
+        try:
+            info = service_info(service)
+            assert (info.waiting_served_ratio, info.max_waiting_tokens) == want
+        finally:
+            service.stop()
 
 
 def test_gaudi_queue_threshold_reaches_the_scheduler() -> None:

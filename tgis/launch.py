@@ -151,14 +151,16 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
 def scheduler_limits(
     config: ServeConfig, capacity: BackendCapacity, kv_tokens: int
 ) -> SchedulerLimits:
-    """The scheduler's budgets: the config's, the loaded backend's slots and KV budget."""
+    """The scheduler's budgets: the config's, the loaded backend's slots and KV budget, and
+    the admission policy in force on its engine (ServeConfig.admission)."""
+    ratio, steps = config.admission(paged=capacity.block_size is not None)
     return SchedulerLimits(
         max_batch_prefill_tokens=config.max_batch_prefill_tokens,
         max_batch_total_tokens=kv_tokens,
         max_sequences=capacity.max_sequences,
         max_batch_size=config.max_batch_size,
-        waiting_served_ratio=config.waiting_served_ratio,
-        max_waiting_tokens=config.max_waiting_tokens,
+        waiting_served_ratio=ratio,
+        max_waiting_tokens=steps,
         prefill_step_tokens=capacity.prefill_step_tokens,
         queue_threshold_ms=config.gaudi.queue_threshold_ms if config.gaudi else None,
     )
@@ -281,6 +283,7 @@ def service_info(service: Service) -> ModelInfo:
         service.config,
         model_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
         max_batch_total_tokens=service.kv_tokens,
+        limits=service.engine.scheduler.limits,
         encoder_decoder=capacity.encoder_decoder,
         model_pipeline_tag="text2text-generation"
         if capacity.encoder_decoder

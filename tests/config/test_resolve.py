@@ -184,9 +184,10 @@ def test_defaults_follow_tgi_launcher() -> None:
     )
     assert (config.max_top_n_tokens, config.max_waiting_tokens, config.waiting_served_ratio) == (
         5,
-        20,
-        0.3,
+        None,
+        None,
     )
+    assert config.admission(paged=False) == (0.3, 20)  # TGI's, on the slot engine
     assert config.backend == "cpu"
 
 

@@ -29,12 +29,14 @@ def scheduler(
     batch: int | None = None,
     prefix_caching: bool = False,
     soft_cap: int | None = None,
+    **admission: float,
 ) -> PagedScheduler:
     limits = SchedulerLimits(
         max_batch_prefill_tokens=prefill,
         max_batch_total_tokens=blocks * block_size,
         max_sequences=batch or 1000,
         prefill_step_tokens=soft_cap,
+        **admission,  # type: ignore[arg-type]
     )
     return PagedScheduler(limits, BlockManager(blocks, block_size, prefix_caching))
 
@@ -258,3 +260,50 @@ def test_no_one_is_preempted_for_the_slots_of_a_rejected_draft() -> None:
     step = s.schedule()
     assert s.preemptions == 0 and len(step.chunks) == 2
     assert s.blocks.free_blocks == 0 and len(s.blocks.block_table(a.seq_id)) == 3
+
+
+def admitted(step: PackedStep | None, running: list[Sequence]) -> list[Sequence]:
+    assert step is not None
+    return [c.seq for c in step.chunks if c.seq not in running]
+
+
+def test_admission_waits_for_enough_requests_or_enough_steps() -> None:
+    """TGI's policy: with 4 running and a ratio of 0.5, new sequences join once 2 wait, or
+    once they have waited `max_waiting_tokens` steps."""
+    s = scheduler(waiting_served_ratio=0.5, max_waiting_tokens=3)
+    running = [seq(4, new=50) for _ in range(4)]
+    s.add(running)
+    run(s, s.schedule())  # type: ignore[arg-type]
+    late = seq(4, new=5)
+    s.add([late])
+    for _ in range(3):  # held: 1 waits where 2 are needed
+        step = s.schedule()
+        assert admitted(step, running) == []
+        run(s, step)  # type: ignore[arg-type]
+    step = s.schedule()  # 3 steps have passed since the last admission: it joins
+    assert admitted(step, running) == [late]
+    run(s, step)  # type: ignore[arg-type]
+    running.append(late)
+    pair = [seq(4, new=5), seq(4, new=5)]
+    s.add(pair)
+    assert admitted(s.schedule(), running) == pair  # 2 wait where 5 x 0.5 = 2 are needed
+
+
+def test_admission_without_the_policy_is_at_the_next_step() -> None:
+    s = scheduler()  # the paged engine's default: ratio 0
+    running = [seq(4, new=50) for _ in range(8)]
+    s.add(running)
+    run(s, s.schedule())  # type: ignore[arg-type]
+    late = seq(4, new=5)
+    s.add([late])
+    assert admitted(s.schedule(), running) == [late]
+
+
+def test_a_preempted_sequence_is_never_held() -> None:
+    s = scheduler(waiting_served_ratio=10.0, max_waiting_tokens=1000)
+    first, second = seq(4, new=50), seq(4, new=50)
+    s.add([first, second])
+    run(s, s.schedule())  # type: ignore[arg-type]
+    s._preempt(second)
+    assert s.waiting[0] is second and second.generated == 1
+    assert admitted(s.schedule(), [first]) == [second]

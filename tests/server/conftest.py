@@ -43,8 +43,9 @@ def make_config(**overrides: Any) -> ServeConfig:
         "max_batch_prefill_tokens": 150,
         "max_batch_total_tokens": None,
         "max_batch_size": None,
-        "max_waiting_tokens": 20,
-        "waiting_served_ratio": 0.3,
+        # Not set: each engine's admission policy (ServeConfig.admission).
+        "max_waiting_tokens": None,
+        "waiting_served_ratio": None,
     }
     values.update(overrides)
     return ServeConfig(**values)

@@ -144,12 +144,20 @@ MaxWaitingTokens = Annotated[
     _opt(
         "max_waiting_tokens",
         BATCHING,
-        "Decode steps before waiting requests are forced into the batch.",
+        "Decode steps before waiting requests are forced into the batch (TGI's admission "
+        "policy; the paged engine applies it only when this or --waiting-served-ratio is set).",
+        "20 on the slot engine; 0 on the paged engine",
     ),
 ]
 WaitingServedRatio = Annotated[
     float | None,
-    _opt("waiting_served_ratio", BATCHING, "Waiting/running ratio that triggers a prefill."),
+    _opt(
+        "waiting_served_ratio",
+        BATCHING,
+        "Waiting/running ratio that lets new requests into a running batch (TGI's admission "
+        "policy; the paged engine applies it only when this or --max-waiting-tokens is set).",
+        "0.3 on the slot engine; 0 (admit at the next step) on the paged engine",
+    ),
 ]
 PrefillMode = Annotated[
     str | None,

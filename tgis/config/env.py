@@ -39,8 +39,6 @@ DEFAULTS: dict[str, Any] = {
     "max_best_of": 2,
     "max_stop_sequences": 4,
     "max_top_n_tokens": 5,
-    "max_waiting_tokens": 20,
-    "waiting_served_ratio": 0.3,
     "backend": "auto",
     "port": 3000,
     "hostname": "0.0.0.0",

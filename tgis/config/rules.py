@@ -36,8 +36,6 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "max_best_of",
         "max_stop_sequences",
         "max_top_n_tokens",
-        "max_waiting_tokens",
-        "waiting_served_ratio",
     ):
         if values[name] is None:
             values[name] = DEFAULTS[name]
@@ -60,11 +58,11 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
                 f"set {flag(name)} to a positive value",
             )
     for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
-        if values[name] < 0:
+        if values[name] is not None and values[name] < 0:
             raise ConfigError(
                 f"{r.label(name, values[name])} must be >= 0", f"set {flag(name)} to 0 or more"
             )
-    if values["waiting_served_ratio"] <= 0:
+    if values["waiting_served_ratio"] is not None and values["waiting_served_ratio"] <= 0:
         raise ConfigError(
             f"{r.label('waiting_served_ratio', values['waiting_served_ratio'])} must be > 0",
             "use a ratio such as 0.3 (TGI's default) or 1.2",

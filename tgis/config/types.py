@@ -11,6 +11,9 @@ from typing import Any
 
 from tgis.config.parse import flag
 
+# TGI's admission policy defaults (ServeConfig.admission).
+TGI_WAITING_SERVED_RATIO = 0.3
+TGI_MAX_WAITING_TOKENS = 20
 BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 # Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
 STATIC_BACKENDS = ("tpu", "neuron")
@@ -200,8 +203,9 @@ class ServeConfig:
     # None on dynamic backends: the KV budget is measured at warmup from free memory.
     max_batch_total_tokens: int | None
     max_batch_size: int | None
-    max_waiting_tokens: int
-    waiting_served_ratio: float
+    # TGI's admission policy (`admission`); None: not set.
+    max_waiting_tokens: int | None
+    waiting_served_ratio: float | None
     warmup_enabled: bool = True
     static_shape: StaticShape | None = None
     gaudi: GaudiSettings | None = None
@@ -267,6 +271,20 @@ class ServeConfig:
     def batch_slots(self) -> int:
         """The sequences one step may hold: --max-batch-size, else --max-concurrent-requests."""
         return self.max_batch_size or self.max_concurrent_requests
+
+    def admission(self, paged: bool) -> tuple[float, int]:
+        """TGI's admission policy in force, (waiting_served_ratio, max_waiting_tokens): while
+        a batch runs, new requests wait until ratio x the running ones wait, or max waiting
+        tokens steps have passed. Unset values are TGI's defaults on the slot engine, whose
+        prefill steps stop the batch's decoding; the paged engine, whose prefill chunks ride
+        along with the decodes, admits at the next step unless either is set."""
+        if paged and self.waiting_served_ratio is None and self.max_waiting_tokens is None:
+            return 0.0, 0
+        ratio, steps = self.waiting_served_ratio, self.max_waiting_tokens
+        return (
+            TGI_WAITING_SERVED_RATIO if ratio is None else ratio,
+            TGI_MAX_WAITING_TOKENS if steps is None else steps,
+        )
 
     def label(self, name: str, value: Any) -> str:
         """How a message names a setting the user gave: `--flag value` or `ENV=value` as it

@@ -23,7 +23,10 @@ token each) with prefill chunks of new prompts, of any lengths, without padding:
    room (`max_batch_size`) and the pool has blocks for the whole prompt (less the blocks the
    prefix cache already holds) beyond the blocks the running decodes need next. The last one
    admitted may get only a first chunk of its prompt; the rest follows in the next steps while
-   the others keep decoding.
+   the others keep decoding. While a batch runs, TGI's admission policy may hold new
+   sequences back: until `waiting_served_ratio` x the running ones wait (at most the room the
+   batch has), or `max_waiting_tokens` steps have passed since the last admission. A ratio of
+   0 admits at the next step; a preempted sequence is never held (it was served already).
 
 The prefill budget of a step is `max_batch_prefill_tokens`, capped by the backend's
 `prefill_step_tokens` where prefill is compute-bound. A request is refused at `add` only when
@@ -90,6 +93,8 @@ class PagedScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.preemptions = 0
+        # Steps since a sequence was last admitted (TGI's "waiting tokens").
+        self.waiting_steps = 0
         soft = limits.prefill_step_tokens
         self.prefill_budget = min(limits.max_batch_prefill_tokens, soft or math.inf)
 
@@ -128,7 +133,11 @@ class PagedScheduler:
                 take = int(min(need, budget))
                 budget -= take
                 chunks.append(self._chunk(seq, take))
-        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit:
+        admitted = False
+        held = self._held()
+        while (
+            not held and self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit
+        ):
             seq = self.waiting[0]
             reserve = self.blocks.blocks_to_append([s.seq_id for s in self.running])
             if seq.block_keys is None:
@@ -147,10 +156,26 @@ class PagedScheduler:
             take = int(min(seq.uncomputed, budget))
             budget -= take
             chunks.append(self._chunk(seq, take))
+            admitted = True
+        self.waiting_steps = 0 if admitted else self.waiting_steps + 1
         if not chunks:
             return None
         prefill = any(c.seq.computed < c.seq.prompt_len or c.count > 1 for c in chunks)
         return PackedStep(StepKind.PREFILL if prefill else StepKind.DECODE, tuple(chunks))
+
+    def _held(self) -> bool:
+        """Whether the admission policy holds the waiting sequences back this step (module
+        doc, 3)."""
+        limits = self.limits
+        if not self.running or not self.waiting or self.waiting_steps >= limits.max_waiting_tokens:
+            return False
+        head = self.waiting[0]
+        if head.generated > 0:  # preempted
+            return False
+        room = limits.batch_limit - len(self.running)
+        return len(self.waiting) < min(
+            math.floor(len(self.running) * limits.waiting_served_ratio), room
+        )
 
     def complete(self, step: PackedStep) -> None:
         """The step's K/V are in the cache: advance each chunk's sequence (full blocks become

@@ -42,8 +42,12 @@ class SchedulerLimits:
     max_batch_total_tokens: int
     max_sequences: int
     max_batch_size: int | None = None
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
+    # TGI's admission policy: while a batch runs, new sequences wait until this many times
+    # the running ones wait, or `max_waiting_tokens` steps have passed. 0: admitted as soon
+    # as the budgets allow (the paged engine's default; the config layer gives the slot
+    # engine TGI's 0.3 and 20).
+    waiting_served_ratio: float = 0.0
+    max_waiting_tokens: int = 0
     # Soft cap on one prefill step, from the backend: where prefill is compute-bound (a CPU),
     # bigger steps gain no throughput but delay every first token of the step. The first
     # sequence of a step is admitted whatever its length (up to max_batch_prefill_tokens).

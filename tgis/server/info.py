@@ -7,6 +7,7 @@ from typing import Any
 
 from tgis import __version__
 from tgis.config import ServeConfig
+from tgis.engine.scheduler import SchedulerLimits
 
 # The device type TGI reports for each backend (`model_device_type`).
 _DEVICE_TYPES = {"cpu": "cpu", "cuda": "cuda", "tpu": "xla", "neuron": "neuron", "gaudi": "hpu"}
@@ -64,14 +65,21 @@ class ModelInfo:
         docker_label: str | None = None,
         encoder_decoder: bool = False,
         runtime: dict[str, Any] | None = None,
+        limits: SchedulerLimits | None = None,
     ) -> ModelInfo:
         """The info of a model served with `config`.
 
         `model_sha` is the resolved commit of the weights (a revision such as "main" is not
         one). `model_dtype` defaults to the configured dtype (float32 when unset), `model_device_type`
         to the backend's device, `max_batch_total_tokens` to the configured budget (pass the
-        one measured at warmup on dynamic backends).
+        one measured at warmup on dynamic backends). `limits`: the engine's scheduler limits,
+        whose admission policy is the one in force (without them, the slot engine's).
         """
+        ratio, steps = (
+            (limits.waiting_served_ratio, limits.max_waiting_tokens)
+            if limits is not None
+            else config.admission(paged=False)
+        )
         return ModelInfo(
             model_id=config.model_id,
             model_sha=model_sha,
@@ -89,8 +97,8 @@ class ModelInfo:
             max_batch_prefill_tokens=config.max_batch_prefill_tokens,
             max_batch_total_tokens=max_batch_total_tokens or config.max_batch_total_tokens,
             max_batch_size=config.max_batch_size,
-            max_waiting_tokens=config.max_waiting_tokens,
-            waiting_served_ratio=config.waiting_served_ratio,
+            max_waiting_tokens=steps,
+            waiting_served_ratio=ratio,
             sha=sha,
             docker_label=docker_label,
             runtime=runtime,
