@@ -215,17 +215,6 @@ def test_flash_attention_is_offered_only_on_cuda_in_half_precision(
     assert "needs torch >= 2.12" in attention_path(cuda, torch.bfloat16)
 
 
-def test_dispatch_uses_the_reference_off_cuda() -> None:
-    assert not flash_paged_available(torch.device("cpu"), torch.bfloat16)
-    query, k_cache, v_cache, cu, used, table, *_ = packed_case([2, 1], [2, 5], 2, 2)
-    scale = HEAD_DIM**-0.5
-    k_heads, v_heads = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
-    out = paged_attention(query, k_heads, v_heads, cu, used, table, scale, 2, 5)
-    torch.testing.assert_close(
-        out, paged_attention_reference(query, k_cache, v_cache, cu, used, table, scale)
-    )
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("window", [None, 4])

@@ -5,6 +5,9 @@ model: the backend takes the model's weights (fused views), so none is shared.""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -14,8 +17,9 @@ from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
 from tests.backends.models.test_llama import CASES, CONTINUATION, build, hf_logits
 from tests.backends.paged_driver import greedy, paged, scheduler_for
 from tests.factories import tiny_model
-from tgis.backends.paged.attention import flash_paged_available
+from tgis.backends.paged.attention import flash_paged_available, step_metadata
 from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.paged.graphs import CudaGraphApi, DecodeStep
 from tgis.engine.backend import PackedItem, Shape
 from tgis.errors import ConfigError
 
@@ -165,46 +169,110 @@ def test_warmup_plan_follows_the_budgets() -> None:
     assert [t.shape for t in timings] == plan
 
 
-class ReplayingApi:
-    """A stand-in GraphApi that re-runs the step on replay, into the output tensor recorded at
-    capture (as a CUDA graph writes into its captured memory). It checks the buffers, buckets
-    and padding around the graphs on a CPU; the capture itself is the CUDA test's."""
+def eager_decode(step: DecodeStep) -> torch.Tensor:
+    """The logits of `step`'s decode through the path a CPU serves with: plain-torch
+    attention over the head-major pool, its metadata built from what the buffers the step
+    reads hold now (KV lengths, block tables), the new K/V written at the buffers' slots."""
+    path, meta = step.path, step.meta
+    pool = path.pool
+    assert not pool.flash  # head-major, as `pool_shape` lays it out off CUDA
+    kv_lens = meta.seqused_k.tolist()
+    eager = step_metadata(
+        [1] * len(kv_lens), kv_lens, meta.block_table.tolist(), pool.block_size, path.device,
+        path.windows, pool.num_blocks, pool.kv_heads,
+    )  # fmt: skip
+    eager = replace(eager, slot_mapping=meta.slot_mapping)
+    return path.forward(step.input_ids, step.positions, eager, step.rows)
+
+
+class EagerDecodeApi:
+    """A GraphApi for the CPU, where nothing can be recorded. It never runs the step it is
+    given (a `DecodeStep`: flash attention over a pages pool, CUDA only): at capture, and
+    each time a replay is asked of it, it computes that step's decode with `eager_decode`
+    from the tensors the step reads, into the one output tensor it handed back at capture.
+    `replays_asked`: the bucket of each replay asked for."""
 
     def __init__(self) -> None:
-        self.replays = 0
-        self.outputs: dict[object, torch.Tensor] = {}
+        self.replays_asked: list[int] = []
 
-    def capture(self, step):  # type: ignore[no-untyped-def]
-        out = step()
-        self.outputs[step] = out
-        return step, out
+    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        assert isinstance(step, DecodeStep)
+        output = eager_decode(step)
+        return (step, output), output
 
-    def replay(self, graph) -> None:  # type: ignore[no-untyped-def]
-        self.replays += 1
-        self.outputs[graph].copy_(graph())
+    def replay(self, graph: Any) -> None:
+        step, output = graph
+        output.copy_(eager_decode(step))
+        self.replays_asked.append(step.input_ids.shape[0])
 
 
-def test_decode_graph_bookkeeping_on_cpu() -> None:
-    """Decode steps go through the bucket's buffers (padding rows into the scratch block) and
-    give the eager tokens; prefill stays eager."""
-    model = fresh("llama", seed=6)
-    reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
-    api = ReplayingApi()
-    backend = PagedTorchBackend(
-        model, max_sequences=4, max_sequence_tokens=64, max_prefill_tokens=64,
-        kv_tokens=32 * 4, block_size=4, graph_api=api,
-    )  # fmt: skip
-    graphs = backend.graphs
-    assert graphs is not None and backend.capacity.num_blocks == 32
-    assert graphs.scratch_block == 32 and backend.path.pool.num_blocks == 33
-    timings = backend.warmup(4, 20)
+def assert_decodes_equal(
+    eager: PagedTorchBackend,
+    graphed: PagedTorchBackend,
+    prompts: Sequence[Sequence[int]],
+    tables: Sequence[tuple[int, ...]],
+    atol: float,
+) -> None:
+    """Prefill `prompts` (sequence i in blocks `tables[i]`) on both backends, then NEW decode
+    steps of them all, each fed the eager logits' argmax: the graphed backend's logits equal
+    the eager one's at every step (new inputs each step, over the K/V earlier steps wrote)."""
+    prefill = [PackedItem(i, tuple(p), 0, tables[i]) for i, p in enumerate(prompts)]
+    tokens = eager.forward(prefill).last.argmax(-1).tolist()
+    graphed.forward(prefill)
+    for step in range(NEW):
+        items = [
+            PackedItem(i, (tokens[i],), len(p) + step, tables[i]) for i, p in enumerate(prompts)
+        ]
+        expected = eager.forward(items).last
+        torch.testing.assert_close(graphed.forward(items).last, expected, atol=atol, rtol=0)
+        tokens = expected.argmax(-1).tolist()
+
+
+def test_decode_graph_buckets_buffers_and_padding_on_cpu() -> None:
+    """What `DecodeGraphs` does around its graphs, on a CPU: warmup records one graph per
+    bucket, largest first, over a pool with one block more than the scheduler knows (the
+    scratch block); a decode step asks for the replay of the smallest bucket holding its
+    rows, after filling in place the buffers the recorded step reads (token ids, positions,
+    slots, KV lengths, block tables padded with the scratch block), with padding rows that
+    write the scratch block only; it reads the logits back from the bucket's first rows. The
+    logits equal a twin eager backend's, batch after batch in buckets filled and padded.
+
+    Not checked here: that a recorded CUDA graph replays its kernels and gives the eager
+    forward's logits, nor the flash metadata only those kernels read (query offsets, the
+    longest KV length). `EagerDecodeApi` computes each step with the CPU's attention path;
+    recording and replay are `test_real_cuda_graphs_equal_eager_on_cuda`'s, on a GPU."""
+    kw = {"max_sequences": 4, "max_sequence_tokens": 64, "max_prefill_tokens": 64}
+    api = EagerDecodeApi()
+    eager = PagedTorchBackend(fresh("llama", seed=6), kv_tokens=32 * 4, block_size=4, **kw)
+    graphed = PagedTorchBackend(
+        fresh("llama", seed=6), kv_tokens=32 * 4, block_size=4, graph_api=api, **kw
+    )
+    graphs, pool = graphed.graphs, graphed.path.pool
+    assert eager.graphs is None and graphs is not None and graphed.capacity.num_blocks == 32
+    assert graphs.scratch_block == 32 and pool.num_blocks == 33
+    timings = graphed.warmup(4, 20)
     assert graphs.captured == (1, 2, 4)
     assert [t.shape for t in timings if t.compiled] == [Shape("decode", b, 1) for b in (4, 2, 1)]
-    before = api.replays
-    assert greedy(backend, PROMPTS, NEW) == reference
-    assert api.replays - before == NEW - 1  # every decode step replayed, prefills eager
-    # 3 sequences in the bucket of 4: the padding row wrote the scratch block only
-    assert graphs.slot_mapping[3].item() == 32 * 4 and graphs.seqused_k[3].item() == 1
+    prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
+    # 5 blocks of 4 per sequence (19 tokens at most), out of order and interleaved
+    tables = [tuple(range(31 - i, 11, -4)) for i in range(4)]
+    for batch, bucket in ((1, 1), (2, 2), (4, 4), (3, 4)):
+        api.replays_asked.clear()
+        assert_decodes_equal(eager, graphed, prompts[:batch], tables, atol=1e-5)
+        assert api.replays_asked == [bucket] * NEW  # prefill stays eager
+    # The last step's buffers: 3 sequences in the bucket of 4, at their last positions.
+    scratch, size = graphs.scratch_block, pool.block_size
+    width = graphs.block_table.shape[1]
+    for row, prompt in enumerate(prompts[:3]):
+        position = len(prompt) + NEW - 1
+        assert graphs.positions[row].item() == position
+        assert graphs.seqused_k[row].item() == position + 1
+        assert graphs.block_table[row].tolist() == [*tables[row], *[scratch] * (width - 5)]
+        slot = tables[row][position // size] * size + position % size
+        assert graphs.slot_mapping[row].item() == slot
+    # the padding row: one key, in the scratch block, which it writes
+    assert graphs.block_table[3].tolist() == [scratch] * width
+    assert graphs.slot_mapping[3].item() == scratch * size and graphs.seqused_k[3].item() == 1
 
 
 def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
@@ -216,26 +284,49 @@ def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
     assert paged(fresh()).graphs is None  # the default on a CPU: eager
 
 
+class CountingCudaGraphApi(CudaGraphApi):
+    """The CUDA graphs serving records, counting the replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replays = 0
+
+    def replay(self, graph: Any) -> None:
+        super().replay(graph)
+        self.replays += 1
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cuda_graphs_equal_eager_on_cuda() -> None:
-    """Recorded CUDA graphs (not a stand-in) give the eager backend's greedy tokens, in bf16,
-    for batches that fill a bucket and batches that pad one."""
+    """Real CUDA graphs of the paged decode, recorded at warmup: each decode step of a
+    bfloat16 model replays its bucket's graph, and the logits it reads back equal those of a
+    twin eager backend (flash attention too) given the same steps, for batches that fill a
+    bucket (1, 4) and batches padded in one (3 in 4, 5 in 8)."""
     if not flash_paged_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("this torch's varlen_attn has no block_table")
     prompts = [*PROMPTS, (9, 9, 9), (1, 2, 3, 4, 5)]
-    models = [fresh("llama", seed=7).to("cuda", torch.bfloat16) for _ in range(2)]
     kw = {"max_sequences": 8, "max_sequence_tokens": 512, "max_prefill_tokens": 512}
+    models = [fresh("llama", seed=7).to("cuda", torch.bfloat16) for _ in range(2)]
+    api = CountingCudaGraphApi()
     eager = PagedTorchBackend(models[0], kv_tokens=4096, cuda_graphs=False, **kw)
-    graphed = PagedTorchBackend(models[1], kv_tokens=4096, cuda_graphs=True, **kw)
+    graphed = PagedTorchBackend(models[1], kv_tokens=4096, cuda_graphs=True, graph_api=api, **kw)
     graphed.warmup(8, 64)
-    assert graphed.graphs is not None and graphed.graphs.captured == (1, 2, 4, 8)
-    for batch in (prompts[:1], prompts[:3], prompts):
-        assert greedy(graphed, batch, NEW) == greedy(eager, batch, NEW)
+    graphs = graphed.graphs
+    assert eager.graphs is None and graphs is not None and graphs.captured == (1, 2, 4, 8)
+    assert graphed.path.pool.flash and graphed.capacity.num_blocks == 16
+    tables = [(15 - i,) for i in range(len(prompts))]  # one block of 256 tokens each
+    for batch, bucket in ((1, 1), (4, 4), (3, 4), (5, 8)):
+        assert graphs.graph_for(batch) == bucket
+        before = api.replays
+        # bfloat16: a padded bucket's GEMMs may round differently from the eager batch's; a
+        # stale input or a misplaced row would be off by far more than this tolerance
+        assert_decodes_equal(eager, graphed, prompts[:batch], tables, atol=2e-2)
+        assert api.replays == before + NEW  # every decode step, prefill eager
 
 
-class FailingApi(ReplayingApi):
-    def capture(self, step):  # type: ignore[no-untyped-def]
+class FailingApi(EagerDecodeApi):
+    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.backends.conftest import PROMPTS, greedy_reference
-from tests.backends.paged.test_backend import NEW, ReplayingApi, fresh
+from tests.backends.paged.test_backend import NEW, EagerDecodeApi, fresh
 from tests.backends.paged_driver import greedy, scheduler_for
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.compile import compile_options
@@ -102,7 +102,7 @@ def test_compile_is_refused_where_graphs_record_decode() -> None:
     with pytest.raises(ConfigError, match="--compile compiles the decode step") as info:
         PagedTorchBackend(
             fresh(), max_sequences=2, max_sequence_tokens=32, max_prefill_tokens=32,
-            kv_tokens=64, block_size=4, graph_api=ReplayingApi(), compile=True,
+            kv_tokens=64, block_size=4, graph_api=EagerDecodeApi(), compile=True,
         )  # fmt: skip
     assert "drop --compile (TGIS_COMPILE)" in str(info.value)
 

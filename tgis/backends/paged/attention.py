@@ -11,9 +11,10 @@ position (within the sliding window, if any). That covers prefill (q = k), a pre
 cached or earlier tokens (q < k) and decode (q = 1) in one call.
 
 `paged_attention` runs PyTorch's flash attention (`torch.nn.attention.varlen.varlen_attn`, which
-reads the pages through `block_table` and `seqused_k`) on CUDA where the installed torch has it,
-and `paged_attention_reference` everywhere else: a plain-torch computation that is also what the
-CUDA kernel is tested against.
+reads the pages through `block_table` and `seqused_k`): the path on CUDA where the installed
+torch has it (`flash_paged_available`). `paged_attention_reference` is a plain-torch computation
+of the same result over a pages pool, one sequence at a time: what the flash kernel and the
+plain-torch path (`attend`) are tested against; no serving step runs it.
 
 A forward builds one `StepMetadata` per step (`step_metadata`, on the host, from the scheduler's
 block tables) and every layer reuses it: the flash path's tensors, and for the plain-torch path
@@ -81,16 +82,12 @@ def paged_attention_reference(
     block_table: torch.Tensor,
     scale: float,
     window: int | None = None,
-    heads_first: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' pages; [tokens, heads, dim].
 
     Scores and softmax in float32; the output has the query's dtype. `window` keeps the last
     `window` positions up to and including the query's own (Mistral's sliding window).
-    `heads_first`: the pools are head-major (`pool_shape`).
     """
-    if heads_first:
-        k_cache, v_cache = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)
     heads, block_size = query.shape[1], k_cache.shape[1]
     group = heads // k_cache.shape[2]
     out = torch.empty(query.shape[:2] + v_cache.shape[3:], dtype=query.dtype, device=query.device)
@@ -164,17 +161,14 @@ def paged_attention(
     max_k: int,
     window: int | None = None,
 ) -> torch.Tensor:
-    """As `paged_attention_reference`, through flash attention where `flash_paged_available`
-    (pools laid out as `pool_shape` says for that: pages with flash, head-major without).
+    """As `paged_attention_reference`, through flash attention: the pools are pages (as
+    `pool_shape` lays them out where `flash_paged_available`), and only there can this run;
+    `attend` calls it for the steps whose metadata says so (`StepMetadata.flash`). Elsewhere
+    the pools are head-major and `attend` takes the plain-torch path.
 
     `max_q` / `max_k` are the longest query run and KV length of the step, known on the host
     (passing them avoids a device sync).
     """
-    if not flash_paged_available(query.device, query.dtype):
-        # Without flash attention the pools are head-major (`pool_shape`).
-        return paged_attention_reference(
-            query, k_cache, v_cache, cu_seq_q, seqused_k, block_table, scale, window, True
-        )
     from torch.nn.attention.varlen import varlen_attn
 
     # Flash attention's window counts the keys left of the query's own position.

@@ -16,7 +16,7 @@ depend on the KV lengths.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,24 @@ logger = logging.getLogger(__name__)
 class _Graph:
     graph: Any
     logits: torch.Tensor  # [bucket, vocab], written by each replay
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The decode step of one bucket that a graph records: `path`'s forward over views of
+    `DecodeGraphs`' persistent buffers, taken once at capture. A recorded graph reads the
+    same memory at every replay, so `DecodeGraphs.run` refills the buffers in place and never
+    rebinds them; `meta` (flash attention's slot mapping, KV lengths and block tables) views
+    the same buffers."""
+
+    path: PagedLlamaForward
+    input_ids: torch.Tensor  # [bucket] long
+    positions: torch.Tensor  # [bucket] long
+    meta: StepMetadata
+    rows: torch.Tensor  # [bucket]: every row's logits
+
+    def __call__(self) -> torch.Tensor:
+        return self.path.forward(self.input_ids, self.positions, self.meta, self.rows)
 
 
 class DecodeGraphs:
@@ -97,12 +115,9 @@ class DecodeGraphs:
             max_k=self.max_kv_len,
             flash=True,
         )
-
-        def step() -> torch.Tensor:
-            return self.path.forward(
-                self.input_ids[:bucket], self.positions[:bucket], meta, self.rows[:bucket]
-            )
-
+        step = DecodeStep(
+            self.path, self.input_ids[:bucket], self.positions[:bucket], meta, self.rows[:bucket]
+        )
         graph, logits = self.api.capture(step)
         self._graphs[bucket] = _Graph(graph, logits)
 
@@ -157,7 +172,7 @@ class CudaGraphApi:
     def __init__(self) -> None:
         self.pool: Any = None
 
-    def capture(self, step: Any) -> tuple[Any, torch.Tensor]:
+    def capture(self, step: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

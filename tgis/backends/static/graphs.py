@@ -1,11 +1,11 @@
 """Device graphs over the fixed-shape forward: capture a step once per bucket, replay it after.
 
-HPU graphs (gaudi) and CUDA graphs (cuda with --cuda-graphs) work the same way: a step of a
-given shape is recorded once with its input tensors, and later steps of that shape copy their
-inputs into those tensors and replay the recording, skipping the per-op launch cost. The
-fixed-shape forward (static/kv.py's StaticLlamaForward) makes every step of a bucket the same
-recording. `GraphedStaticModel` wraps it as a StaticModel; a `GraphApi` says how a device
-captures and replays.
+A step of a given shape is recorded once with its input tensors, and later steps of that shape
+copy their inputs into those tensors and replay the recording, skipping the per-op launch cost.
+The fixed-shape forward (static/kv.py's StaticLlamaForward) makes every step of a bucket the
+same recording. `GraphedStaticModel` wraps it as a StaticModel; a `GraphApi` says how a device
+captures and replays: HPU graphs on gaudi, which serves through it (the paged engine records
+its CUDA graphs of decode through the same interface, paged/graphs.py).
 """
 
 from __future__ import annotations
