@@ -9,10 +9,13 @@ reach the loop through a queue. A step's sampled tokens go back to their request
 `call_soon_threadsafe` per event loop; each request's consumer turns them into TokenEvents
 (text, stop sequences, details: tgis.engine.output) on its own side, off the model's thread.
 
-Two kinds of backend: a paged one (`PagedBackend`, capacity.block_size set) runs packed steps
-that the `PagedScheduler` plans over its block pool (chunked prefill, preemption, prefix
-caching); a slot one (`Backend`: the static devices and the generic transformers path) runs
-prefill and decode steps that the `Scheduler` plans over worst-case reservations.
+Two kinds of backend, each with its step runner (tgis.engine.step_runner), picked once from
+the backend's capacity: a paged one (`PagedBackend`, capacity.block_size set) runs packed
+steps that the `PagedScheduler` plans over its block pool (chunked prefill, preemption, prefix
+caching: `PackedSteps`); a slot one (`Backend`: the static devices and the generic
+transformers path) runs prefill and decode steps that the `Scheduler` plans over worst-case
+reservations (`SlotSteps`). The runner plans and runs the step; the engine keeps what both
+share: the inbox, admission, emitting tokens and the failures of requests and steps.
 """
 
 from __future__ import annotations
@@ -25,27 +28,24 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tgis.config.types import MAX_SPECULATE
-from tgis.engine.backend import Backend, PackedItem, PagedBackend, prompt_logprobs_refusal
+from tgis.engine.backend import Backend, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
 from tgis.engine.grammar import GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle, post_step
 from tgis.engine.output import SampledToken, SequenceText
-from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
-from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
-from tgis.engine.scheduler import Scheduler, SchedulerLimits, Step, StepKind
+from tgis.engine.paged_scheduler import PagedScheduler
+from tgis.engine.sampling import SampleOutput
+from tgis.engine.scheduler import Scheduler, SchedulerLimits
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
-from tgis.engine.speculation import NgramProposer, Proposer, Verified, verify
+from tgis.engine.speculation import NgramProposer, Proposer, Verified
+from tgis.engine.step_runner import PackedSteps, SlotSteps, StepRunner
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
-
-if TYPE_CHECKING:
-    import torch
 
 # Steps failed in a row after which the engine reports itself unhealthy (/health is 503
 # until a step succeeds again: /health's own generation is one).
@@ -85,13 +85,15 @@ class Engine:
         self.on_fatal = on_fatal
         self.tokenizer = tokenizer
         capacity = backend.capacity
-        self.scheduler: Scheduler | PagedScheduler
+        # Chosen once: capacity.block_size marks a PagedBackend.
+        self.runner: StepRunner
         if capacity.block_size is not None:
             blocks = BlockManager(capacity.num_blocks, capacity.block_size, prefix_caching)
-            self.scheduler = PagedScheduler(limits, blocks)
+            paged = cast("PagedBackend", backend)
+            self.runner = PackedSteps(self, paged, PagedScheduler(limits, blocks))
         else:
-            self.scheduler = Scheduler(limits)
-        if speculate and not isinstance(self.scheduler, PagedScheduler):
+            self.runner = SlotSteps(self, cast("Backend", backend), Scheduler(limits))
+        if speculate and not self.runner.speculates:
             raise ValueError(
                 f"speculative decoding needs a paged backend; {backend.name} keeps a slot cache"
             )
@@ -174,6 +176,11 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def scheduler(self) -> Scheduler | PagedScheduler:
+        """The step runner's scheduler: its queue and running batch."""
+        return self.runner.scheduler
 
     def reserve(self, count: int) -> None:
         """Take `count` of the max_concurrent_requests places at once, or none (a batched
@@ -274,9 +281,7 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work)
-                step = self.scheduler.schedule()
-                if step is not None:
-                    self._run_step(step)
+                self.runner.run_next()
         except BaseException:  # the loop must never die silently
             log.exception("engine loop failed")
             fatal = True
@@ -378,187 +383,12 @@ class Engine:
     def _drop(self, live: LiveSequence) -> None:
         """Forget a sequence (cancelled or failed), freeing its slot if it had one."""
         seq = live.seq
-        if seq.status is SeqStatus.RUNNING:
-            self._release_slot(seq.seq_id)
         if seq.status is not SeqStatus.FINISHED:
-            self.scheduler.finish(seq)
+            self.runner.finish(seq)
         self._live.pop(seq.seq_id, None)
         self.proposer.release(seq.seq_id)
 
-    def _run_step(self, step: Step | PackedStep) -> None:
-        lives = [self._live[s.seq_id] for s in step.sequences]
-        joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
-        if isinstance(step, PackedStep):
-            self._run_packed_step(step, lives, joined)
-        else:
-            self._run_slot_step(step, lives, joined)
-
-    # A batched step that raises is run again one sequence at a time before anything fails: a
-    # row that poisons its batch (a bad input, a prefix, a sampling parameter) fails alone and
-    # its neighbours go on. The forward and the sampling are retried apart, because a slot
-    # backend's forward has already advanced its cache when the sampling fails.
-
-    def _run_slot_step(self, step: Step, lives: list[LiveSequence], joined: bool) -> None:
-        method = step.kind.value
-        start = time.perf_counter()
-        try:
-            if step.kind is StepKind.PREFILL:
-                for live in lives:
-                    live.begin(start_time=time.monotonic())
-                items = [lv.prefill_item() for lv in lives]
-                out = self.backend.prefill(items)
-                logits, prompt_logits = out.last, out.prompt
-                tokens = sum(len(i.input_ids) for i in items)
-            else:
-                seq_ids = [lv.seq.seq_id for lv in lives]
-                logits = self.backend.decode(seq_ids, [lv.last_token for lv in lives])
-                prompt_logits, tokens = (), len(lives)
-        except Exception as exc:
-            if not self._retry_alone(method, lives, exc):
-                return
-            for live in lives:
-                self._run_slot_step(Step(step.kind, (live.seq,)), [live], False)
-            return
-        forward = time.perf_counter() - start
-        sampled, choice = self._choose(method, lives, logits)
-        for i, live in enumerate(lives):
-            if prompt_logits and prompt_logits[i] is not None:
-                self._guarded(live, live.record_prefill, prompt_logits[i])
-                self._guarded(live, live.prompt_done)
-        self._emit(sampled, choice, method, tokens, start, forward, joined, bool(sampled))
-
-    def _run_packed_step(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
-        """One packed forward; the chunks that end at their last known token sample."""
-        assert isinstance(self.scheduler, PagedScheduler)
-        backend: PagedBackend = self.backend  # type: ignore[assignment]
-        method = step.kind.value
-        start = time.perf_counter()
-        now = time.monotonic()
-        items = []
-        for chunk, live in zip(step.chunks, lives, strict=True):
-            if not live.started:
-                live.begin(start_time=now)
-            wants = live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft
-            items.append(
-                PackedItem(
-                    chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
-                    chunk.sample, wants or bool(chunk.draft),
-                    live.prefix_embeds(chunk.start, chunk.count), live.handle.request.adapter,
-                )
-            )  # fmt: skip
-        try:
-            out = backend.forward(items)
-        except Exception as exc:
-            if not self._retry_alone(method, lives, exc):
-                return
-            for chunk, live in zip(step.chunks, lives, strict=True):
-                self._run_packed_step(PackedStep(step.kind, (chunk,)), [live], False)
-            return
-        forward = time.perf_counter() - start
-        # out.last has a row per sampling chunk, in order; chunks with a draft are verified
-        # from their logits at every position (out.prompt) instead.
-        plain = [lv for lv, c in zip(lives, step.chunks, strict=True) if c.sample and not c.draft]
-        drafted = [
-            (lv, c.draft, part)
-            for lv, c, part in zip(lives, step.chunks, out.prompt, strict=True)
-            if c.draft
-        ]
-        wanted = bool(plain or drafted)
-        logits = out.last
-        if drafted and plain:
-            sampling = [c for c in step.chunks if c.sample]
-            logits = out.last[[i for i, c in enumerate(sampling) if not c.draft]]
-        # The step's K/V are in the cache whatever the sampling does: the scheduler's host
-        # bookkeeping runs while the device samples.
-        complete = partial(self.scheduler.complete, step)
-        if plain:
-            sampled, choice = self._choose(method, plain, logits, complete)
-        else:
-            complete()
-            sampled, choice = [], SampleOutput.concat([])
-        verified = self._verify(method, drafted)
-        for live, chunk, part in zip(lives, step.chunks, out.prompt, strict=True):
-            if part is not None and not chunk.draft:
-                self._guarded(live, live.record_prefill, part, chunk.start)
-        for live in sampled:
-            self._guarded(live, live.prompt_done)
-        ok = bool(sampled or verified) or not wanted
-        self._emit(sampled, choice, method, step.tokens, start, forward, joined, ok, verified)
-
-    def _choose(
-        self,
-        method: str,
-        lives: list[LiveSequence],
-        logits: torch.Tensor,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> tuple[list[LiveSequence], SampleOutput]:
-        """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
-        sequences that got one, and their choice. `meanwhile` runs once, while the device
-        samples."""
-        pending: PendingSample | None = None
-        try:
-            pending = SamplingBatch([lv.row for lv in lives], self.eos_token_ids).launch(logits)
-        except Exception as exc:
-            error = exc
-        if meanwhile is not None:
-            meanwhile()
-        if pending is not None:
-            try:
-                return lives, pending.result()
-            except Exception as exc:
-                error = exc
-        if not self._retry_alone(method, lives, error):
-            return [], SampleOutput.concat([])
-        chosen, outputs = [], []
-        for i, live in enumerate(lives):
-            try:
-                row = SamplingBatch([live.row], self.eos_token_ids).choose(logits[i : i + 1])
-            except Exception as exc:
-                self._fail_step(method, [live], exc)
-                continue
-            chosen.append(live)
-            outputs.append(row)
-        return chosen, SampleOutput.concat(outputs)
-
-    def _verify(
-        self, method: str, drafted: list[tuple[LiveSequence, tuple[int, ...], torch.Tensor | None]]
-    ) -> list[tuple[LiveSequence, Verified]]:
-        """The tokens of the sequences whose step verified a draft (alone when the batch's
-        verification raised): the sequences that got them, and what they got."""
-        if not drafted:
-            return []
-        try:
-            results = verify(
-                [lv.row for lv, _, _ in drafted],
-                [part for _, _, part in drafted],  # type: ignore[misc]
-                [draft for _, draft, _ in drafted],
-                self.eos_token_ids,
-            )
-            return [(lv, r) for (lv, _, _), r in zip(drafted, results, strict=True)]
-        except Exception as exc:
-            if not self._retry_alone(method, [lv for lv, _, _ in drafted], exc):
-                return []
-        out = []
-        for live, draft, part in drafted:
-            try:
-                (result,) = verify([live.row], [part], [draft], self.eos_token_ids)  # type: ignore[list-item]
-            except Exception as exc:
-                self._fail_step(method, [live], exc)
-                continue
-            out.append((live, result))
-        return out
-
-    def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:
-        """A step over `lives` raised `exc`: True when it is worth running each alone (there
-        are several); a single sequence's failure is its own."""
-        if len(lives) == 1:
-            self._fail_step(method, lives, exc)
-            return False
-        log.warning(
-            "%s step over %d sequences failed (%s: %s); running each alone",
-            method, len(lives), type(exc).__name__, exc,
-        )  # fmt: skip
-        return True
+    # --- what every step shares (the step runners call _guarded, _fail_step, _emit) ----
 
     def _guarded(self, live: LiveSequence, work: Callable[..., Any], *args: Any) -> None:
         """Per-request work after the step (prompt details): a failure ends that request."""
@@ -611,9 +441,6 @@ class Engine:
             for i in range(len(result.choice.token_ids)):
                 if not self._push(live, result.choice, i, now, touched):
                     break
-            else:
-                assert isinstance(self.scheduler, PagedScheduler)
-                self.scheduler.accept(live.seq, result.accepted)
         post_step(touched.values())
         if self.speculate:
             self._propose([*lives, *(live for live, _ in verified)])
@@ -675,35 +502,12 @@ class Engine:
     def _report_state(self) -> None:
         """The queue, the batch and the KV pool as they are now (after every change)."""
         if self.observer:
-            running = self.scheduler.running
-            self.observer.on_batch_state(
-                len(self.scheduler.waiting),
-                len(running),
-                sum(s.total_tokens for s in running),
-                max((s.remaining_tokens for s in running), default=0),
-            )
-            if isinstance(self.scheduler, PagedScheduler):
-                blocks = self.scheduler.blocks
-                self.observer.on_kv_state(
-                    blocks.used_blocks,
-                    blocks.num_blocks,
-                    blocks.stats.queried_tokens,
-                    blocks.stats.hit_tokens,
-                    blocks.stats.evicted_blocks,
-                    self.scheduler.preemptions,
-                )
+            self.runner.report_state(self.observer)
 
     def _finish(self, live: LiveSequence) -> None:
-        self._release_slot(live.seq.seq_id)
-        self.scheduler.finish(live.seq)
+        self.runner.finish(live.seq)
         self._live.pop(live.seq.seq_id, None)
         self.proposer.release(live.seq.seq_id)
-
-    def _release_slot(self, seq_id: int) -> None:
-        """A slot backend frees the sequence's KV slot; a paged one keeps no per-sequence
-        state (the scheduler's `finish` gives the blocks back)."""
-        if isinstance(self.scheduler, Scheduler):
-            self.backend.release(seq_id)  # type: ignore[union-attr]
 
     def _fail_inbox(self, error: TgisError) -> None:
         """What is still queued when the loop ends gets `error`: requests never admitted, and

@@ -1,0 +1,296 @@
+"""The engine's two kinds of step, one class each behind `StepRunner`.
+
+The engine (tgis.engine.engine) keeps what every step shares: the inbox, admission, turning
+sampled tokens into events (`Engine._emit`) and the failures of requests and steps
+(`Engine._fail_step`, `Engine._guarded`). A runner owns its scheduler and what its kind of
+backend needs: planning and running a step, what a sequence that leaves gives back, the
+scheduler state reported for metrics, and whether its steps can verify speculative drafts.
+`Engine.__init__` picks one from the backend's capacity:
+
+- `SlotSteps`, a slot `Backend` (capacity.block_size None: the static devices and the generic
+  transformers path): the `Scheduler`'s prefill or decode steps over worst-case reservations;
+  a running sequence that leaves frees its slot in the backend.
+- `PackedSteps`, a `PagedBackend`: the `PagedScheduler`'s packed steps over its block pool
+  (prefill chunks and decodes in one forward; a decode may carry a draft, verified from the
+  same forward); the pool's state is reported with the batch's.
+
+A batched step that raises is run again one sequence at a time before anything fails: a row
+that poisons its batch (a bad input, a prefix, a sampling parameter) fails alone and its
+neighbours go on. The forward and the sampling are retried apart, because a slot backend's
+forward has already advanced its cache when the sampling fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
+
+from tgis.engine.backend import Backend, PackedItem, PagedBackend
+from tgis.engine.live import LiveSequence
+from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
+from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
+from tgis.engine.scheduler import Scheduler, Step, StepKind
+from tgis.engine.sequence import SeqStatus
+from tgis.engine.sequence import Sequence as SchedSeq
+from tgis.engine.speculation import Verified, verify
+from tgis.engine.types import EngineObserver
+
+if TYPE_CHECKING:
+    import torch
+
+    from tgis.engine.engine import Engine
+
+log = logging.getLogger("tgis.engine")
+
+BackendT = TypeVar("BackendT", Backend, PagedBackend)
+SchedulerT = TypeVar("SchedulerT", Scheduler, PagedScheduler)
+StepT = TypeVar("StepT", Step, PackedStep)
+
+
+class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
+    """Runs the steps (StepT) that `scheduler` plans on `backend` for `engine`, on the model
+    thread."""
+
+    # Whether its steps can verify draft tokens (the engine's `speculate`).
+    speculates: ClassVar[bool]
+
+    def __init__(self, engine: Engine, backend: BackendT, scheduler: SchedulerT) -> None:
+        self.engine = engine
+        self.backend: BackendT = backend
+        self.scheduler: SchedulerT = scheduler
+
+    def run_next(self) -> None:
+        """Plan the next step and run it: the forward, the sampling, the tokens handed to the
+        engine. Nothing when no step can run now."""
+        step = cast("StepT | None", self.scheduler.schedule())  # SchedulerT plans StepT
+        if step is not None:
+            lives = [self.engine._live[s.seq_id] for s in step.sequences]
+            joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
+            self._run(step, lives, joined)
+
+    def finish(self, seq: SchedSeq) -> None:
+        """`seq` left (finished, cancelled, failed): the scheduler frees its place."""
+        self.scheduler.finish(seq)
+
+    def report_state(self, observer: EngineObserver) -> None:
+        """The queue and the batch as they are now (after every change)."""
+        running = self.scheduler.running
+        observer.on_batch_state(
+            len(self.scheduler.waiting),
+            len(running),
+            sum(s.total_tokens for s in running),
+            max((s.remaining_tokens for s in running), default=0),
+        )
+
+    @abstractmethod
+    def _run(self, step: StepT, lives: list[LiveSequence], joined: bool) -> None:
+        """Run `step` over `lives`, its sequences' live state in order, and hand the tokens to
+        the engine. `joined`: a prefill that joins a running batch (a concatenation, in the
+        metrics)."""
+
+    def _choose(
+        self,
+        method: str,
+        lives: list[LiveSequence],
+        logits: torch.Tensor,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> tuple[list[LiveSequence], SampleOutput]:
+        """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
+        sequences that got one, and their choice. `meanwhile` runs once, while the device
+        samples."""
+        eos_token_ids = self.engine.eos_token_ids
+        pending: PendingSample | None = None
+        try:
+            pending = SamplingBatch([lv.row for lv in lives], eos_token_ids).launch(logits)
+        except Exception as exc:
+            error = exc
+        if meanwhile is not None:
+            meanwhile()
+        if pending is not None:
+            try:
+                return lives, pending.result()
+            except Exception as exc:
+                error = exc
+        if not self._retry_alone(method, lives, error):
+            return [], SampleOutput.concat([])
+        chosen, outputs = [], []
+        for i, live in enumerate(lives):
+            try:
+                row = SamplingBatch([live.row], eos_token_ids).choose(logits[i : i + 1])
+            except Exception as exc:
+                self.engine._fail_step(method, [live], exc)
+                continue
+            chosen.append(live)
+            outputs.append(row)
+        return chosen, SampleOutput.concat(outputs)
+
+    def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:
+        """A step over `lives` raised `exc`: True when it is worth running each alone (there
+        are several); a single sequence's failure is its own."""
+        if len(lives) == 1:
+            self.engine._fail_step(method, lives, exc)
+            return False
+        log.warning(
+            "%s step over %d sequences failed (%s: %s); running each alone",
+            method, len(lives), type(exc).__name__, exc,
+        )  # fmt: skip
+        return True
+
+
+class SlotSteps(StepRunner[Backend, Scheduler, Step]):
+    """A slot backend's steps: a prefill of whole prompts (the sequences take their slots) or
+    one decode of the whole running batch, as the `Scheduler` plans them."""
+
+    speculates = False
+
+    def finish(self, seq: SchedSeq) -> None:
+        """A running sequence's slot is freed in the backend too."""
+        if seq.status is SeqStatus.RUNNING:
+            self.backend.release(seq.seq_id)
+        super().finish(seq)
+
+    def _run(self, step: Step, lives: list[LiveSequence], joined: bool) -> None:
+        engine = self.engine
+        method = step.kind.value
+        start = time.perf_counter()
+        try:
+            if step.kind is StepKind.PREFILL:
+                for live in lives:
+                    live.begin(start_time=time.monotonic())
+                items = [lv.prefill_item() for lv in lives]
+                out = self.backend.prefill(items)
+                logits, prompt_logits = out.last, out.prompt
+                tokens = sum(len(i.input_ids) for i in items)
+            else:
+                seq_ids = [lv.seq.seq_id for lv in lives]
+                logits = self.backend.decode(seq_ids, [lv.last_token for lv in lives])
+                prompt_logits, tokens = (), len(lives)
+        except Exception as exc:
+            if not self._retry_alone(method, lives, exc):
+                return
+            for live in lives:
+                self._run(Step(step.kind, (live.seq,)), [live], False)
+            return
+        forward = time.perf_counter() - start
+        sampled, choice = self._choose(method, lives, logits)
+        for i, live in enumerate(lives):
+            if prompt_logits and prompt_logits[i] is not None:
+                engine._guarded(live, live.record_prefill, prompt_logits[i])
+                engine._guarded(live, live.prompt_done)
+        engine._emit(sampled, choice, method, tokens, start, forward, joined, bool(sampled))
+
+
+class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
+    """A paged backend's steps: one packed forward of the chunks the `PagedScheduler` plans
+    over its block pool; the chunks that end at their last known token sample, and those with
+    a draft verify it."""
+
+    speculates = True
+
+    def report_state(self, observer: EngineObserver) -> None:
+        """The batch's state, then the block pool's (blocks used, prefix-cache hits and
+        evictions, preemptions)."""
+        super().report_state(observer)
+        blocks = self.scheduler.blocks
+        observer.on_kv_state(
+            blocks.used_blocks,
+            blocks.num_blocks,
+            blocks.stats.queried_tokens,
+            blocks.stats.hit_tokens,
+            blocks.stats.evicted_blocks,
+            self.scheduler.preemptions,
+        )
+
+    def _run(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
+        """One packed forward; the chunks that end at their last known token sample."""
+        engine = self.engine
+        method = step.kind.value
+        start = time.perf_counter()
+        now = time.monotonic()
+        items = []
+        for chunk, live in zip(step.chunks, lives, strict=True):
+            if not live.started:
+                live.begin(start_time=now)
+            wants = live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft
+            items.append(
+                PackedItem(
+                    chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
+                    chunk.sample, wants or bool(chunk.draft),
+                    live.prefix_embeds(chunk.start, chunk.count), live.handle.request.adapter,
+                )
+            )  # fmt: skip
+        try:
+            out = self.backend.forward(items)
+        except Exception as exc:
+            if not self._retry_alone(method, lives, exc):
+                return
+            for chunk, live in zip(step.chunks, lives, strict=True):
+                self._run(PackedStep(step.kind, (chunk,)), [live], False)
+            return
+        forward = time.perf_counter() - start
+        # out.last has a row per sampling chunk, in order; chunks with a draft are verified
+        # from their logits at every position (out.prompt) instead.
+        plain = [lv for lv, c in zip(lives, step.chunks, strict=True) if c.sample and not c.draft]
+        drafted = [
+            (lv, c.draft, part)
+            for lv, c, part in zip(lives, step.chunks, out.prompt, strict=True)
+            if c.draft
+        ]
+        wanted = bool(plain or drafted)
+        logits = out.last
+        if drafted and plain:
+            sampling = [c for c in step.chunks if c.sample]
+            logits = out.last[[i for i, c in enumerate(sampling) if not c.draft]]
+        # The step's K/V are in the cache whatever the sampling does: the scheduler's host
+        # bookkeeping runs while the device samples.
+        complete = partial(self.scheduler.complete, step)
+        if plain:
+            sampled, choice = self._choose(method, plain, logits, complete)
+        else:
+            complete()
+            sampled, choice = [], SampleOutput.concat([])
+        verified = self._verify(method, drafted)
+        for live, chunk, part in zip(lives, step.chunks, out.prompt, strict=True):
+            if part is not None and not chunk.draft:
+                engine._guarded(live, live.record_prefill, part, chunk.start)
+        for live in sampled:
+            engine._guarded(live, live.prompt_done)
+        ok = bool(sampled or verified) or not wanted
+        engine._emit(sampled, choice, method, step.tokens, start, forward, joined, ok, verified)
+        # The accepted draft tokens' K/V are in the cache too (a sequence that has left
+        # meanwhile is not RUNNING: `accept` leaves it be).
+        for live, result in verified:
+            self.scheduler.accept(live.seq, result.accepted)
+
+    def _verify(
+        self, method: str, drafted: list[tuple[LiveSequence, tuple[int, ...], torch.Tensor | None]]
+    ) -> list[tuple[LiveSequence, Verified]]:
+        """The tokens of the sequences whose step verified a draft (alone when the batch's
+        verification raised): the sequences that got them, and what they got."""
+        if not drafted:
+            return []
+        eos_token_ids = self.engine.eos_token_ids
+        try:
+            results = verify(
+                [lv.row for lv, _, _ in drafted],
+                [part for _, _, part in drafted],  # type: ignore[misc]
+                [draft for _, draft, _ in drafted],
+                eos_token_ids,
+            )
+            return [(lv, r) for (lv, _, _), r in zip(drafted, results, strict=True)]
+        except Exception as exc:
+            if not self._retry_alone(method, [lv for lv, _, _ in drafted], exc):
+                return []
+        out = []
+        for live, draft, part in drafted:
+            try:
+                (result,) = verify([live.row], [part], [draft], eos_token_ids)  # type: ignore[list-item]
+            except Exception as exc:
+                self.engine._fail_step(method, [live], exc)
+                continue
+            out.append((live, result))
+        return out
