@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from tgis.engine.backend import Backend, PackedItem, PagedBackend
 from tgis.engine.live import LiveSequence
@@ -42,13 +42,36 @@ from tgis.engine.types import EngineObserver
 if TYPE_CHECKING:
     import torch
 
-    from tgis.engine.engine import Engine
-
 log = logging.getLogger("tgis.engine")
 
 BackendT = TypeVar("BackendT", Backend, PagedBackend)
 SchedulerT = TypeVar("SchedulerT", Scheduler, PagedScheduler)
 StepT = TypeVar("StepT", Step, PackedStep)
+
+
+class StepHost(Protocol):
+    """What a runner calls on the engine that drives it (`tgis.engine.engine.Engine`): the
+    sequences alive, the model's EOS ids, and the handling every kind of step shares."""
+
+    eos_token_ids: tuple[int, ...]
+    _live: dict[int, LiveSequence]
+
+    def _guarded(self, live: LiveSequence, work: Callable[..., Any], *args: Any) -> None: ...
+
+    def _fail_step(self, method: str, lives: list[LiveSequence], exc: Exception) -> None: ...
+
+    def _emit(
+        self,
+        lives: list[LiveSequence],
+        choice: SampleOutput,
+        method: str,
+        tokens: int,
+        start: float,
+        forward: float,
+        joined: bool,
+        succeeded: bool = True,
+        verified: Sequence[tuple[LiveSequence, Verified]] = (),
+    ) -> None: ...
 
 
 class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
@@ -58,7 +81,7 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
     # Whether its steps can verify draft tokens (the engine's `speculate`).
     speculates: ClassVar[bool]
 
-    def __init__(self, engine: Engine, backend: BackendT, scheduler: SchedulerT) -> None:
+    def __init__(self, engine: StepHost, backend: BackendT, scheduler: SchedulerT) -> None:
         self.engine = engine
         self.backend: BackendT = backend
         self.scheduler: SchedulerT = scheduler
