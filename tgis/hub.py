@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
+    from tgis.config import ModelFacts
+
 # The small files a server needs besides the weights (config, generation defaults, tokenizer).
 SERVING_FILES = frozenset(
     {
@@ -117,6 +119,13 @@ def read_model_config(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] |
     config = _read_json_object(path)
     neuron_path = Path(model_dir) / "neuron_config.json"
     return config, _read_json_object(neuron_path) if neuron_path.is_file() else None
+
+
+def read_model_facts(model_dir: Path) -> ModelFacts:
+    """What the validation core and the backend chooser read of the model in `model_dir`."""
+    from tgis.config import ModelFacts
+
+    return ModelFacts.from_config(*read_model_config(model_dir))
 
 
 def download_weights(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from tgis.adapter_store import AdapterStore
+    from tgis.backends.choose import BackendChoice
     from tgis.engine.speculation import Proposer
     from tgis.server.info import ModelInfo
 
@@ -68,11 +69,11 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
-    from tgis.backends.choose import FAMILIES, model_facts
+    from tgis.backends.choose import FAMILIES
     from tgis.backends.common.device import load_causal_lm
     from tgis.backends.models.llama import unsupported_reason
     from tgis.backends.paged.backend import paged_kv_bytes_per_token
-    from tgis.hub import resolve_model_dir
+    from tgis.hub import read_model_facts, resolve_model_dir
 
     name = f"--draft-model {config.draft_model}"
     draft_dir = resolve_model_dir(str(config.draft_model))
@@ -83,7 +84,7 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             f"{name}: its tokenizer is not the model's ({mismatch})",
             "draft with a smaller model of the same family, trained with the same tokenizer",
         )
-    reason = unsupported_reason(model_facts(draft_dir).config)
+    reason = unsupported_reason(read_model_facts(draft_dir).config)
     if reason is not None:
         raise ConfigError(
             f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",
@@ -180,14 +181,21 @@ def load_tokenizer(model_dir: Path, what: str = "the model") -> Any:
 
 
 def build_service(
-    config: ServeConfig, model_dir: Path, observer: Any = None, start_engine: bool = True
+    config: ServeConfig,
+    model_dir: Path,
+    observer: Any = None,
+    start_engine: bool = True,
+    choice: BackendChoice | None = None,
 ) -> Service:
-    """Load tokenizer and backend, run warmup (unless WARMUP_ENABLED=false), build the engine
+    """Load tokenizer and the backend `choice` names (by default the chooser's), run warmup
+    (unless WARMUP_ENABLED=false), build the engine
     and, with `start_engine`, start its loop on a thread of its own. `tgis serve` runs the
     loop on this (its main) thread instead: `service.engine.run()`."""
-    from tgis.backends.choose import choose_backend, load_backend, model_facts
+    from tgis.backends.choose import choose_backend, load_backend
+    from tgis.hub import read_model_facts
 
-    choice = choose_backend(config, model_facts(model_dir))
+    if choice is None:
+        choice = choose_backend(config, read_model_facts(model_dir))
     tokenizer = load_tokenizer(model_dir)
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, choice, draft.kv_bytes_per_token if draft else 0)

@@ -137,7 +137,7 @@ def export(request: ExportRequest) -> NeuronExport:
 
     Returns the shape read back from the written model, checked against the request.
     """
-    from tgis.hub import read_model_config
+    from tgis.hub import read_model_facts
 
     require_neuron_sdk()
     _export_with_optimum(request)
@@ -145,7 +145,7 @@ def export(request: ExportRequest) -> NeuronExport:
         source = request.model_dir / name
         if source.is_file() and not (request.output / name).exists():
             shutil.copy2(source, request.output / name)
-    written = ModelFacts.from_config(*read_model_config(request.output)).neuron
+    written = read_model_facts(request.output).neuron
     wanted = (request.batch_size, request.sequence_length, request.num_cores)
     if (
         written is None

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 
 from tests.factories import make_model_dir
-from tgis.backends.choose import BackendChoice, choose_backend, load_backend, model_facts
+from tgis.backends.choose import BackendChoice, choose_backend, load_backend
 from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.config import LauncherArgs, ModelFacts, ServeConfig, build_serve_config
 from tgis.errors import ConfigError
+from tgis.hub import read_model_facts
 
 LLAMA = {
     "model_type": "llama",
@@ -129,11 +130,11 @@ def test_load_backend_loads_the_choice(tmp_path: Path) -> None:
     llama = make_model_dir(tmp_path / "llama", "llama")
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
     flags = {"backend": "cpu", "max_total_tokens": 64, "max_batch_total_tokens": 512}
-    config, facts = config_of(dict(model_facts(llama).config), **flags)
+    config, facts = config_of(dict(read_model_facts(llama).config), **flags)
     paged = load_backend(config, llama)
     assert isinstance(paged, PagedTorchBackend) and paged.compiled is None
     compiled = load_backend(config_of(dict(facts.config), **flags, compile=True)[0], llama)
     assert isinstance(compiled, PagedTorchBackend) and compiled.compiled is not None
-    config, _ = config_of(dict(model_facts(gpt2).config), **flags, compile=True)
+    config, _ = config_of(dict(read_model_facts(gpt2).config), **flags, compile=True)
     slot = load_backend(config, gpt2)
     assert isinstance(slot, TorchDynamicBackend) and slot.compiled

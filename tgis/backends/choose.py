@@ -70,13 +70,6 @@ class BackendChoice:
         return f"{engine} on {self.backend}{shards}: {self.reason}"
 
 
-def model_facts(model_dir: Path) -> ModelFacts:
-    """The facts of the model in `model_dir` (its config.json, and neuron_config.json)."""
-    from tgis.hub import read_model_config
-
-    return ModelFacts.from_config(*read_model_config(model_dir))
-
-
 def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
     """The design serving a model of `facts` under `config`; a ConfigError for an option that
     design cannot honour."""
@@ -183,7 +176,9 @@ def load_backend(
     `model_dir`) with the config's limits. `shared_kv_bytes_per_token`: what a draft model's
     KV cache takes per token of the paged pool (its share of free memory)."""
     if choice is None:
-        choice = choose_backend(config, model_facts(model_dir))
+        from tgis.hub import read_model_facts
+
+        choice = choose_backend(config, read_model_facts(model_dir))
     log.info("backend: %s", choice.describe())
     if choice.design == "paged" and choice.shards > 1:
         from tgis.backends.paged.tensor_parallel import ShardSettings, TensorParallelBackend

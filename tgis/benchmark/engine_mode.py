@@ -82,14 +82,15 @@ def load_backend(
     same validated config), sized for `max_batch` sequences of the run and warmed up as serve
     warms it (CUDA graphs recorded, or with `compile` decode compiled, here); over `num_shard`
     tensor-parallel processes when more than 1."""
-    from tgis.backends.choose import choose_backend, model_facts
+    from tgis.backends.choose import choose_backend
     from tgis.backends.choose import load_backend as load_chosen
     from tgis.backends.registry import detect_backend
     from tgis.config import LauncherArgs, build_serve_config
+    from tgis.hub import read_model_facts
     from tgis.warmup import run_warmup
 
     total = prompt_tokens + decode_tokens + 1
-    facts = model_facts(model_dir)
+    facts = read_model_facts(model_dir)
     args = LauncherArgs(
         model_id=str(model_dir),
         backend=device,

@@ -15,7 +15,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from tgis.config import DEFAULTS, ENV_NAMES, LauncherArgs, ServeConfig
+from tgis.config import DEFAULTS, ENV_NAMES, LauncherArgs, ModelFacts, ServeConfig
 
 MODEL = "Model"
 LIMITS = "Request limits"
@@ -506,16 +506,16 @@ def launcher_args(values: dict[str, Any]) -> LauncherArgs:
     return LauncherArgs(**picked)
 
 
-def resolve_launcher_config(values: dict[str, Any]) -> tuple[ServeConfig, Path]:
-    """Flags -> model facts -> validated ServeConfig and the model's local directory."""
+def resolve_launcher_config(values: dict[str, Any]) -> tuple[ServeConfig, Path, ModelFacts]:
+    """Flags -> model facts -> validated ServeConfig, the model's local directory and its
+    facts (which the backend chooser reads too)."""
     from tgis.backends.registry import detect_backend
-    from tgis.config import ModelFacts, build_serve_config, default_env, model_reference
-    from tgis.hub import read_model_config, resolve_model_dir
+    from tgis.config import build_serve_config, default_env, model_reference
+    from tgis.hub import read_model_facts, resolve_model_dir
 
     args = launcher_args(values)
     env = default_env()
     model_id, revision = model_reference(args, env)
     model_dir = resolve_model_dir(model_id, revision)
-    config_json, neuron_json = read_model_config(model_dir)
-    facts = ModelFacts.from_config(config_json, neuron_json)
-    return build_serve_config(args, facts, env, detect_backend), model_dir
+    facts = read_model_facts(model_dir)
+    return build_serve_config(args, facts, env, detect_backend), model_dir, facts

@@ -48,15 +48,16 @@ def command(
 
     from rich.console import Console
 
-    from tgis.backends.choose import choose_backend, model_facts
+    from tgis.backends.choose import choose_backend
     from tgis.commands.show_config import render_config
     from tgis.launch import build_service, service_info
     from tgis.server import Metrics, create_app, serve
     from tgis.server.lifecycle import ServerThread
 
-    config, model_dir = resolve_launcher_config(launcher)
+    config, model_dir, facts = resolve_launcher_config(launcher)
+    choice = choose_backend(config, facts)
     console = Console()
-    render_config(console, config, choose_backend(config, model_facts(model_dir)))
+    render_config(console, config, choice)
     if check:
         return
     logging.basicConfig(
@@ -64,7 +65,7 @@ def command(
     )
     metrics = Metrics(config.max_total_tokens, config.batch_slots)
     # The model loads, warms up and runs on this thread: torch keeps one OpenMP team.
-    service = build_service(config, model_dir, observer=metrics, start_engine=False)
+    service = build_service(config, model_dir, observer=metrics, start_engine=False, choice=choice)
     try:
         info = service_info(service)
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,

@@ -48,11 +48,11 @@ def command(
 
     from rich.console import Console
 
-    from tgis.backends.choose import choose_backend, load_backend, model_facts
+    from tgis.backends.choose import choose_backend, load_backend
     from tgis.commands.show_config import render_config
 
-    config, model_dir = resolve_launcher_config(launcher)
-    choice = choose_backend(config, model_facts(model_dir))
+    config, model_dir, facts = resolve_launcher_config(launcher)
+    choice = choose_backend(config, facts)
     console = Console()
     render_config(console, config, choice)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

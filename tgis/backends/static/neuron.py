@@ -51,7 +51,7 @@ from tgis import neuron_export
 from tgis.backends.common.kv import kv_bytes_per_token as shared_kv_bytes_per_token
 from tgis.backends.static.batch import StaticBatchBackend, pad_token_id
 from tgis.backends.static.buckets import PrefillMode, static_policy
-from tgis.config import ModelFacts, NeuronExport, ServeConfig, StaticShape
+from tgis.config import NeuronExport, ServeConfig, StaticShape
 from tgis.errors import BackendUnavailableError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -299,9 +299,9 @@ def _import_optimum_neuron() -> Any:
 
 
 def _exported_shape(model_dir: Path) -> NeuronExport | None:
-    from tgis.hub import read_model_config
+    from tgis.hub import read_model_facts
 
-    return ModelFacts.from_config(*read_model_config(model_dir)).neuron
+    return read_model_facts(model_dir).neuron
 
 
 def default_export_dir(
