@@ -21,7 +21,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,16 +30,20 @@ import torch
 
 from tgis.backends.paged.lora import LoraShapes
 from tgis.config.types import ADAPTER_NAME as ADAPTER_NAME_PATTERN
-from tgis.engine.types import LORA_MODULES, LoraAdapter
+from tgis.engine.types import LoraAdapter
 from tgis.errors import InputValidationError
 from tgis.peft_files import PEFT_CONFIG, PeftFileError, read_config, read_weights
 
 ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
-# A PEFT LoRA weight: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight.
-_WEIGHT = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(LORA_MODULES) + r")\.lora_([AB])"
-    r"(?:\.[\w\-]+)?\.weight"
-)
+
+
+def _weight_pattern(modules: Iterable[str]) -> re.Pattern[str]:
+    """A PEFT LoRA weight on one of `modules`:
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight."""
+    return re.compile(
+        r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(modules) + r")\.lora_([AB])"
+        r"(?:\.[\w\-]+)?\.weight"
+    )
 
 
 class AdapterStore:
@@ -60,6 +64,7 @@ class AdapterStore:
         """model_thread: runs a load (which moves tensors to the device) on the thread that
         runs the model (`Engine.call`); None: on the calling thread."""
         self.shapes = shapes
+        self._weight = _weight_pattern(shapes.modules)
         self.named = dict(named or {})
         self.directory = directory.resolve() if directory is not None else None
         self.dtype, self.device = dtype, device
@@ -142,11 +147,11 @@ class AdapterStore:
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         paths: dict[tuple[int, str], str] = {}
         for key, tensor in state.items():
-            match = _WEIGHT.fullmatch(key)
+            match = self._weight.fullmatch(key)
             if match is None or not isinstance(tensor, torch.Tensor):
                 raise PeftFileError(
-                    f"{file} holds {key!r}: only LoRA on the projections {', '.join(LORA_MODULES)}"
-                    " is served"
+                    f"{file} holds {key!r}: only LoRA on the projections "
+                    f"{', '.join(self.shapes.modules)} is served for {self.shapes.family.name}"
                 )
             layer, block, module, side = int(match[1]), match[2], match[3], match[4]
             if layer >= self.shapes.num_layers:

@@ -69,9 +69,8 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     model's (a draft token must mean the same text) and that the paged engine runs it."""
     import torch
 
-    from tgis.backends.choose import FAMILIES
     from tgis.backends.common.device import load_causal_lm
-    from tgis.backends.models.llama import unsupported_reason
+    from tgis.backends.models.families import paged_unsupported_reason
     from tgis.backends.paged.backend import paged_kv_bytes_per_token
     from tgis.hub import read_model_facts, resolve_model_dir
 
@@ -84,11 +83,11 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             f"{name}: its tokenizer is not the model's ({mismatch})",
             "draft with a smaller model of the same family, trained with the same tokenizer",
         )
-    reason = unsupported_reason(read_model_facts(draft_dir).config)
+    reason = paged_unsupported_reason(read_model_facts(draft_dir).config)
     if reason is not None:
         raise ConfigError(
             f"{name}: a draft model runs on the paged engine, which cannot run it: {reason}",
-            f"draft with a {FAMILIES} model",
+            "draft with a model of a family docs/models.md lists for the paged engine",
         )
     model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
     return DraftModel(model, paged_kv_bytes_per_token(model))

@@ -63,6 +63,31 @@ def test_each_model_gets_its_design_and_the_reason() -> None:
     assert choose(LLAMA, backend="gaudi").design == "static"
 
 
+def test_model_impl_picks_the_forward_or_says_why_it_cannot() -> None:
+    qwen3 = {**LLAMA, "model_type": "qwen3"}
+    assert choose(qwen3, backend="cpu").describe() == (
+        "paged engine on cpu: the paged forward runs qwen3"
+    )
+    assert choose(qwen3, backend="cpu", model_impl="tgis").design == "paged"
+    forced = choose(qwen3, {"TGIS_MODEL_IMPL": "transformers"}, backend="cpu")
+    assert forced.describe() == (
+        "fallback engine (transformers' forward, slot cache) on cpu: "
+        "TGIS_MODEL_IMPL=transformers asks for transformers' forward"
+    )
+    assert choose(GPT2, backend="cpu", model_impl="transformers").design == "fallback"
+    assert refusal(GPT2, backend="cpu", model_impl="tgis").startswith(
+        "--model-impl tgis: the paged engine cannot run gpt2: model_type 'gpt2' is not one of"
+    )
+    # The paged engine's options go with its forward.
+    text = refusal(qwen3, backend="cpu", model_impl="transformers", prefix_caching=True)
+    assert text.startswith("--prefix-caching true: prefix caching runs in the paged engine")
+    assert "--model-impl transformers asks for transformers' forward" in text
+    with pytest.raises(ConfigError, match="--model-impl vllm is not a model implementation"):
+        choose(qwen3, backend="cpu", model_impl="vllm")
+    with pytest.raises(ConfigError, match="chooses the forward of the cpu and cuda backends"):
+        choose(LLAMA, backend="tpu", model_impl="transformers")
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gaudi"])
 def test_static_forwards_refuse_other_families(backend: str) -> None:
     text = refusal(GPT2, backend=backend)
@@ -85,7 +110,7 @@ def test_the_paged_engines_options_are_refused_elsewhere(
     # A model the paged engine cannot run: named, with why, and the fix.
     text = refusal(GPT2, env, backend="cpu", **flags)
     assert text.startswith(f"{given} runs in the paged engine, which cannot run gpt2: ")
-    assert "or serve a llama/mistral/qwen2 model" in text
+    assert "or serve a model of a family docs/models.md lists for the paged engine" in text
     # A backend of fixed shapes.
     text = refusal(LLAMA, env, backend="gaudi", **flags)
     assert text.startswith(f"{given} runs in the paged engine of the cpu and cuda backends; ")

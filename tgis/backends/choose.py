@@ -7,7 +7,7 @@ print:
 - tpu / gaudi: the static batch over the llama family's fixed-shape forward; neuron: the static
   batch of the model compiled for Neuron cores (static/).
 - cpu / cuda, an encoder-decoder model: the seq2seq engine (seq2seq/).
-- cpu / cuda, a model the paged forward runs (models/): the paged engine (paged/), over
+- cpu / cuda, a model of a family the paged forward runs (models/families.py): the paged engine (paged/), over
   --num-shard tensor-parallel processes when more than one.
 - cpu / cuda, any other causal LM: transformers' forward over the slot cache (fallback/).
 
@@ -25,7 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tgis.backends.models.llama import NATIVE_MODEL_TYPES, unsupported_reason
+from tgis.backends.models.families import (
+    STATIC_MODEL_TYPES,
+    paged_unsupported_reason,
+    static_unsupported_reason,
+)
 from tgis.config import ENV_NAMES, ModelFacts, ServeConfig
 from tgis.config.parse import flag
 from tgis.errors import BackendUnavailableError, ConfigError
@@ -45,7 +49,6 @@ PAGED_ONLY = {
     "lora_adapters": "LoRA adapters",
     "lora_adapter_dir": "LoRA adapters",
 }
-FAMILIES = "/".join(NATIVE_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -83,17 +86,28 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
             "{given}: {what} is for decoder-only models; " + f"{kind} is an encoder-decoder one",
         )
         return BackendChoice(config.backend, "seq2seq", f"{kind} is an encoder-decoder model")
-    reason = unsupported_reason(facts.config)
+    reason = paged_unsupported_reason(facts.config)
+    impl = config.label("model_impl", config.model_impl)
+    if reason is not None and config.model_impl == "tgis":
+        raise ConfigError(
+            f"{impl}: the paged engine cannot run {kind}: {reason}",
+            "drop --model-impl (TGIS_MODEL_IMPL) to serve it with transformers' forward",
+        )
+    if reason is None and config.model_impl == "transformers":
+        reason = f"{impl} asks for transformers' forward"
     if reason is not None:
         _refuse(
             config,
             (*PAGED_ONLY, "num_shard"),
             "{given}: {what} runs in the paged engine, which cannot run " + f"{kind}: {reason}",
-            f", or serve a {FAMILIES} model",
+            ", or serve a model of a family docs/models.md lists for the paged engine",
         )
-        return BackendChoice(
-            config.backend, "fallback", f"the paged engine cannot run {kind}: {reason}"
+        why = (
+            reason
+            if config.model_impl == "transformers"
+            else (f"the paged engine cannot run {kind}: {reason}")
         )
+        return BackendChoice(config.backend, "fallback", why)
     if config.num_shard == 1:
         return BackendChoice(config.backend, "paged", f"the paged forward runs {kind}")
     from tgis.backends.paged.tensor_parallel import shard_unsupported_reason
@@ -121,11 +135,11 @@ def _static(config: ServeConfig, facts: ModelFacts, kind: str) -> BackendChoice:
     if config.backend == "neuron":
         reason = "optimum-neuron runs the model compiled for Neuron cores"
     else:
-        refusal = unsupported_reason(facts.config)
+        refusal = static_unsupported_reason(facts.config)
         if refusal is not None:
             raise ConfigError(
                 f"the {config.backend} backend cannot serve {kind}: {refusal}; its fixed-shape "
-                f"forward runs the llama family ({', '.join(NATIVE_MODEL_TYPES)})",
+                f"forward runs the llama family ({', '.join(STATIC_MODEL_TYPES)})",
                 "serve it with --backend cpu or --backend cuda",
             )
         reason = f"the llama family's fixed-shape forward runs {kind}"

@@ -77,11 +77,12 @@ def load_backend(
     decode_tokens: int,
     compile: bool = False,
     num_shard: int = 1,
+    model_impl: str = "auto",
 ) -> Backend | PagedBackend:
     """The backend `tgis serve` would run for `model_dir` (backends/choose.py picks it from the
     same validated config), sized for `max_batch` sequences of the run and warmed up as serve
     warms it (CUDA graphs recorded, or with `compile` decode compiled, here); over `num_shard`
-    tensor-parallel processes when more than 1."""
+    tensor-parallel processes when more than 1; `model_impl` as `tgis serve --model-impl`."""
     from tgis.backends.choose import choose_backend
     from tgis.backends.choose import load_backend as load_chosen
     from tgis.backends.registry import detect_backend
@@ -104,6 +105,7 @@ def load_backend(
         compile=compile or None,
         num_shard=num_shard,
         master_port=free_port() if num_shard > 1 else None,
+        model_impl=model_impl,
     )
     config = build_serve_config(args, facts, {}, detect_backend)
     backend = load_chosen(config, model_dir, choose_backend(config, facts))
@@ -396,6 +398,7 @@ def run_engine(
     console: Console | None = None,
     compile: bool = False,
     num_shard: int = 1,
+    model_impl: str = "auto",
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
@@ -413,7 +416,7 @@ def run_engine(
     device = default_device()
     backend = load_backend(
         model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile,
-        num_shard,
+        num_shard, model_impl,
     )  # fmt: skip
     bench = EngineBenchmark(
         backend,
@@ -446,6 +449,7 @@ def run_engine(
         "seed": seed,
         "compile": compile,
         "num_shard": num_shard,
+        "model_impl": model_impl,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

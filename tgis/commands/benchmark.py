@@ -189,6 +189,15 @@ def command(
             rich_help_panel=ENGINE,
         ),
     ] = False,
+    model_impl: Annotated[
+        str,
+        typer.Option(
+            "--model-impl",
+            help="--engine: whose forward runs the model, as `tgis serve --model-impl` takes it "
+            "(auto, tgis, transformers).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = "auto",
     num_shard: Annotated[
         int,
         typer.Option(
@@ -271,10 +280,14 @@ def command(
                 )
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
-            dtype, seed, compile, num_shard,
+            dtype, seed, compile, num_shard, model_impl,
         )  # fmt: skip
         return
-    for given, flag in ((compile, "--compile"), (num_shard != 1, "--num-shard")):
+    for given, flag in (
+        (compile, "--compile"),
+        (num_shard != 1, "--num-shard"),
+        (model_impl != "auto", "--model-impl"),
+    ):
         if given:
             from tgis.errors import ConfigError
 
@@ -356,6 +369,7 @@ def _engine(
     seed: int,
     compile: bool = False,
     num_shard: int = 1,
+    model_impl: str = "auto",
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -378,6 +392,7 @@ def _engine(
         Console(stderr=True),
         compile,
         num_shard,
+        model_impl,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

@@ -168,6 +168,17 @@ PrefillMode = Annotated[
         "insert where the device model can",
     ),
 ]
+ModelImpl = Annotated[
+    str | None,
+    _opt(
+        "model_impl",
+        DEVICE,
+        "cpu/cuda: whose forward runs a decoder-only model: auto, tgis (the paged engine's, "
+        "an error for a family it has none for) or transformers (transformers' forward on "
+        "the slot engine).",
+        "auto: the paged engine's where the model's family has one",
+    ),
+]
 CompileCache = Annotated[
     str | None,
     _opt(
@@ -389,6 +400,7 @@ OPTIONS: dict[str, Any] = {
     "master_addr": MasterAddr,
     "master_port": MasterPort,
     "prefill_mode": PrefillMode,
+    "model_impl": ModelImpl,
     "compile_cache": CompileCache,
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
@@ -447,6 +459,7 @@ WARMUP_OPTIONS = (
     "master_addr",
     "master_port",
     "prefill_mode",
+    "model_impl",
     "compile_cache",
     "compile",
     "cuda_graphs",

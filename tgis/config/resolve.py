@@ -34,6 +34,7 @@ from tgis.config.rules import (
     check_value_ranges,
     derive_dynamic_defaults,
     lora_settings,
+    model_impl,
 )
 from tgis.config.static import apply_static_rules
 from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig, TlsFiles
@@ -102,6 +103,7 @@ def build_serve_config(
     check_draft_model(values, r, num_shard)
     lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
+    impl = model_impl(backend, values, r)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
     if values["cuda_graphs"] and not warmup_enabled:
         raise ConfigError(
@@ -149,6 +151,7 @@ def build_serve_config(
             o.strip() for o in (values["cors_allow_origin"] or "").split(",") if o.strip()
         ),
         prefill_mode=prefill_mode,
+        model_impl=impl,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=values["cuda_graphs"],

@@ -283,6 +283,30 @@ def lora_settings(
     return tuple(pairs), directory, limits["max_loras"], limits["max_lora_rank"]
 
 
+MODEL_IMPLS = ("auto", "tgis", "transformers")
+
+
+def model_impl(backend: str, values: dict[str, Any], r: Sources) -> str:
+    """--model-impl, normalized: one of MODEL_IMPLS; a choice of forward is the cpu and cuda
+    backends' (the static backends run their own)."""
+    given = values["model_impl"]
+    if given is None:
+        return "auto"
+    impl = given.strip().lower()
+    if impl not in MODEL_IMPLS:
+        raise ConfigError(
+            f"{r.label('model_impl', given)} is not a model implementation",
+            f"use one of {', '.join(MODEL_IMPLS)}",
+        )
+    if impl != "auto" and backend in (*STATIC_BACKENDS, "gaudi"):
+        raise ConfigError(
+            f"{r.label('model_impl', given)} chooses the forward of the cpu and cuda backends; "
+            f"{backend} runs its own",
+            "drop --model-impl (TGIS_MODEL_IMPL)",
+        )
+    return impl
+
+
 def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:
     """Options that apply to some backends only; returns the normalized prefill mode."""
     prefill_mode = values["prefill_mode"]

@@ -52,6 +52,7 @@ class LauncherArgs:
     api_key: str | None = None
     cors_allow_origin: str | None = None
     prefill_mode: str | None = None
+    model_impl: str | None = None
     compile_cache: str | None = None
     compile: bool | None = None
     cuda_graphs: bool | None = None
@@ -214,6 +215,10 @@ class ServeConfig:
     cors_allow_origins: tuple[str, ...] = ()
     # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
     prefill_mode: str | None = None
+    # cpu/cuda decoder-only models: whose forward runs the model. "auto": the paged engine's
+    # where its family has one, else transformers'; "tgis": the paged engine's (an error where
+    # it has none); "transformers": transformers' forward on the slot engine.
+    model_impl: str = "auto"
     # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
     # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
     compile_cache: str | None = None

@@ -60,6 +60,10 @@ class BackendCapacity:
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
     # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
     block_size: int | None = None
+    # A paged backend whose every layer attends to at most the last `sliding_window` positions
+    # (its own included): blocks wholly before that window can go back to the pool. None: some
+    # layer attends to the whole sequence.
+    sliding_window: int | None = None
 
     @property
     def num_blocks(self) -> int:

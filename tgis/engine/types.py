@@ -74,15 +74,11 @@ class PromptPrefix:
         return self.length + (int(self.encoder.shape[0]) if self.encoder is not None else 0)
 
 
-# The projections a LoRA adapter may adapt, as PEFT names the modules of a llama layer.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     """A PEFT LoRA adapter on the serving device, in the serving dtype: per layer, for each
-    adapted projection (LORA_MODULES), `a` [in, rank] and `b` [rank, out] with the adapter's
-    scale folded into `b`, so that the projection of x becomes x W^T + (x a) b. `key` keeps the
+    adapted projection (as the model's family names it: `LoraShapes.modules`), `a` [in,
+    rank] and `b` [rank, out] with the adapter's scale folded into `b`, so that the projection of x becomes x W^T + (x a) b. `key` keeps the
     prefix-cache blocks of its requests apart from the base model's and other adapters'."""
 
     name: str

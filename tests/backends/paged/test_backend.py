@@ -14,7 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
-from tests.backends.models.test_llama import CASES, CONTINUATION, build, hf_logits
+from tests.backends.models.test_decoder import (
+    CASES,
+    CONTINUATION,
+    build,
+    check_packed_logits,
+    hf_logits,
+)
 from tests.backends.paged_driver import greedy, paged, scheduler_for
 from tests.factories import tiny_model
 from tgis.backends.paged.attention import flash_paged_available, step_metadata
@@ -37,23 +43,7 @@ def test_prompt_and_decode_logits_equal_hf(case: str) -> None:
     decoded together: each row equals HF's full forward over the same tokens."""
     model = build(case)
     expected = [hf_logits(model, p + CONTINUATION) for p in PROMPTS]
-    backend = paged(model)
-    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
-    out = backend.forward(
-        [PackedItem(i, p, 0, tables[i], prompt_logits=True) for i, p in enumerate(PROMPTS)]
-    )
-    for i, prompt in enumerate(PROMPTS):
-        assert out.prompt[i] is not None
-        torch.testing.assert_close(out.prompt[i], expected[i][: len(prompt)], atol=1e-4, rtol=0)
-        torch.testing.assert_close(out.last[i], expected[i][len(prompt) - 1], atol=1e-4, rtol=0)
-    for step, token in enumerate(CONTINUATION[:-1]):
-        out = backend.forward(
-            [PackedItem(i, (token,), len(p) + step, tables[i]) for i, p in enumerate(PROMPTS)]
-        )
-        for i, prompt in enumerate(PROMPTS):
-            torch.testing.assert_close(
-                out.last[i], expected[i][len(prompt) + step], atol=1e-4, rtol=0
-            )
+    check_packed_logits(paged(model), PROMPTS, CONTINUATION[:-1], expected)
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2"])
@@ -73,29 +63,37 @@ def test_sliding_window_over_blocks_and_chunks() -> None:
     assert greedy(backend, PROMPTS, NEW, scheduler_for(backend, prefill_tokens=5)) == reference
 
 
-def test_chunked_prefill_and_preemption_change_no_token() -> None:
-    """A pool of 7 blocks of 4 for three sequences of up to 19 tokens: prompts are chunked
+def check_chunked_and_preempted(model: PreTrainedModel, new_tokens: int = NEW) -> None:
+    """A pool of 7 blocks of 4 for four sequences of up to 21 tokens: prompts are chunked
     by 3 tokens, sequences are preempted and recomputed, the tokens stay those of generate."""
-    model = fresh("llama", seed=4)
     prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
-    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    reference = [greedy_reference(model, p, new_tokens) for p in prompts]
     backend = paged(model, blocks=7, max_sequence_tokens=24)
     sched = scheduler_for(backend, prefill_tokens=3)
-    assert greedy(backend, prompts, NEW, sched) == reference
+    assert greedy(backend, prompts, new_tokens, sched) == reference
     assert sched.preemptions > 0
     assert sched.blocks.free_blocks == 7
 
 
-def test_prefix_cache_hits_change_no_token() -> None:
-    model = fresh("qwen2", seed=5)
-    shared = tuple(range(40, 52))  # 3 blocks of 4
+def test_chunked_prefill_and_preemption_change_no_token() -> None:
+    check_chunked_and_preempted(fresh("llama", seed=4))
+
+
+def check_prefix_cache_hits(model: PreTrainedModel, new_tokens: int = NEW) -> None:
+    """Three prompts sharing 12 tokens (3 blocks of 4): the later two find them cached and
+    their greedy tokens stay generate()'s."""
+    shared = tuple(range(40, 52))
     prompts = [(*shared, 9, 10), (*shared, 99), (*shared, 5, 6, 7, 8)]
-    reference = [greedy_reference(model, p, NEW) for p in prompts]
+    reference = [greedy_reference(model, p, new_tokens) for p in prompts]
     backend = paged(model)
     sched = scheduler_for(backend, prefix_caching=True)
-    assert greedy(backend, prompts[:1], NEW, sched) == reference[:1]
-    assert greedy(backend, prompts[1:], NEW, sched) == reference[1:]
+    assert greedy(backend, prompts[:1], new_tokens, sched) == reference[:1]
+    assert greedy(backend, prompts[1:], new_tokens, sched) == reference[1:]
     assert sched.blocks.stats.hit_tokens == 24  # 12 prompt tokens found, twice
+
+
+def test_prefix_cache_hits_change_no_token() -> None:
+    check_prefix_cache_hits(fresh("qwen2", seed=5))
 
 
 def test_bf16_logits_close_to_float32() -> None:

@@ -105,9 +105,9 @@ def test_fused_gate_up_takes_the_stacked_update_in_one_piece(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # cuda fuses gate and up into one matmul; the cpu runs them apart (FUSE_GATE_UP).
-    from tgis.backends.models import llama as llama_native
+    from tgis.backends.models import decoder
 
-    monkeypatch.setitem(llama_native.FUSE_GATE_UP, "cpu", True)
+    monkeypatch.setitem(decoder.FUSE_GATE_UP, "cpu", True)
     served = store(base, {name: path for name, (path, _) in adapters.items()})
     backend = paged(copy.deepcopy(base))
     assert backend.path.fuse_gate_up

@@ -110,6 +110,35 @@ def test_two_shards_generate_what_one_does(
     check_two_shards(demo_model_dir if which == "demo" else tiny_gqa_dir, "cpu")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "gemma2", "qwen3_moe", "mixtral"])
+def test_two_shards_of_every_kind_of_family_generate_what_one_does(
+    family: str, tmp_path: Path
+) -> None:
+    """Per-head q/k norms (Qwen3), fused qkv_proj and gate_up_proj sliced part by part (Phi-3),
+    q/k norms over a projection split across ranks (OLMo 2), soft-capping and windows
+    (Gemma 2), experts split by their widths (Qwen3-MoE, Mixtral)."""
+    from tests.backends.models.test_families import family_model
+
+    check_two_shards(save_model(family_model(family, seed=11), tmp_path / family), "cpu")
+
+
+def test_qwen2_moe_is_refused_naming_the_valid_shard_count() -> None:
+    config = {"model_type": "qwen2_moe", "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 64, "moe_intermediate_size": 32}  # fmt: skip
+    assert shard_unsupported_reason(config, 1) is None
+    assert shard_unsupported_reason(config, 2) == (
+        "transformers' Qwen2-MoE attention derives its head size from hidden_size / heads, so "
+        "a rank's share of the heads cannot be built; --num-shard can be 1"
+    )
+    # An expert width the shard count does not divide is named among the widths.
+    experts = {**config, "model_type": "qwen3_moe", "moe_intermediate_size": 30}
+    assert shard_unsupported_reason(experts, 2) is None
+    assert shard_unsupported_reason(experts, 4) == (
+        "4 shards must divide its 4 KV heads, 4 attention heads and 64/30-wide MLP; "
+        "--num-shard can be 1, 2"
+    )
+
+
 def test_a_killed_shard_ends_the_server_naming_it(demo_model_dir: Path) -> None:
     failures: list[str] = []
     done = threading.Event()

@@ -1,6 +1,6 @@
-"""The collectives of tensor parallelism, as the llama forward calls them.
+"""The collectives of tensor parallelism, as the decoder forward calls them.
 
-A small module of its own so that the forward (models/llama.py) and the paged backend can name
+A small module of its own so that the forward (models/decoder.py) and the paged backend can name
 `TensorParallel` without importing the machinery that starts and drives the ranks
 (paged/tensor_parallel.py).
 """

@@ -26,7 +26,9 @@ Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
 [num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
 together, [kv_heads, num_blocks, block_size, head_dim], so that gathering a batch's pages
 (`index_select` of whole blocks) yields keys already laid out for one attention call per step
-with no further copy: three times faster than gathering per token on a CPU.
+with no further copy: three times faster than gathering per token on a CPU. A model whose
+attention flash attention cannot compute (`torch_attention_reason`: soft-capped logits) takes
+the plain-torch path on CUDA too.
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ def paged_attention_reference(
     block_table: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' pages; [tokens, heads, dim].
 
     Scores and softmax in float32; the output has the query's dtype. `window` keeps the last
-    `window` positions up to and including the query's own (Mistral's sliding window).
+    `window` positions up to and including the query's own (Mistral's sliding window);
+    `softcap` caps the scaled scores at +-softcap through tanh (Gemma 2).
     """
     heads, block_size = query.shape[1], k_cache.shape[1]
     group = heads // k_cache.shape[2]
@@ -103,6 +107,8 @@ def paged_attention_reference(
         q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=query.device)
         visible = causal_mask(q_pos[None], kv_len, window)[0, 0]  # [queries, keys]
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(query.dtype)
@@ -119,12 +125,14 @@ def flash_paged_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in FLASH_DTYPES and "block_table" in _varlen_parameters()
 
 
-def attention_path(device: torch.device, dtype: torch.dtype) -> str:
+def attention_path(device: torch.device, dtype: torch.dtype, model_needs: str | None = None) -> str:
     """How the paged engine attends on `device` in `dtype`, and why, for the start-up log and
-    /info."""
-    if flash_paged_available(device, dtype):
+    /info. `model_needs`: why the model itself needs the plain-torch path (`torch_attention_reason`)."""
+    if model_needs is None and flash_paged_available(device, dtype):
         return "flash attention over KV pages (varlen_attn with block_table)"
-    if device.type != "cuda":
+    if model_needs is not None:
+        why = f"cannot run it: {model_needs}"
+    elif device.type != "cuda":
         why = f"needs CUDA; this is {device.type}"
     elif dtype not in FLASH_DTYPES:
         why = f"needs float16 or bfloat16; the model is {str(dtype).removeprefix('torch.')}"
@@ -134,6 +142,15 @@ def attention_path(device: torch.device, dtype: torch.dtype) -> str:
             f"{torch.__version__}"
         )
     return f"plain torch over head-major KV blocks (flash attention {why})"
+
+
+def torch_attention_reason(config: object) -> str | None:
+    """Why a model with transformers config `config` must attend through plain torch even
+    where flash attention runs (None: it need not): varlen_attn has no logit soft-capping."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        return f"the model soft-caps its attention scores at {softcap}, which varlen_attn cannot"
+    return None
 
 
 @functools.cache
@@ -359,6 +376,42 @@ def _prefill_run(
     return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
 
 
+def sdpa(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of query [B, heads, Q, dim] over keys / values [B, kv_heads, T, dim] (grouped
+    heads), `mask` boolean (True: attend) or additive, broadcast to [B, heads, Q, T]; None:
+    causal over the query's own tokens (Q == T). Through SDPA's fused kernels; with `softcap`
+    (which SDPA has no argument for) scores are computed, capped through tanh and softmaxed in
+    float32, as transformers' eager attention does for Gemma 2."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        )
+    if heads != kv_heads:
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    boolean = mask.dtype == torch.bool
+    scores = scores.masked_fill(~mask, float("-inf")) if boolean else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
+
+
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -366,25 +419,20 @@ def decode_attention(
     blocks: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per row [rows, heads, dim] over head-major pools: `blocks` and `mask` as
     `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the additive
     mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
-    attention (softmax accumulated in float32 for every dtype)."""
+    attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa` takes
+    it."""
     rows, heads, dim = query.shape
     kv_heads = k_cache.shape[0]
     block_elems = k_cache.shape[2] * dim
     # [rows, kv_heads, T, dim]: whole blocks, already in attention's layout.
     keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
-    attended = F.scaled_dot_product_attention(
-        query.view(rows, heads, 1, dim),
-        keys,
-        values,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=heads != kv_heads,
-    )
+    attended = sdpa(query.view(rows, heads, 1, dim), keys, values, mask, scale, softcap)
     return attended.view(rows, heads, dim)
 
 
@@ -397,13 +445,18 @@ def attend(
     window: int | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed queries [tokens, heads, dim] over the pool (this step's K/V already written)
     -> [tokens, heads, dim]: flash attention over a pages pool where `meta.flash`, else plain
     torch over a head-major pool (`pool_shape`). `key` / `value`: this step's new keys and
     values [tokens, kv_heads, dim], which a prompt computed whole in this step attends to
-    directly instead of gathering them back from the pool."""
+    directly instead of gathering them back from the pool. `softcap`: scores capped through
+    tanh (plain torch only: flash attention's varlen_attn has no soft-capping, so a model
+    with it gets a head-major pool, `torch_attention_reason`)."""
     if meta.flash:
+        if softcap is not None:
+            raise ValueError("flash attention over KV pages has no logit soft-capping")
         return paged_attention(
             query,
             k_cache,
@@ -423,7 +476,9 @@ def attend(
     if meta.decode is not None:
         d = meta.decode
         picked = query if d.whole else query[d.rows]
-        decoded = decode_attention(picked, k_cache, v_cache, d.blocks, d.masks[window], scale)
+        decoded = decode_attention(
+            picked, k_cache, v_cache, d.blocks, d.masks[window], scale, softcap
+        )
         if d.whole:
             return decoded
         out[d.rows] = decoded
@@ -436,13 +491,7 @@ def attend(
             keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
         else:
             keys, values = keys_flat[:, run.slots], values_flat[:, run.slots]
-        out[rows] = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1)[None],
-            keys[None],
-            values[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=heads != kv_heads,
+        out[rows] = sdpa(
+            query[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap
         )[0].transpose(0, 1)
     return out

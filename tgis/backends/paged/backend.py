@@ -1,6 +1,6 @@
 """The cpu / cuda backend for llama-family models: packed steps over a paged KV pool.
 
-Implements `PagedBackend`: it holds the model (`PagedLlamaForward`) and the pool, and keeps no
+Implements `PagedBackend`: it holds the model (`PagedForward`) and the pool, and keeps no
 per-sequence state. Each `forward` gets the step's chunks with their block tables (the
 engine's `PagedScheduler` owns them), packs the tokens, builds the attention metadata once and
 runs one forward for prefill chunks and decodes together.
@@ -27,15 +27,16 @@ from tgis.backends.common.device import KV_MEMORY_FRACTION, available_memory, lo
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.warmup import powers_of_two, run_plan
-from tgis.backends.models.llama import native_kv_shape
+from tgis.backends.models.decoder import native_kv_shape
 from tgis.backends.paged.attention import (
     attention_path,
     flash_paged_available,
     slots_of,
     step_metadata,
+    torch_attention_reason,
 )
 from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_bytes
-from tgis.backends.paged.forward import KVPool, PagedLlamaForward
+from tgis.backends.paged.forward import KVPool, PagedForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
 from tgis.config import use_inductor_cache
@@ -63,6 +64,13 @@ def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
     shape = native_kv_shape(model)
     dtype = next(model.parameters()).dtype
     return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
+
+
+def _common_window(windows: Sequence[int | None]) -> int | None:
+    """The sliding window every layer keeps within (the widest of theirs); None when some
+    layer attends to the whole sequence."""
+    sized = [w for w in windows if w is not None]
+    return max(sized) if sized and len(sized) == len(windows) else None
 
 
 class PagedTorchBackend:
@@ -116,17 +124,20 @@ class PagedTorchBackend:
         self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
         self.block_size = block_size or BLOCK_SIZE.get(self.name, 16)
         self.kv_shape = native_kv_shape(model)
+        # Flash attention where it runs and the model's attention allows it.
+        self.model_needs = torch_attention_reason(model.config)
+        self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
         per_token = paged_kv_bytes_per_token(model)
         # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
-            self.path = PagedLlamaForward(model, self._allocate_pool(1), max_sequence_tokens)
+            self.path = PagedForward(model, self._allocate_pool(1), max_sequence_tokens)
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
         if compile and (graphs or self.path.pool.flash or parallel is not None):
             raise ConfigError(
                 "--compile compiles the decode step of the plain-torch attention path on one "
                 f"device; here the paged engine attends with "
-                f"{attention_path(self.device_obj, self.dtype)}"
+                f"{self.attention}"
                 f"{' under tensor parallelism' if parallel is not None else ''}",
                 "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
                 "attention runs",
@@ -165,6 +176,7 @@ class PagedTorchBackend:
             prefill_step_tokens=self.prefill_chunk if cpu else None,
             kv_budget_tokens=self._memory_tokens,
             block_size=self.block_size,
+            sliding_window=_common_window(self.path.windows),
             # Adapters are not sharded: tensor parallelism serves the base model only.
             lora=parallel is None,
         )
@@ -182,10 +194,15 @@ class PagedTorchBackend:
         attention path, the batch sizes whose decode replays a CUDA graph or runs a compiled
         graph (none: eager)."""
         return {
-            "attention": attention_path(self.device_obj, self.dtype),
+            "attention": self.attention,
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
         }
+
+    @property
+    def attention(self) -> str:
+        """How this backend attends, and why (the start-up log, /info, refusals)."""
+        return attention_path(self.device_obj, self.dtype, self.model_needs)
 
     @classmethod
     def load(
@@ -231,17 +248,17 @@ class PagedTorchBackend:
         shape = self.kv_shape
         return KVPool.allocate(
             shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
-            self.dtype, self.device_obj,
+            self.dtype, self.device_obj, self.flash,
         )  # fmt: skip
 
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
         """Whether decode runs through recorded graphs (see __init__)."""
-        possible = api is not None or flash_paged_available(self.device_obj, self.dtype)
+        possible = api is not None or self.flash
         if requested and not possible:
             raise ConfigError(
                 "--cuda-graphs needs flash attention over the paged cache (CUDA, torch >= "
                 "2.12 with varlen_attn's block_table, a float16 or bfloat16 model); here the "
-                f"paged engine attends with {attention_path(self.device_obj, self.dtype)}",
+                f"paged engine attends with {self.attention}",
                 "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve in bfloat16 on a GPU with "
                 "torch >= 2.12",
             )

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tgis.backends.models.llama import LayerWeights
+from tgis.backends.models.decoder import LayerWeights
 from tgis.backends.paged.attention import StepMetadata, decode_attention, step_metadata, write_kv
-from tgis.backends.paged.forward import PagedLlamaForward
+from tgis.backends.paged.forward import PagedForward
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 _LIBRARY = torch.library.Library("tgis", "FRAGMENT")
 _LIBRARY.define(
     "paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, "
-    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor blocks, Tensor mask, float scale) -> Tensor"
+    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor blocks, Tensor mask, float scale, "
+    "float softcap) -> Tensor"
 )
 
 
@@ -53,12 +54,13 @@ def _paged_decode_attention(
     blocks: Tensor,
     mask: Tensor,
     scale: float,
+    softcap: float,
 ) -> Tensor:
     """One layer's decode attention over head-major pools: write key/value [rows, kv_heads,
     dim] at `slot_mapping`, then attend query [rows, heads, dim] over the rows' `blocks` with
-    the additive `mask` (`paged_attention.decode_attention`)."""
+    the additive `mask` (`paged_attention.decode_attention`); `softcap` 0: none."""
     write_kv(k_cache, v_cache, key, value, slot_mapping, heads_first=True)
-    return decode_attention(query, k_cache, v_cache, blocks, mask, scale)
+    return decode_attention(query, k_cache, v_cache, blocks, mask, scale, softcap or None)
 
 
 _LIBRARY.impl("paged_decode_attention", _paged_decode_attention, "CompositeExplicitAutograd")
@@ -93,7 +95,7 @@ def compile_options(device: torch.device) -> dict[str, Any]:
 class CompiledDecode:
     """The compiled decode steps of `path` for batches up to `max_batch` (module doc)."""
 
-    def __init__(self, path: PagedLlamaForward, max_batch: int) -> None:
+    def __init__(self, path: PagedForward, max_batch: int) -> None:
         if path.pool.flash:
             raise ValueError("compiled decode runs the plain-torch attention path's pool")
         self.path = path
@@ -135,9 +137,11 @@ class CompiledDecode:
                 blocks,
                 masks[self._window[layer.window]],
                 weights.scaling,
+                weights.attn_softcap or 0.0,
             )
 
-        return weights._logits(weights.layers_over(weights._embed(input_ids), positions, attention))
+        x = weights._inputs(weights._embed(input_ids))
+        return weights._logits(weights.layers_over(x, positions, attention))
 
     def _inputs(
         self, input_ids: Tensor, positions: Tensor, meta: StepMetadata

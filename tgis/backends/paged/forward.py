@@ -1,10 +1,11 @@
-"""The llama-family forward (llama, mistral, qwen2) over packed tokens and a paged KV pool.
+"""The decoder forward of every family models/families.py names, over packed tokens and a
+paged KV pool.
 
 One call runs any mix of prefill chunks and decodes: the step's tokens back to back
 ([tokens, hidden], no padding), each with its own position; every layer writes the new keys
 and values at their slots of the pool and attends through `paged_attention.attend` with the
-step's metadata (flash attention on CUDA, plain torch elsewhere). Weights and rope tables come
-from `LlamaWeights` (fused QKV, Llama 3 / linear / yarn rope scaling, tied embeddings).
+step's metadata (flash attention on CUDA, plain torch elsewhere). Weights, rope tables and what each
+family changes come from `DecoderWeights` (models/decoder.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tgis.backends.common.masks import place_embeds
-from tgis.backends.models.llama import LayerWeights, LlamaWeights
+from tgis.backends.models.decoder import DecoderWeights, LayerWeights
 from tgis.backends.paged.attention import (
     StepMetadata,
     attend,
@@ -26,7 +27,7 @@ from tgis.backends.paged.attention import (
 )
 from tgis.backends.paged.lora import LoraStep
 
-# One layer's attention inside `PagedLlamaForward.layers_over`: (index, layer, q, k, v) -> out.
+# One layer's attention inside `PagedForward.layers_over`: (index, layer, q, k, v) -> out.
 LayerAttention = Callable[
     [int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
@@ -53,8 +54,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        flash: bool | None = None,
     ) -> KVPool:
-        flash = flash_paged_available(device, dtype)
+        """`flash`: pages for flash attention (by default wherever it runs)."""
+        if flash is None:
+            flash = flash_paged_available(device, dtype)
         shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
 
         def make() -> torch.Tensor:
@@ -79,7 +83,7 @@ class KVPool:
         return self.keys[0].shape[2 if self.flash else 0]
 
 
-class PagedLlamaForward(LlamaWeights):
+class PagedForward(DecoderWeights):
     """`forward` over a `KVPool`; see the module docstring."""
 
     name = "paged"
@@ -115,9 +119,11 @@ class PagedLlamaForward(LlamaWeights):
         ) -> torch.Tensor:
             keys, values = self.pool.keys[index], self.pool.values[index]
             write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not flash)
-            return attend(q, keys, values, meta, self.scaling, layer.window, k, v)
+            return attend(
+                q, keys, values, meta, self.scaling, layer.window, k, v, self.attn_softcap
+            )
 
-        x = place_embeds(self._embed(input_ids), embeds)  # [tokens, hidden]
+        x = self._inputs(place_embeds(self._embed(input_ids), embeds))  # [tokens, hidden]
         return self._logits(self.layers_over(x, positions, attention, lora)[logits_rows])
 
     def layers_over(
@@ -130,11 +136,13 @@ class PagedLlamaForward(LlamaWeights):
         """Every decoder layer over x [tokens, hidden] at `positions`, each one's attention
         (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
         v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        # Each rope table's rows of the step's positions, [tokens, 1, rotary_dim].
+        ropes = [
+            (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.ropes
+        ]
         for index, layer in enumerate(self.layers):
             adapted = lora.layer(index) if lora is not None else None
-            q, k, v = self._qkv(layer, x, cos, sin, adapted)
+            q, k, v = self._qkv(layer, x, *ropes[layer.rope], adapted)
             out = attention(index, layer, q, k, v)
             x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
         return x

@@ -25,7 +25,7 @@ import torch
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.warmup import powers_of_two
 from tgis.backends.paged.attention import StepMetadata
-from tgis.backends.paged.forward import PagedLlamaForward
+from tgis.backends.paged.forward import PagedForward
 from tgis.engine.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class DecodeStep:
     rebinds them; `meta` (flash attention's slot mapping, KV lengths and block tables) views
     the same buffers."""
 
-    path: PagedLlamaForward
+    path: PagedForward
     input_ids: torch.Tensor  # [bucket] long
     positions: torch.Tensor  # [bucket] long
     meta: StepMetadata
@@ -60,7 +60,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        path: PagedLlamaForward,
+        path: PagedForward,
         api: GraphApi,
         max_batch: int,
         max_blocks: int,

@@ -1,4 +1,5 @@
-"""LoRA adapters in the packed forward of the llama family (the paged engine).
+"""LoRA adapters in the packed forward of the paged engine (every family models/families.py
+names, on the projections its checkpoints name: attention's and the dense MLP's).
 
 A step's adapters (those of its items; rows of the base model have none) are stacked, per
 layer and fused projection, into one pair of factors: A [in, R] holds each adapter's `a`
@@ -20,12 +21,9 @@ from typing import Any
 
 import torch
 
+from tgis.backends.models.families import Family, family_of
 from tgis.engine.types import LoraAdapter
 
-# The projections the forward computes as one matmul, as stacked here: name -> the modules
-# whose outputs it concatenates, in order.
-FUSED_QKV = ("q_proj", "k_proj", "v_proj")
-GATE_UP = ("gate_proj", "up_proj")
 # Combinations of adapters whose stacked factors stay cached.
 STACKS_CACHED = 8
 
@@ -34,30 +32,27 @@ Factors = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class LoraShapes:
-    """What an adapter must fit: the model's layers and each projection's (in, out) sizes."""
+    """What an adapter must fit: the model's layers, each projection an adapter may adapt
+    with its (in, out) sizes, as the family's checkpoints name them, and the family."""
 
     num_layers: int
     modules: Mapping[str, tuple[int, int]]
+    family: Family
 
     @classmethod
     def of(cls, config: Any) -> LoraShapes:
-        """From a llama-family transformers config."""
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = config.num_key_value_heads * head_dim
-        inter = config.intermediate_size
-        return cls(
-            config.num_hidden_layers,
-            {
-                "q_proj": (hidden, heads * head_dim),
-                "k_proj": (hidden, kv),
-                "v_proj": (hidden, kv),
-                "o_proj": (heads * head_dim, hidden),
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            },
-        )
+        """From a transformers config of a family the paged forward runs."""
+        family = family_of(config.to_dict())
+        if family is None:
+            raise ValueError(
+                f"LoRA adapters are served for the paged engine's families, not {config.model_type!r}"
+            )
+        return cls(config.num_hidden_layers, family.lora_modules(config), family)
+
+    def groups(self, fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
+        """The forward's projections -> the adapter modules each concatenates
+        (`Family.lora_groups`)."""
+        return self.family.lora_groups(fuse_gate_up)
 
 
 @dataclass(frozen=True)
@@ -71,11 +66,6 @@ class Stack:
     dtype: torch.dtype
 
 
-def _groups(fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
-    mlp = {"gate_up": GATE_UP} if fuse_gate_up else {m: (m,) for m in GATE_UP}
-    return {"qkv": FUSED_QKV, "o_proj": ("o_proj",), **mlp, "down_proj": ("down_proj",)}
-
-
 def stack(adapters: Sequence[LoraAdapter], shapes: LoraShapes, fuse_gate_up: bool) -> Stack:
     """Stack `adapters` (in order) for a model of `shapes`."""
     some = next(
@@ -85,7 +75,7 @@ def stack(adapters: Sequence[LoraAdapter], shapes: LoraShapes, fuse_gate_up: boo
     device, dtype = some.device, some.dtype
     owner: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Factors]] = [{} for _ in range(shapes.num_layers)]
-    for name, modules in _groups(fuse_gate_up).items():
+    for name, modules in shapes.groups(fuse_gate_up).items():
         # Each adapter's block: its rank's columns for each module, side by side.
         widths = [adapter.rank * len(modules) for adapter in adapters]
         starts = [sum(widths[:g]) for g in range(len(adapters))]

@@ -1,10 +1,12 @@
-"""Tensor parallelism for the paged llama-family engine over torch.distributed.
+"""Tensor parallelism for the paged engine over torch.distributed.
 
 `--num-shard N` runs N processes, one per device, in one torch.distributed group (NCCL on
 cuda, gloo on cpu). Each loads only its slices of the weights from the safetensors files:
-q/k/v by KV-head groups and gate/up by rows (column-parallel), o and down by columns
-(row-parallel, an all-reduce after each), the embedding and lm_head by vocabulary rows (an
-all-reduce after the embedding, an all-gather of the logits). Its KV pool holds its KV heads.
+q/k/v by KV-head groups and gate/up by rows (column-parallel; a checkpoint's fused qkv_proj
+and gate_up_proj sliced part by part), o and down by columns (row-parallel, an all-reduce
+after each), every expert's MLP the same way by its own width (each rank holds a slice of
+every expert, the router whole), the embedding and lm_head by vocabulary rows (an all-reduce
+after the embedding, an all-gather of the logits). Its KV pool holds its KV heads.
 
 Rank 0 is the server: scheduler, HTTP/gRPC and sampling. Every step it broadcasts the step
 (`TensorParallelBackend.forward`) and the other ranks (`worker_main`) run the same forward,
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
@@ -43,18 +46,33 @@ log = logging.getLogger("tgis.backends.paged.tensor_parallel")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+# The per-expert and shared-expert MLP widths of the mixture-of-experts families' configs.
+EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 def shard_unsupported_reason(config: dict[str, Any], world: int) -> str | None:
-    """Why a llama-family config.json cannot be split `world` ways, or None."""
+    """Why a config.json of a family the paged forward runs cannot be split `world` ways, or
+    None: every width a rank takes a share of (heads, KV heads, the MLP's and each expert's)
+    must divide."""
+    family = family_of(config)
+    if family is not None and family.unshardable is not None and world > 1:
+        return f"{family.unshardable}; --num-shard can be 1"
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
     ffn = config.get("intermediate_size")
     if not isinstance(heads, int) or not isinstance(kv, int) or not isinstance(ffn, int):
         return "its config.json lacks num_attention_heads / intermediate_size"
-    valid = [n for n in range(1, kv + 1) if kv % n == 0 and heads % n == 0 and ffn % n == 0]
+    widths = [ffn, *(config[k] for k in EXPERT_WIDTHS if isinstance(config.get(k), int))]
+    valid = [
+        n
+        for n in range(1, kv + 1)
+        if kv % n == 0 and heads % n == 0 and all(w % n == 0 for w in widths)
+    ]
     if world not in valid:
+        mlp = "/".join(str(w) for w in widths)
         return (
             f"{world} shards must divide its {kv} KV heads, {heads} attention heads and "
-            f"{ffn}-wide MLP; --num-shard can be {', '.join(map(str, valid))}"
+            f"{mlp}-wide MLP; --num-shard can be {', '.join(map(str, valid))}"
         )
     return None
 
@@ -67,6 +85,9 @@ def local_config(config: Any, world: int) -> Any:
     local.num_attention_heads = config.num_attention_heads // world
     local.num_key_value_heads = (config.num_key_value_heads or config.num_attention_heads) // world
     local.intermediate_size = config.intermediate_size // world
+    for width in EXPERT_WIDTHS:
+        if isinstance(getattr(config, width, None), int):
+            setattr(local, width, getattr(config, width) // world)
     local.vocab_size = math.ceil(config.vocab_size / world)
     return local
 
@@ -89,29 +110,57 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _slice_of(name: str, config: Any, rank: int, world: int) -> tuple[int, int, int] | None:
-    """(dimension, start, stop) of parameter `name` that rank `rank` holds; None: whole."""
+# A slice of a parameter: the dimension, and the (start, stop) ranges along it this rank
+# takes, concatenated in order (several for projections a checkpoint fuses).
+Slice = tuple[int, tuple[tuple[int, int], ...]]
+
+
+def _share(rank: int, width: int, offset: int = 0) -> tuple[int, int]:
+    """Rank `rank`'s range of a width split evenly, `offset` into the tensor."""
+    return offset + rank * width, offset + (rank + 1) * width
+
+
+def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
+    """What of parameter `name` rank `rank` holds; None: all of it. q/k/v (and a fused
+    qkv_proj) by heads, gate/up (and a fused gate_up_proj) by the MLP's columns, o and down by
+    rows of their input; an expert's MLP by its own width, the shared expert's by its; OLMo 2's
+    q/k norms (over the whole projection) as q and k; router and per-head norms whole."""
     heads = config.num_attention_heads
     kv = config.num_key_value_heads or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rows = math.ceil(config.vocab_size / world)
     q = heads // world * head_dim
     k = kv // world * head_dim
-    ffn = config.intermediate_size // world
+    ffn = config.intermediate_size
+    if ".experts." in name:
+        ffn = getattr(config, "moe_intermediate_size", None) or ffn
+    elif ".shared_expert." in name:
+        ffn = config.shared_expert_intermediate_size
+    part = ffn // world
     parts = name.split(".")
-    leaf = ".".join(parts[-2:])
-    if leaf in ("q_proj.weight", "q_proj.bias"):
-        return 0, rank * q, (rank + 1) * q
-    if leaf in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
-        return 0, rank * k, (rank + 1) * k
+    leaf, kind = ".".join(parts[-2:]), parts[-1]
+    module = parts[-2] if len(parts) > 1 else ""
+    if module == "q_proj" or (module == "q_norm" and config.model_type == "olmo2"):
+        return 0, (_share(rank, q),)
+    if module in ("k_proj", "v_proj") or (module == "k_norm" and config.model_type == "olmo2"):
+        return 0, (_share(rank, k),)
+    if module == "qkv_proj":
+        total_q = heads * head_dim
+        return 0, (
+            _share(rank, q),
+            _share(rank, k, total_q),
+            _share(rank, k, total_q + kv * head_dim),
+        )
     if leaf == "o_proj.weight":
-        return 1, rank * q, (rank + 1) * q
-    if leaf in ("gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias"):
-        return 0, rank * ffn, (rank + 1) * ffn
-    if leaf == "down_proj.weight":
-        return 1, rank * ffn, (rank + 1) * ffn
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0, rank * rows, (rank + 1) * rows
+        return 1, (_share(rank, q),)
+    if module in ("gate_proj", "up_proj", "w1", "w3"):
+        return 0, (_share(rank, part),)
+    if module == "gate_up_proj":
+        return 0, (_share(rank, part), _share(rank, part, ffn))
+    if leaf in ("down_proj.weight", "w2.weight"):
+        return 1, (_share(rank, part),)
+    if kind == "weight" and name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, (_share(rank, rows),)
     return None
 
 
@@ -148,10 +197,10 @@ def load_shard(
             view = handle.get_slice(source)
             if part is None:
                 tensor = view[:]
-            elif part[0] == 0:
-                tensor = view[part[1] : part[2]]
             else:
-                tensor = view[:, part[1] : part[2]]
+                dim, ranges = part
+                pieces = [view[a:b] if dim == 0 else view[:, a:b] for a, b in ranges]
+                tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
             if source in ("model.embed_tokens.weight", "lm_head.weight"):
                 padded = torch.zeros(target.shape, dtype=tensor.dtype)
                 padded[: tensor.shape[0]] = tensor

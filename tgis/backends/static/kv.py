@@ -11,7 +11,7 @@ positions [0, length) of their rows; decode writes one token per row at that row
 and attends positions [0, position]. Positions past a row's length may hold stale values
 (padding, an earlier occupant): the masks never let a query see them.
 
-Weights come from the native llama path (fused QKV, rope tables, RMSNorm): llama, mistral and
+Weights come from DecoderWeights (fused QKV, rope tables, RMSNorm): llama, mistral and
 qwen2 checkpoints. Attention is two batched matmuls with grouped-query heads stacked, softmax
 in float32, so it lowers to plain dot/reduce ops on every device.
 """
@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.masks import additive_mask
-from tgis.backends.models.llama import LlamaWeights, native_kv_shape
+from tgis.backends.models.decoder import DecoderWeights, native_kv_shape
 
 
 @dataclass
@@ -65,7 +65,7 @@ class StaticKVCache:
         return self.batch_size
 
 
-class StaticLlamaForward(LlamaWeights):
+class StaticLlamaForward(DecoderWeights):
     """The native llama weights, run with fixed shapes over a `StaticKVCache`."""
 
     name = "static"

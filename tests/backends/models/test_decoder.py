@@ -4,7 +4,7 @@ and their HF reference logits here are what the paged and static forwards' tests
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -13,8 +13,9 @@ from transformers import PreTrainedModel
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference, make_backend
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import tiny_model
-from tgis.backends.models import llama
-from tgis.backends.models.llama import unsupported_reason
+from tgis.backends.models import decoder
+from tgis.backends.models.families import paged_unsupported_reason as unsupported_reason
+from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.backend import PackedItem, PrefillItem
 
 CONTINUATION = (11, 250, 4, 4, 97)
@@ -62,6 +63,33 @@ def build(case: str) -> PreTrainedModel:
     return model
 
 
+def check_packed_logits(
+    backend: PagedTorchBackend,
+    prompts: Sequence[tuple[int, ...]],
+    continuation: tuple[int, ...],
+    expected: Sequence[torch.Tensor],
+) -> None:
+    """`prompts` prefilled in one packed step (every position's logits), then the tokens of
+    `continuation` decoded for all of them together: each row equals `expected[i]`, the
+    reference logits of prompts[i] + continuation at every position."""
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+    out = backend.forward(
+        [PackedItem(i, p, 0, tables[i], prompt_logits=True) for i, p in enumerate(prompts)]
+    )
+    for i, prompt in enumerate(prompts):
+        assert out.prompt[i] is not None
+        torch.testing.assert_close(out.prompt[i], expected[i][: len(prompt)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.last[i], expected[i][len(prompt) - 1], atol=1e-4, rtol=0)
+    for step, token in enumerate(continuation):
+        out = backend.forward(
+            [PackedItem(i, (token,), len(p) + step, tables[i]) for i, p in enumerate(prompts)]
+        )
+        for i, prompt in enumerate(prompts):
+            torch.testing.assert_close(
+                out.last[i], expected[i][len(prompt) + step], atol=1e-4, rtol=0
+            )
+
+
 def hf_logits(model: PreTrainedModel, tokens: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
@@ -89,14 +117,21 @@ def test_the_refusal_reads_every_spelling_of_a_configs_rope() -> None:
     assert unsupported_reason(llama) is None
     assert unsupported_reason({**llama, "rope_scaling": None}) is None
     assert unsupported_reason({**llama, "rope_scaling": {"type": "linear", "factor": 2}}) is None
-    for rope in ({"type": "dynamic"}, {"rope_type": "longrope"}):
+    for rope in ({"type": "dynamic"}, {"rope_type": "dynamic"}):
         assert "depends on the sequence length" in (
             unsupported_reason({**llama, "rope_scaling": rope}) or ""
         )
+    # LongRoPE is Phi-3's: its forward takes it, another family's refuses it.
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+    assert unsupported_reason({"model_type": "phi3", "rope_scaling": longrope}) is None
+    assert unsupported_reason({**llama, "rope_scaling": longrope}) == (
+        "rope type 'longrope' is not one mistral uses"
+    )
     v5 = {**llama, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}
     assert "rope type 'dynamic'" in (unsupported_reason(v5) or "")
-    assert unsupported_reason({"model_type": "qwen3"}) == (
-        "model_type 'qwen3' is not one of ('llama', 'mistral', 'qwen2')"
+    assert unsupported_reason({"model_type": "gpt2"}) == (
+        "model_type 'gpt2' is not one of the families it runs (llama, mistral, qwen2, qwen3, "
+        "gemma, gemma2, gemma3_text, phi3, granite, olmo2, mixtral, qwen2_moe, qwen3_moe)"
     )
 
 
@@ -122,11 +157,11 @@ def test_fused_gate_up_and_both_weight_layouts(
     """CUDA's layout choices on this CPU — gate and up fused into one matmul — in float32
     (weights transposed to [in, out]) and bfloat16 (HF's [out, in]): the paged forward's
     prompt and decode logits equal HF's float32 forward."""
-    monkeypatch.setitem(llama.FUSE_GATE_UP, "cpu", True)
+    monkeypatch.setitem(decoder.FUSE_GATE_UP, "cpu", True)
     model = build("qwen2-untied-biases")
     reference = [hf_logits(model, p + CONTINUATION) for p in PROMPTS]
     backend = paged(model.to(dtype))
-    assert backend.path.fuse_gate_up and len(backend.path.layers[0].gate_up_w) == 1
+    assert backend.path.fuse_gate_up and len(backend.path.layers[0].mlp.gate_up_w) == 1
     assert backend.path.transposed == (dtype == torch.float32)
     atol = 1e-4 if dtype == torch.float32 else 0.02  # bf16 logits differ by ~4e-3 (std 0.16)
     tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
