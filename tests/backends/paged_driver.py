@@ -41,7 +41,10 @@ def scheduler_for(
     prefill_tokens: int = 512,
     prefix_caching: bool = False,
     max_batch: int | None = None,
+    sliding_window: bool = False,
 ) -> PagedScheduler:
+    """`sliding_window`: the pool gives back the blocks behind the backend's sliding window
+    (`capacity.sliding_window`), as the engine's does."""
     cap = backend.capacity
     assert cap.block_size is not None
     limits = SchedulerLimits(
@@ -50,7 +53,9 @@ def scheduler_for(
         max_sequences=max_batch or cap.max_sequences,
         prefill_step_tokens=cap.prefill_step_tokens,
     )
-    return PagedScheduler(limits, BlockManager(cap.num_blocks, cap.block_size, prefix_caching))
+    window = cap.sliding_window if sliding_window else None
+    blocks = BlockManager(cap.num_blocks, cap.block_size, prefix_caching, sliding_window=window)
+    return PagedScheduler(limits, blocks)
 
 
 def greedy(

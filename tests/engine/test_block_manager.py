@@ -219,3 +219,158 @@ def test_a_sequences_blocks_are_hashed_once(monkeypatch: pytest.MonkeyPatch) -> 
     fresh.mark_computed(2)
     fresh.free(2)
     assert fresh.allocate(3, prompt, salt=b"salt") == 36  # the same keys without a chain
+
+
+# --- sliding window ------------------------------------------------------------------------
+
+W = 6  # a query at position p reads positions p - 5 .. p
+
+
+def advance(m: BlockManager, seq_id: int, count: int) -> None:
+    """Decode `count` tokens: each is appended, then its K/V computed (as the scheduler does)."""
+    for _ in range(count):
+        m.append(seq_id, 7)
+        m.mark_computed(seq_id, m.num_tokens(seq_id))
+
+
+def test_blocks_behind_the_window_go_back_as_a_sequence_advances() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, sliding_window=W)
+    m.allocate(0, list(range(8)))
+    m.mark_computed(0, 8)  # the next query (position 8) reads 3..8: block 0 is still read
+    assert m.released(0) == 0 and m.free_blocks == 6
+    m.append(0, 8)
+    m.mark_computed(0, 9)  # position 9 reads 4..9: block 0 (positions 0..3) goes back
+    assert m.released(0) == 1 and m.stats.released_blocks == 1
+    assert m.block_table(0) == [0, 1, 2] and m.held_blocks(0) == [1, 2]
+    assert m.free_blocks == 6  # block 2 was taken for position 8, block 0 came back
+    for _ in range(40):
+        advance(m, 0, 1)
+        n = m.num_tokens(0)
+        table, released = m.block_table(0), m.released(0)
+        assert len(table) == m.blocks_for(n)  # positions keep mapping to table[p // 4]
+        # Exactly the blocks wholly before the next query's window went back.
+        assert all((i + 1) * 4 - 1 < n - W + 1 for i in range(released))
+        assert all((i + 1) * 4 - 1 >= n - W + 1 for i in range(released, len(table)))
+        assert m.used_blocks == len(m.held_blocks(0)) <= m.peak_blocks(n) == 3
+    assert m.num_tokens(0) == 49 and m.stats.released_blocks == m.released(0) == 11
+    assert m.slot(0, 48) == m.block_table(0)[12] * 4  # a released id is reused at the tail
+
+
+def test_released_blocks_are_never_given_back_twice() -> None:
+    m = BlockManager(num_blocks=6, block_size=4, sliding_window=W)
+    m.allocate(0, list(range(5)))
+    advance(m, 0, 20)
+    assert m.released(0) > 0
+    assert m.reserve(0, 6)  # speculative slots at the tail, then rejected
+    m.trim(0)
+    assert m.used_blocks == len(m.held_blocks(0))
+    m.free(0)
+    assert m.free_blocks == 6  # the released ids in its table were not freed again
+    m.allocate(1, [1] * 24)  # the whole pool: six distinct blocks
+    assert sorted(m.block_table(1)) == list(range(6)) and not m.can_allocate([1])
+
+
+def test_held_blocks_stay_distinct_through_reserve_trim_and_free() -> None:
+    m = BlockManager(num_blocks=12, block_size=2, sliding_window=3)
+    rng = random.Random(1)
+    live: list[int] = []
+    for step in range(400):
+        roll = rng.random()
+        if live and roll < 0.15:
+            m.free(live.pop(rng.randrange(len(live))))
+        elif roll < 0.3 and m.can_allocate([0] * 3):
+            m.allocate(step, [0] * 3)
+            m.mark_computed(step, 3)
+            live.append(step)
+        elif live:
+            seq_id = rng.choice(live)
+            if m.can_append([seq_id]):
+                advance(m, seq_id, 1)
+            if rng.random() < 0.5:
+                m.reserve(seq_id, rng.randint(1, 4))
+            else:
+                m.trim(seq_id)
+        held = [b for s in live for b in m.held_blocks(s)]
+        assert len(held) == len(set(held)) == m.used_blocks
+    assert m.stats.released_blocks > 0
+    for s in live:
+        m.free(s)
+    assert m.free_blocks == 12
+
+
+def test_a_shared_prefix_block_keeps_its_other_owners() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, prefix_caching=True, sliding_window=W)
+    m.allocate(0, PROMPT)  # 10 tokens: blocks 0, 1, 2
+    m.mark_computed(0, 8)  # two full blocks cached; position 8 still reads block 0
+    assert m.allocate(1, PROMPT) == 8
+    shared = m.block_table(0)[:2]
+    assert m.block_table(1)[:2] == shared
+    free = m.free_blocks
+    m.mark_computed(1, 10)  # seq 1 is past block 0: it drops its reference only
+    assert m.released(1) == 1 and m.free_blocks == free
+    assert shared[0] in m.held_blocks(0)
+    m.mark_computed(0, 10)  # its last owner leaves it too: cached, so evictable, not lost
+    assert m.free_blocks == free + 1
+    m.free(0)
+    m.free(1)
+    assert m.free_blocks == 8 and m.stats.evicted_blocks == 0
+    # A released cached block is found again like any freed cached block.
+    assert m.allocate(2, PROMPT) == 8 and m.block_table(2)[:2] == shared
+
+
+def test_cached_blocks_behind_the_first_querys_window_are_not_taken() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, prefix_caching=True, sliding_window=W)
+    prompt = list(range(100, 117))  # 17 tokens: 4 full blocks cached, the last token not
+    m.allocate(0, prompt)
+    m.mark_computed(0)
+    m.free(0)
+    released = m.stats.released_blocks
+    assert m.can_allocate(prompt, first=1)
+    assert m.allocate(1, prompt, first=1) == 16
+    # The first query (position 16) reads 11..16: blocks 2, 3 and the new block 4.
+    assert m.block_table(1)[:4] == [0, 1, 2, 3] and m.released(1) == 2
+    assert m.held_blocks(1) == [2, 3, 4] and m.used_blocks == 3
+    assert m.stats.released_blocks == released  # never taken, so never given back
+    m.free(1)
+    assert m.free_blocks == 8
+
+
+def test_a_prompt_takes_its_blocks_chunk_by_chunk() -> None:
+    m = BlockManager(num_blocks=3, block_size=4, sliding_window=W)
+    prompt = list(range(30))  # 8 blocks' worth in a pool of 3
+    assert not m.can_allocate(prompt) and m.can_allocate(prompt, first=1)
+    assert m.allocate(0, prompt, first=5) == 0
+    assert m.covered(0) == 8 and m.free_blocks == 1
+    computed = 0
+    while computed < len(prompt):
+        end = m.grow(0, len(prompt))  # as far as the pool allows
+        assert end > computed
+        computed = min(end, len(prompt))
+        m.mark_computed(0, computed)
+        assert len(m.held_blocks(0)) <= m.peak_blocks(len(prompt)) == 3
+    assert m.covered(0) == 32 and m.released(0) == 6
+    assert m.grow(0, 40, keep=1) == 32  # one free block, kept back
+
+
+def test_a_window_as_long_as_the_sequence_releases_nothing() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, sliding_window=32)
+    m.allocate(0, [1] * 5)
+    advance(m, 0, 27)
+    assert m.released(0) == 0 and m.stats.released_blocks == 0 and m.used_blocks == 8
+
+
+def test_no_window_releases_nothing() -> None:
+    m = BlockManager(num_blocks=8, block_size=4, sliding_window=None)
+    assert m.peak_blocks(100) == 25
+    m.allocate(0, [1] * 5)
+    advance(m, 0, 27)
+    assert m.block_table(0) == list(range(8)) == m.held_blocks(0)
+    assert m.released(0) == 0 and m.stats.released_blocks == 0 and m.free_blocks == 0
+    assert m.can_allocate([1] * 4, first=1) is False  # `first` takes a block all the same
+    m.free(0)
+    assert m.free_blocks == 8
+
+
+def test_a_window_needs_a_position() -> None:
+    with pytest.raises(ValueError, match="sliding window needs >= 1 positions, got 0"):
+        BlockManager(4, 4, sliding_window=0)

@@ -5,6 +5,7 @@ sequence's length so far (deterministic, checkable)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -29,6 +30,7 @@ def scheduler(
     batch: int | None = None,
     prefix_caching: bool = False,
     soft_cap: int | None = None,
+    window: int | None = None,
     **admission: float,
 ) -> PagedScheduler:
     limits = SchedulerLimits(
@@ -38,7 +40,9 @@ def scheduler(
         prefill_step_tokens=soft_cap,
         **admission,  # type: ignore[arg-type]
     )
-    return PagedScheduler(limits, BlockManager(blocks, block_size, prefix_caching))
+    return PagedScheduler(
+        limits, BlockManager(blocks, block_size, prefix_caching, sliding_window=window)
+    )
 
 
 def run(s: PagedScheduler, step: PackedStep) -> list[Sequence]:
@@ -307,3 +311,183 @@ def test_a_preempted_sequence_is_never_held() -> None:
     s._preempt(second)
     assert s.waiting[0] is second and second.generated == 1
     assert admitted(s.schedule(), [first]) == [second]
+
+
+# --- sliding window: blocks behind it go back -----------------------------------------------
+
+
+def check_windows(s: PagedScheduler, step: PackedStep, window: int) -> None:
+    """Every position a chunk writes or reads (its queries' windows) is in a block its
+    sequence holds, and no block is held twice."""
+    blocks = s.blocks
+    size = blocks.block_size
+    held = [b for sq in s.running for b in blocks.held_blocks(sq.seq_id)]
+    assert len(held) == len(set(held)) == blocks.used_blocks
+    for chunk in step.chunks:
+        seq_id = chunk.seq.seq_id
+        end = chunk.start + chunk.count + len(chunk.draft)
+        assert chunk.block_table == tuple(blocks.block_table(seq_id))
+        assert len(chunk.block_table) * size >= end
+        first = blocks.released(seq_id)
+        for p in range(max(0, chunk.start - window + 1), end):
+            assert p // size >= first, f"position {p} of {seq_id} is in a released block"
+        assert len(blocks.held_blocks(seq_id)) <= blocks.peak_blocks(end) + (
+            -(-(chunk.count + len(chunk.draft)) // size)
+        )
+
+
+def windowed_drain(
+    s: PagedScheduler, window: int, watch: Callable[[PackedStep], None] | None = None
+) -> list[PackedStep]:
+    """`drain`, checking each step (`check_windows`); `watch` sees each step as scheduled."""
+    steps = []
+    while s.has_work:
+        step = s.schedule()
+        assert step is not None and len(steps) < 10_000, "work waits but nothing can run"
+        check_windows(s, step, window)
+        if watch is not None:
+            watch(step)
+        steps.append(step)
+        run(s, step)
+    return steps
+
+
+def test_blocks_behind_the_window_go_back_as_a_sequence_decodes() -> None:
+    s = scheduler(blocks=16, block_size=4, window=6)
+    a = seq(5, new=40)
+    s.add([a])
+    held: list[int] = []
+    windowed_drain(s, 6, lambda step: held.append(len(s.blocks.held_blocks(a.seq_id))))
+    assert a.token_ids[5:] == list(range(5, 45))  # every position computed, in order
+    assert len(held) == 40 and max(held) == 3 and held[-1] == 2
+    # 45 tokens: the last query (position 44) reads 39..44, blocks 9 and 10 of 0..10
+    assert s.blocks.stats.released_blocks == 9
+    assert s.blocks.free_blocks == 16 and s.preemptions == 0
+
+
+def test_a_pool_too_small_for_a_sequence_serves_it_with_a_window() -> None:
+    """45 tokens (12 blocks of 4) through a pool of 4 blocks: refused without a window,
+    served with one. A 30-token prompt takes its blocks chunk by chunk."""
+    with pytest.raises(ValueError, match="can never fit the KV cache of 16 tokens"):
+        scheduler(blocks=4, block_size=4).add([seq(5, new=40)])
+    s = scheduler(blocks=4, block_size=4, window=6)
+    a, b = seq(5, new=40), seq(30, new=10)
+    s.add([a, b])
+    windowed_drain(s, 6)
+    assert a.token_ids[5:] == list(range(5, 45)) and b.token_ids[30:] == list(range(30, 40))
+    assert s.blocks.stats.released_blocks > 0 and s.blocks.free_blocks == 4
+    with pytest.raises(ValueError, match="can never fit"):
+        scheduler(blocks=2, block_size=4, window=6).add([seq(5, new=40)])  # 3 blocks a window
+
+
+def test_sequences_outgrowing_the_pool_together_preempt_the_newest() -> None:
+    """Five sequences of 42 tokens, a pool of 7 blocks (28 tokens): admitted on their short
+    prompts, they grow to a window's worth (3 blocks) each, so the newest are preempted and
+    recomputed; every token is still that of the fake model."""
+    s = scheduler(blocks=7, block_size=4, prefill=8, window=6)
+    seqs = [seq(2, new=40) for _ in range(5)]
+    s.add(seqs)
+    windowed_drain(s, 6)
+    assert s.preemptions >= 1
+    for sq in seqs:
+        assert sq.status is SeqStatus.FINISHED and sq.token_ids[2:] == list(range(2, 42))
+    assert s.blocks.free_blocks == 7
+
+
+def test_a_preempted_sequence_longer_than_the_pool_is_recomputed_chunk_by_chunk() -> None:
+    s = scheduler(blocks=5, block_size=4, prefill=8, window=6)
+    a = seq(5, new=45)
+    s.add([a])
+    while len(a.token_ids) < 30:  # 30 tokens: more than the pool's 20 positions
+        run(s, s.schedule())  # type: ignore[arg-type]
+    s._preempt(a)
+    assert a.computed == 0 and s.blocks.free_blocks == 5
+    steps = windowed_drain(s, 6)
+    # Recomputed 8 tokens a step (the prefill budget) through a pool of 5 blocks: the blocks
+    # behind each chunk's window go back before the next chunk takes its own.
+    chunks = [(c.start, c.count) for st in steps[:5] for c in st.chunks]
+    assert chunks == [(0, 8), (8, 8), (16, 8), (24, 6), (30, 1)]
+    assert len(set(steps[3].chunks[0].block_table)) < len(steps[3].chunks[0].block_table)
+    assert a.token_ids[5:] == list(range(5, 50)) and s.blocks.free_blocks == 5
+
+
+def test_drafts_and_their_rejection_under_a_window() -> None:
+    """Drafts reserve slots at the tail and rejected ones go back (`trim`), while blocks
+    behind the window go back at the head; nothing is given back twice."""
+    s = scheduler(blocks=6, block_size=4, window=6)
+    a, b = seq(6, new=30), seq(3, new=30)
+    s.add([a, b])
+    step = s.schedule()
+    rounds, verified, rejected = 0, 0, 0
+    while s.has_work:
+        assert step is not None
+        check_windows(s, step, 6)
+        s.complete(step)
+        for chunk in step.chunks:
+            sq = chunk.seq
+            if not chunk.sample or sq.status is not SeqStatus.RUNNING:
+                continue
+            accepted = rounds % (len(chunk.draft) + 1) if chunk.draft else 0
+            verified += bool(chunk.draft)
+            rejected += len(chunk.draft) - accepted
+            # The fake model: the first `accepted` draft tokens were right, then one more.
+            n = len(sq.token_ids)
+            new = list(range(n, n + accepted + 1))[: sq.remaining_tokens]
+            sq.token_ids.extend(new)
+            sq.generated += len(new)
+            s.accept(sq, min(accepted, len(new) - 1))
+            if sq.remaining_tokens == 0:
+                s.finish(sq)
+            else:
+                sq.draft = tuple(range(len(sq.token_ids), len(sq.token_ids) + 3))
+        rounds += 1
+        step = s.schedule() if s.has_work else None
+    assert a.token_ids[6:] == list(range(6, 36)) and b.token_ids[3:] == list(range(3, 33))
+    assert verified > 5 and rejected > 5 and s.preemptions == 0
+    assert s.blocks.stats.released_blocks > 0 and s.blocks.free_blocks == 6
+
+
+def test_a_shared_prefix_keeps_its_blocks_for_its_other_owners() -> None:
+    s = scheduler(blocks=16, block_size=4, prefix_caching=True, window=6)
+    shared = list(range(500, 508))  # 2 full blocks
+    a, b = seq([*shared, 1], new=20), seq([*shared, 2], new=20)
+    s.add([a])
+    run(s, s.schedule())  # a's prompt is computed: its 2 full blocks are cached
+    s.add([b])
+    step = s.schedule()
+    assert (step.chunks[1].start, step.chunks[1].count) == (8, 1)
+    head = s.blocks.block_table(a.seq_id)[:2]
+    assert s.blocks.block_table(b.seq_id)[:2] == head
+    run(s, step)  # a has computed 10 tokens, b 9
+    for _ in range(3):
+        run(s, s.schedule())  # type: ignore[arg-type]
+    # a (13 computed) is past the shared head; b (12) still reads its second block and keeps
+    # it, which a's release did not free.
+    assert s.blocks.released(a.seq_id) == 2 and s.blocks.released(b.seq_id) == 1
+    assert head[1] in s.blocks.held_blocks(b.seq_id)
+    assert head[0] not in s.blocks.held_blocks(a.seq_id) + s.blocks.held_blocks(b.seq_id)
+    windowed_drain(s, 6)
+    assert a.token_ids[9:] == list(range(9, 29)) and b.token_ids[9:] == list(range(9, 29))
+    assert s.blocks.free_blocks == 16
+
+
+def test_no_window_changes_nothing() -> None:
+    """The same workload with and without `sliding_window=None`: the same steps, block for
+    block, and no block given back before its sequence leaves."""
+
+    def trace(**kw: int | None) -> list[tuple[tuple[int, int, tuple[int, ...]], ...]]:
+        s = scheduler(blocks=8, block_size=4, prefill=6, **kw)  # type: ignore[arg-type]
+        seqs = [seq(8, new=8) for _ in range(3)]
+        s.add(seqs)
+        out = []
+        while s.has_work:
+            step = s.schedule()
+            assert step is not None
+            for sq in s.running:
+                assert s.blocks.released(sq.seq_id) == 0
+            out.append(tuple((c.start, c.count, c.block_table) for c in step.chunks))
+            run(s, step)
+        assert s.preemptions >= 1 and s.blocks.stats.released_blocks == 0
+        return out
+
+    assert trace() == trace(window=None)

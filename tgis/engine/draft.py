@@ -10,7 +10,8 @@ What the draft cache holds stays valid as far as the sequence agrees with it: po
 the last token are computed by the catch-up, and the draft tokens after it only while the
 target accepted them; the next catch-up starts from the first disagreement. A sequence whose
 draft cache has no room gets no draft (it never holds up the target), and its blocks go back
-when the sequence leaves (`release`).
+when the sequence leaves (`release`). A draft model with a sliding window (its capacity's
+`sliding_window`) gives back the blocks behind the window of the next catch-up as it drafts.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self.max_step_tokens = max_step_tokens or capacity.prefill_step_tokens or 1 << 30
         self.max_positions = capacity.max_sequence_tokens
-        self.blocks = BlockManager(capacity.num_blocks, capacity.block_size)
+        self.blocks = BlockManager(
+            capacity.num_blocks, capacity.block_size, sliding_window=capacity.sliding_window
+        )
         self._seqs: dict[int, _Cached] = {}
 
     def draft(self, wanted: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, ...]]:
@@ -85,6 +88,9 @@ class DraftModelProposer:
                 # Positions up to the last token are computed; the draft tokens fed back (all
                 # but the last) are valid only as far as the sequence will agree with them.
                 self._seqs[seq_id] = _Cached(len(tokens), len(tokens), made[:-1])
+                # The next catch-up starts at the last token at the earliest: with a sliding
+                # window, the blocks behind that token's window go back.
+                self.blocks.mark_computed(seq_id, len(tokens) - 1)
             out.append(made)
         return out
 

@@ -88,7 +88,12 @@ class Engine:
         # Chosen once: capacity.block_size marks a PagedBackend.
         self.runner: StepRunner
         if capacity.block_size is not None:
-            blocks = BlockManager(capacity.num_blocks, capacity.block_size, prefix_caching)
+            blocks = BlockManager(
+                capacity.num_blocks,
+                capacity.block_size,
+                prefix_caching,
+                sliding_window=capacity.sliding_window,
+            )
             paged = cast("PagedBackend", backend)
             self.runner = PackedSteps(self, paged, PagedScheduler(limits, blocks))
         else:

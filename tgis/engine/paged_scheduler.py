@@ -31,6 +31,19 @@ token each) with prefill chunks of new prompts, of any lengths, without padding:
 The prefill budget of a step is `max_batch_prefill_tokens`, capped by the backend's
 `prefill_step_tokens` where prefill is compute-bound. A request is refused at `add` only when
 it could never fit the pool even alone.
+
+With a sliding window (`BlockManager.sliding_window`: a model whose every layer attends to the
+last W positions only), a sequence gives back the blocks behind its window as it is computed,
+so it holds about W / block_size + 1 blocks whatever its length, and it takes its prompt's
+blocks chunk by chunk. A waiting sequence is admitted when the pool has the blocks its prompt
+holds once computed (those its first generated token's window touches) beyond what the running
+ones need: one more token's each, and for one past its window as many as bring it back to a
+window's worth (it takes a block for each one it gives back). It takes the blocks of its first
+token to compute, then each chunk is as long as the free blocks allow beyond what the running
+decodes need. A prompt that lacks even the block of its next token preempts the newest
+sequence, as a decode does. So a sequence longer than the whole pool is served, and after a
+preemption it is recomputed through the pool chunk by chunk; `add` refuses only one whose
+window alone exceeds the pool.
 """
 
 from __future__ import annotations
@@ -104,13 +117,15 @@ class PagedScheduler:
 
     def add(self, sequences: Iterable[Sequence]) -> None:
         """Queue sequences (a request's candidates together). Raises ValueError for one whose
-        prompt plus max_new_tokens exceeds the whole pool: it could never finish."""
+        prompt plus max_new_tokens needs more blocks at once than the whole pool has (all of
+        them; with a sliding window, those of one window): it could never finish."""
         sequences = list(sequences)
-        pool = self.blocks.num_blocks * self.blocks.block_size
+        blocks = self.blocks
+        pool = blocks.num_blocks * blocks.block_size
         for seq in sequences:
             if not seq.token_ids:
                 raise ValueError(f"sequence {seq.seq_id} has no prompt tokens")
-            if seq.reserved_tokens > pool:
+            if blocks.peak_blocks(seq.reserved_tokens) > blocks.num_blocks:
                 raise ValueError(
                     f"sequence {seq.seq_id} ({seq.prompt_len} prompt + {seq.max_new_tokens} new "
                     f"tokens) can never fit the KV cache of {pool} tokens "
@@ -124,13 +139,20 @@ class PagedScheduler:
         """The next step, or None when nothing can run."""
         self._extend_blocks()
         budget = self.prefill_budget
+        windowed = self.blocks.sliding_window is not None
+        # Blocks a prompt's next chunk leaves free: what the running decodes need next.
+        keep = (
+            self.blocks.blocks_ahead([s.seq_id for s in self.running if s.uncomputed == 1])
+            if windowed
+            else 0
+        )
         chunks: list[Chunk] = []
         for seq in self.running:
             need = seq.uncomputed
             if need == 1:
                 chunks.append(self._decode(seq))
             elif need > 1 and budget > 0:
-                take = int(min(need, budget))
+                take = self._fit(seq, int(min(need, budget)), keep)
                 budget -= take
                 chunks.append(self._chunk(seq, take))
         admitted = False
@@ -139,21 +161,23 @@ class PagedScheduler:
             not held and self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit
         ):
             seq = self.waiting[0]
-            reserve = self.blocks.blocks_to_append([s.seq_id for s in self.running])
+            reserve = self.blocks.blocks_ahead([s.seq_id for s in self.running])
             if seq.block_keys is None:
                 seq.block_keys = BlockKeys(seq.salt)
             keys = seq.block_keys
+            # With a window, the prompt's blocks come chunk by chunk (module doc).
+            first = 1 if windowed else None
             if not self.blocks.can_allocate(
-                seq.token_ids, reserve=reserve, lookup=seq.cache_lookup, keys=keys
+                seq.token_ids, reserve=reserve, lookup=seq.cache_lookup, keys=keys, first=first
             ):
                 break  # in order: a large request is not overtaken by smaller ones
             self.waiting.popleft()
             seq.computed = self.blocks.allocate(
-                seq.seq_id, seq.token_ids, lookup=seq.cache_lookup, keys=keys
+                seq.seq_id, seq.token_ids, lookup=seq.cache_lookup, keys=keys, first=first
             )
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            take = int(min(seq.uncomputed, budget))
+            take = self._fit(seq, int(min(seq.uncomputed, budget)), reserve)
             budget -= take
             chunks.append(self._chunk(seq, take))
             admitted = True
@@ -203,6 +227,15 @@ class PagedScheduler:
             self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
 
+    def _fit(self, seq: Sequence, take: int, keep: int) -> int:
+        """How many of the next `take` tokens of `seq` the step computes: all of them when its
+        block table maps them, else as many as the blocks it can take now (beyond `keep` free
+        ones) give slots for; at least one (`_extend_blocks` saw to its next token's)."""
+        end = seq.computed + take
+        if self.blocks.covered(seq.seq_id) >= end:
+            return take
+        return min(take, self.blocks.grow(seq.seq_id, end, keep) - seq.computed)
+
     def _chunk(self, seq: Sequence, count: int) -> Chunk:
         return Chunk(seq, seq.computed, count, tuple(self.blocks.block_table(seq.seq_id)))
 
@@ -234,8 +267,19 @@ class PagedScheduler:
                 self._preempt(self.running[-1])
                 if seq.status is not SeqStatus.RUNNING:
                     return  # it was the newest: everything after it is gone too
+            # A prompt that takes its blocks chunk by chunk (a sliding window) needs the slot
+            # of its next token at least, as a decode does.
+            while (
+                seq.computed < len(seq.token_ids)
+                and self.blocks.covered(seq.seq_id) <= seq.computed
+            ):
+                if self.blocks.grow(seq.seq_id, seq.computed + 1) > seq.computed:
+                    break
+                self._preempt(self.running[-1])
+                if seq.status is not SeqStatus.RUNNING:
+                    return
             # Accepted draft tokens are computed tokens now, whose full blocks the prefix
-            # cache may keep.
+            # cache may keep (and behind whose window blocks go back).
             self.blocks.mark_computed(seq.seq_id, seq.computed)
             index += 1
 
