@@ -88,24 +88,21 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
         return BackendChoice(config.backend, "seq2seq", f"{kind} is an encoder-decoder model")
     reason = paged_unsupported_reason(facts.config)
     impl = config.label("model_impl", config.model_impl)
-    if reason is not None and config.model_impl == "tgis":
-        raise ConfigError(
-            f"{impl}: the paged engine cannot run {kind}: {reason}",
-            "drop --model-impl (TGIS_MODEL_IMPL) to serve it with transformers' forward",
-        )
-    if reason is None and config.model_impl == "transformers":
-        reason = f"{impl} asks for transformers' forward"
+    if reason is not None:
+        if config.model_impl == "tgis":
+            raise ConfigError(
+                f"{impl}: the paged engine cannot run {kind}: {reason}",
+                "drop --model-impl (TGIS_MODEL_IMPL) to serve it with transformers' forward",
+            )
+        why = f"the paged engine cannot run {kind}: {reason}"
+    elif config.model_impl == "transformers":
+        reason = why = f"{impl} asks for transformers' forward"
     if reason is not None:
         _refuse(
             config,
             (*PAGED_ONLY, "num_shard"),
             "{given}: {what} runs in the paged engine, which cannot run " + f"{kind}: {reason}",
             ", or serve a model of a family docs/models.md lists for the paged engine",
-        )
-        why = (
-            reason
-            if config.model_impl == "transformers"
-            else (f"the paged engine cannot run {kind}: {reason}")
         )
         return BackendChoice(config.backend, "fallback", why)
     if config.num_shard == 1:

@@ -275,7 +275,7 @@ class BlockManager:
         lacking = self.blocks_for(end) - len(state.blocks)
         take = min(lacking, self.free_blocks - keep)
         state.blocks.extend(self._take_free() for _ in range(max(0, take)))
-        return len(state.blocks) * self.block_size
+        return self.covered(seq_id)
 
     def covered(self, seq_id: int) -> int:
         """How many leading positions of `seq_id` its block table maps (released or held)."""

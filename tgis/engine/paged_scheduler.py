@@ -231,10 +231,7 @@ class PagedScheduler:
         """How many of the next `take` tokens of `seq` the step computes: all of them when its
         block table maps them, else as many as the blocks it can take now (beyond `keep` free
         ones) give slots for; at least one (`_extend_blocks` saw to its next token's)."""
-        end = seq.computed + take
-        if self.blocks.covered(seq.seq_id) >= end:
-            return take
-        return min(take, self.blocks.grow(seq.seq_id, end, keep) - seq.computed)
+        return min(take, self.blocks.grow(seq.seq_id, seq.computed + take, keep) - seq.computed)
 
     def _chunk(self, seq: Sequence, count: int) -> Chunk:
         return Chunk(seq, seq.computed, count, tuple(self.blocks.block_table(seq.seq_id)))

@@ -138,7 +138,7 @@ def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
         ffn = config.shared_expert_intermediate_size
     part = ffn // world
     parts = name.split(".")
-    leaf, kind = ".".join(parts[-2:]), parts[-1]
+    leaf = ".".join(parts[-2:])
     module = parts[-2] if len(parts) > 1 else ""
     if module == "q_proj" or (module == "q_norm" and config.model_type == "olmo2"):
         return 0, (_share(rank, q),)
@@ -159,7 +159,7 @@ def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
         return 0, (_share(rank, part), _share(rank, part, ffn))
     if leaf in ("down_proj.weight", "w2.weight"):
         return 1, (_share(rank, part),)
-    if kind == "weight" and name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, (_share(rank, rows),)
     return None
 
