@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -94,11 +95,16 @@ def test_kv_budget_is_the_smaller_of_flag_and_capacity() -> None:
 
 def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
     """What the start-up log and /info say: the engine, its attention path and why, the
-    decode graphs recorded (none on a CPU), the KV pool and the dtype."""
+    decode graphs recorded (none on a CPU), the weights' layout, the KV pool and the dtype."""
     llama = make_model_dir(tmp_path / "llama", "llama")
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
     paged = load_backend(make_config(max_batch_total_tokens=512, dtype="float32"), llama)
     facts = backend_runtime(paged)
+    # The weight layout this CPU measured faster, and the times that chose it.
+    assert re.fullmatch(
+        r"(oneDNN packed|plain \[out, in\]) \(decode-shaped float32 matmuls: .*\)",
+        facts.pop("weights"),
+    )
     assert facts == {
         "engine": "paged",
         "attention": "plain torch over head-major KV blocks (flash attention needs CUDA; "

@@ -124,6 +124,7 @@ def draft_proposer(
         max_prefill_tokens=config.max_batch_prefill_tokens,
         kv_tokens=capacity.kv_tokens,
         cuda_graphs=False,
+        packed_weights=None,
     )
     log.info("drafting with %s (%d-token cache)", config.draft_model, capacity.kv_tokens)
     # Catch-ups in chunks of the draft's prefill step (cpu), else of --max-batch-prefill-tokens.

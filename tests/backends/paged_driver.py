@@ -23,9 +23,11 @@ def paged(
     max_sequences: int = 16,
     max_sequence_tokens: int = 64,
     prefill: int = 64,
+    packed_weights: bool = False,
 ) -> PagedTorchBackend:
     """A paged backend over `model` with an explicit pool of `blocks` blocks (no memory
-    probing)."""
+    probing); its projections over oneDNN-packed weights with `packed_weights` (the model's
+    own then move to the meta device: compute references first)."""
     return PagedTorchBackend(
         model,
         max_sequences=max_sequences,
@@ -33,6 +35,7 @@ def paged(
         max_prefill_tokens=prefill,
         kv_tokens=blocks * block_size,
         block_size=block_size,
+        packed_weights=packed_weights,
     )
 
 

@@ -599,6 +599,7 @@ TGI_RESPONSES: dict[str, Any] = {
                 attention=STR,
                 cuda_graphs={"type": "array", "items": INT},
                 compiled_decode={"type": "array", "items": STR},
+                weights=STR,
                 kv_blocks=INT,
                 kv_block_size=INT,
                 kv_tokens=INT,

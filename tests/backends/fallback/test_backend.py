@@ -324,7 +324,7 @@ def test_auto_dtype_on_a_native_bf16_cpu_is_the_faster_measured(
         timed.append((dtype, hidden, intermediate))
         return (bf16_ms if dtype == torch.bfloat16 else f32_ms) / 1000
 
-    monkeypatch.setattr(torch_device, "_probe_seconds", probe)
+    monkeypatch.setattr(torch_device, "decode_matmul_seconds", probe)
     dtype, why = torch_device.choose_cpu_dtype(576, 1536)
     assert dtype == chosen
     assert f"bfloat16 {bf16_ms:.2f} ms, float32 {f32_ms:.2f} ms" in why
@@ -344,7 +344,7 @@ def test_auto_dtype_without_native_bf16_is_float32(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_dtype_probe_times_real_matmuls() -> None:
-    assert 0 < torch_device._probe_seconds(torch.float32, 64, 128) < 5
+    assert 0 < torch_device.decode_matmul_seconds(torch.float32, 64, 128) < 5
 
 
 @pytest.mark.cuda

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference, make_backend
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import tiny_model
+from tgis.backends.common.gemm import packing_available
 from tgis.backends.models import decoder
 from tgis.backends.models.families import paged_unsupported_reason as unsupported_reason
 from tgis.backends.paged.backend import PagedTorchBackend
@@ -179,4 +180,45 @@ def test_fused_gate_up_and_both_weight_layouts(
     for i, prompt in enumerate(PROMPTS):
         torch.testing.assert_close(
             out.last[i].float(), reference[i][len(prompt)], atol=atol, rtol=0
+        )
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("case", ["llama-tied", "llama-untied", "qwen2-untied-biases"])
+def test_packed_weights_give_hf_logits_and_leave_one_copy(case: str) -> None:
+    """Projections over oneDNN-packed weights (common/gemm.py): prompt and decode logits equal
+    HF's; the HF modules' packed weights move to the meta device (one copy in memory) while
+    biases and embeddings stay theirs; a tied lm_head is packed as a copy beside the
+    embeddings, an untied one moves like the projections."""
+    model = build(case)
+    expected = [hf_logits(model, p + CONTINUATION) for p in PROMPTS]
+    backend = paged(model, packed_weights=True)
+    path = backend.path
+    assert path.packed and not path.transposed
+    check_packed_logits(backend, PROMPTS, CONTINUATION, expected)
+    layer, attn = path.layers[1], model.model.layers[1].self_attn
+    mlp = model.model.layers[1].mlp
+    assert layer.qkv_w.is_mkldnn and layer.o_w.is_mkldnn and path.lm_head.is_mkldnn
+    assert all(w.is_mkldnn for w in (*layer.mlp.gate_up_w, layer.mlp.down_w))
+    for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.down_proj):
+        assert linear.weight.is_meta
+    if attn.q_proj.bias is not None:
+        assert layer.qkv_b is not None and attn.q_proj.bias.data_ptr() == layer.qkv_b.data_ptr()
+    embed = model.model.embed_tokens.weight
+    assert not embed.is_meta and path.embed is embed
+    tied = model.lm_head.weight is embed
+    assert tied == model.config.tie_word_embeddings
+    assert model.lm_head.weight.is_meta != tied
+
+
+def test_packed_weights_are_for_the_eager_cpu_forward() -> None:
+    with pytest.raises(ValueError, match="packed weights are for the eager forward on a CPU"):
+        PagedTorchBackend(
+            build("llama-tied"),
+            max_sequences=2,
+            max_sequence_tokens=32,
+            max_prefill_tokens=32,
+            kv_tokens=64,
+            compile=True,
+            packed_weights=True,
         )

@@ -20,6 +20,7 @@ from tests.backends.paged.test_backend import check_chunked_and_preempted, check
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import make_lora_adapter
 from tgis.adapter_store import AdapterStore, LoraShapes
+from tgis.backends.common.gemm import packing_available
 from tgis.backends.models.families import FAMILIES, family_of, paged_unsupported_reason
 from tgis.engine.backend import PackedItem
 from tgis.errors import InputValidationError
@@ -172,8 +173,22 @@ def test_every_new_family_has_a_tested_model() -> None:
         assert family is not None and family.name == name
 
 
+# The layouts of the weights the forward reads: HF's [out, in], and oneDNN's packed one.
+WEIGHTS = [
+    pytest.param(False, id="plain"),
+    pytest.param(
+        True,
+        id="onednn",
+        marks=pytest.mark.skipif(not packing_available(), reason="no oneDNN packed linear"),
+    ),
+]
+
+
+@pytest.mark.parametrize("packed_weights", WEIGHTS)
 @pytest.mark.parametrize("name", NEW_FAMILIES)
-def test_packed_prefill_and_decode_logits_equal_transformers(name: str) -> None:
+def test_packed_prefill_and_decode_logits_equal_transformers(
+    name: str, packed_weights: bool
+) -> None:
     """Three prompts prefilled in one packed step (every position's logits), then decoded
     together for NEW steps: each row equals transformers' over the same tokens."""
     # Phi-3 crosses from its short rope factors to the long ones at position 16 here.
@@ -182,14 +197,16 @@ def test_packed_prefill_and_decode_logits_equal_transformers(name: str) -> None:
     )
     continuation = (11, 250, 4, 4, 97, 31, 8, 200)
     expected = [hf_incremental_logits(model, p, continuation) for p in PROMPTS]
-    check_packed_logits(paged(model), PROMPTS, continuation, expected)
+    backend = paged(model, packed_weights=packed_weights)
+    check_packed_logits(backend, PROMPTS, continuation, expected)
 
 
+@pytest.mark.parametrize("packed_weights", WEIGHTS)
 @pytest.mark.parametrize("name", NEW_FAMILIES)
-def test_greedy_tokens_equal_generate_alone_and_batched(name: str) -> None:
+def test_greedy_tokens_equal_generate_alone_and_batched(name: str, packed_weights: bool) -> None:
     model = family_model(name, seed=1)
     reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
-    backend = paged(model)
+    backend = paged(model, packed_weights=packed_weights)
     assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
     assert greedy(backend, PROMPTS, NEW) == reference
 
@@ -283,6 +300,7 @@ def _store(model: PreTrainedModel, named: dict[str, Path]) -> AdapterStore:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("packed_weights", WEIGHTS)
 @pytest.mark.parametrize(
     ("name", "targets"),
     [
@@ -292,12 +310,13 @@ def _store(model: PreTrainedModel, named: dict[str, Path]) -> AdapterStore:
     ],
 )
 def test_lora_on_the_familys_projections_equals_the_merged_model(
-    name: str, targets: list[str], tmp_path: Path
+    name: str, targets: list[str], packed_weights: bool, tmp_path: Path
 ) -> None:
+    """Adapters stay plain [out, in] tensors beside the base weights in either layout."""
     base = family_model(name, seed=6)
     merged = make_lora_adapter(base, tmp_path / "a", seed=7, target_modules=targets)
     adapter = _store(base, {"a": tmp_path / "a"}).get("a")
-    backend = paged(copy.deepcopy(base))
+    backend = paged(copy.deepcopy(base), packed_weights=packed_weights)
     prompt = PROMPTS[0]
     items = [
         PackedItem(0, prompt, 0, (0, 1), prompt_logits=True, adapter=adapter),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from tests.backends.models.test_decoder import (
     hf_logits,
 )
 from tests.backends.paged_driver import greedy, paged, scheduler_for
-from tests.factories import tiny_model
+from tests.factories import make_model_dir, tiny_model
 from tgis.backends.paged.attention import flash_paged_available, step_metadata
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeStep
@@ -360,3 +361,33 @@ def test_cuda_greedy_tokens_same_alone_and_batched() -> None:
     assert greedy(backend, PROMPTS, NEW) == reference
     sched = scheduler_for(backend, prefill_tokens=5, prefix_caching=True)
     assert greedy(backend, PROMPTS, NEW, sched) == reference
+
+
+@pytest.mark.parametrize("measured", [True, False], ids=["packed", "plain"])
+def test_load_measures_the_weight_layout_and_says_it(
+    measured: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded backend owns its model: the probe chooses the layout (common/gemm.py), the
+    runtime facts say which and why; a model handed in keeps HF's layout unless asked."""
+    from tgis.backends.paged import backend as paged_backend
+
+    asked: list[tuple[torch.dtype, int, int]] = []
+
+    def probe(dtype: torch.dtype, hidden: int, intermediate: int) -> tuple[bool, str]:
+        asked.append((dtype, hidden, intermediate))
+        return measured, "measured here"
+
+    monkeypatch.setattr(paged_backend, "choose_packing", probe)
+    model_dir = make_model_dir(tmp_path / "llama")
+    loaded = PagedTorchBackend.load(
+        model_dir, "cpu", "float32", max_sequences=2, max_sequence_tokens=32,
+        max_prefill_tokens=32, kv_tokens=64,
+    )  # fmt: skip
+    config = loaded.model.config
+    assert asked == [(torch.float32, config.hidden_size, config.intermediate_size)]
+    assert loaded.path.packed == measured
+    layout = "oneDNN packed" if measured else "plain [out, in]"
+    assert loaded.runtime()["weights"] == f"{layout} (measured here)"
+    handed = paged(tiny_model("llama"))
+    assert not handed.path.packed and handed.runtime()["weights"] == "plain [out, in]"
+    assert len(asked) == 1

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tgis.backends.common.gemm import decode_matmul_seconds
 from tgis.config import DTYPES
 from tgis.errors import ConfigError
 
@@ -59,10 +60,8 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-# The decode-shaped work the CPU dtype probe times: its dtypes, batch sizes, rounds of each.
+# The dtypes the CPU dtype probe times (on common/gemm.py's decode-shaped matmuls).
 PROBE_DTYPES = (torch.float32, torch.bfloat16)
-PROBE_BATCHES = (1, 16)
-PROBE_ROUNDS = 5
 
 
 def layer_shape(config: Mapping[str, Any]) -> tuple[int, int]:
@@ -110,46 +109,16 @@ def resolve_dtype(
 def choose_cpu_dtype(hidden: int, intermediate: int) -> tuple[torch.dtype, str]:
     """float32 or bfloat16 for a model whose layers are `hidden` wide with an MLP of
     `intermediate`, and why. Without native bf16: float32. With it: each dtype runs a
-    decoder layer's matmuls (q/k/v/o and the MLP) at decode's batch sizes (PROBE_BATCHES),
+    decoder layer's matmuls (q/k/v/o and the MLP) at decode's batch sizes (gemm.PROBE_BATCHES),
     on this thread and its OpenMP team; bf16 is chosen only where its total time is lower."""
     if not cpu_has_native_bf16():
         return torch.float32, "this CPU has no native bfloat16 (AVX512-BF16 or AMX)"
-    times = {dtype: _probe_seconds(dtype, hidden, intermediate) for dtype in PROBE_DTYPES}
+    times = {dtype: decode_matmul_seconds(dtype, hidden, intermediate) for dtype in PROBE_DTYPES}
     f32, bf16 = times[torch.float32], times[torch.bfloat16]
     measured = f"decode-shaped matmuls: bfloat16 {bf16 * 1e3:.2f} ms, float32 {f32 * 1e3:.2f} ms"
     if bf16 < f32:
         return torch.bfloat16, f"{measured}; bfloat16 is {f32 / bf16:.2f}x faster here"
     return torch.float32, f"{measured}; native bfloat16 is {bf16 / f32:.2f}x slower here"
-
-
-def _probe_seconds(dtype: torch.dtype, hidden: int, intermediate: int) -> float:
-    """Seconds one decoder layer's matmuls take in `dtype` at each of PROBE_BATCHES (the
-    fastest of PROBE_ROUNDS rounds each, added up). Random weights: only the time counts."""
-    import time
-
-    generator = torch.Generator().manual_seed(0)
-    weights = [
-        torch.randn(rows, cols, generator=generator).to(dtype)
-        for rows, cols in (
-            (3 * hidden, hidden),  # fused q/k/v (at most; GQA makes it smaller)
-            (hidden, hidden),  # o
-            (2 * intermediate, hidden),  # fused gate/up
-            (hidden, intermediate),  # down
-        )
-    ]
-    total = 0.0
-    with torch.inference_mode():
-        for batch in PROBE_BATCHES:
-            x = torch.randn(batch, hidden, generator=generator).to(dtype)
-            wide = torch.randn(batch, intermediate, generator=generator).to(dtype)
-            best = math.inf
-            for _ in range(PROBE_ROUNDS + 1):  # the first round warms the kernels up
-                start = time.perf_counter()
-                for w in weights:
-                    torch.nn.functional.linear(wide if w.shape[1] == intermediate else x, w)
-                best = min(best, time.perf_counter() - start)
-            total += best
-    return total
 
 
 def cpu_threads() -> int:

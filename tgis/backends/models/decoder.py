@@ -26,6 +26,11 @@ The paged forward (paged/forward.py) and the fixed-shape forward (static/kv.py) 
 differ only in how attention reads the cache. Fusing re-points the HF modules' weights at slices
 of the fused tensors, so the model keeps working (and tests can compare against it) without a
 second copy of the weights.
+
+With `packed` (a CPU whose oneDNN GEMM reads weights faster than MKL's: common/gemm.py) the
+projections and the lm_head are packed into oneDNN's layout instead, and the HF modules' packed
+weights move to the meta device: one copy of the weights stays, and the HF model no longer
+runs. A tied lm_head is packed as a second copy beside the embeddings it shares.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from tgis.backends.common.gemm import linear, pack
 from tgis.backends.common.kv import KVShape, sliding_windows
 from tgis.backends.models.families import Family, family_of_model
 from tgis.backends.models.moe import MoeMlp, moe_block
@@ -72,16 +78,21 @@ def native_kv_shape(model: PreTrainedModel) -> KVShape:
     )
 
 
-def _fuse(linears: list[nn.Linear], transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(
+    linears: list[nn.Linear], transposed: bool, packed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of `linears` along the output dimension, then make
     each module's parameters views of the fused tensors (one copy of the weights in memory).
 
-    Returns the weight as F.linear takes it, [out, in]. With `transposed` it is a view of a
+    Returns the weight as `gemm.linear` takes it, [out, in]. With `transposed` it is a view of a
     contiguous [in, out] tensor: MKL's fp32 GEMM is faster on that layout for the few-row
     inputs of decode (~20% at one row, ~5% at 16 measured on AVX-512); bf16 and CUDA GEMMs
-    are not, so they keep [out, in].
+    are not, so they keep [out, in]. With `packed` it is oneDNN's packed copy (gemm.pack)
+    and the modules' weights move to the meta device (module doc).
     """
-    if transposed:
+    if packed:
+        weight = pack(torch.cat([m.weight for m in linears]))
+    elif transposed:
         storage = torch.cat([m.weight.t() for m in linears], dim=1)  # [in, out], contiguous
         weight = storage.t()
     else:
@@ -94,11 +105,20 @@ def _fuse(linears: list[nn.Linear], transposed: bool) -> tuple[torch.Tensor, tor
     offset = 0
     for m in linears:
         rows = m.out_features
-        m.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
+        if packed:
+            m.weight = _released(m.weight)
+        else:
+            m.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
         if m.bias is not None and bias is not None:
             m.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
         offset += rows
     return weight, bias
+
+
+def _released(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of `weight`'s shape and dtype on the meta device: the HF module keeps its
+    shape while the forward holds the only (packed) copy of the values."""
+    return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
 @dataclass(frozen=True)
@@ -173,10 +193,12 @@ class DecoderWeights:
         max_positions: int,
         fuse_gate_up: bool | None = None,
         transposed: bool | None = None,
+        packed: bool = False,
     ) -> None:
         """Take `model`'s weights (re-pointing its modules at the fused copies) and precompute
         rope tables for `max_positions` positions. fuse_gate_up / transposed: weight
-        layouts, by default the faster ones measured for the device and dtype (see _fuse)."""
+        layouts, by default the faster ones measured for the device and dtype (see _fuse).
+        packed: the projections and lm_head in oneDNN's layout (module doc; CPU only)."""
         self.family: Family = family_of_model(model)
         config, base = model.config, model.model
         self.device = device
@@ -188,9 +210,12 @@ class DecoderWeights:
         self.hidden = config.hidden_size
         self.eps = _epsilon(base.norm)
         self.dtype = base.embed_tokens.weight.dtype
+        if packed and self.device.type != "cpu":
+            raise ValueError(f"packed weights are for the CPU's oneDNN GEMM, not {self.device}")
+        self.packed = packed
         if transposed is None:
             transposed = self.device.type == "cpu" and self.dtype == torch.float32
-        self.transposed = transposed
+        self.transposed = transposed and not packed
         if fuse_gate_up is None:
             fuse_gate_up = FUSE_GATE_UP.get(self.device.type, False)
         self.fuse_gate_up = fuse_gate_up or self.family.fused_checkpoint
@@ -211,7 +236,17 @@ class DecoderWeights:
         # Tensor parallelism (paged/tensor_parallel.py): this rank's slices, and the collectives.
         self.parallel: TensorParallel | None = None
         self.final_norm = self._norm_scale(base.norm)
-        self.lm_head = model.get_output_embeddings().weight
+        self.lm_head = self._head(model)
+
+    def _head(self, model: PreTrainedModel) -> torch.Tensor:
+        """The lm_head's weight [vocab, hidden], packed with `packed` (a tied one as a copy)."""
+        head = model.get_output_embeddings()
+        if not self.packed:
+            return head.weight
+        weight = pack(head.weight)
+        if head.weight is not model.get_input_embeddings().weight:
+            head.weight = _released(head.weight)
+        return weight
 
     @property
     def cos(self) -> torch.Tensor:
@@ -244,12 +279,12 @@ class DecoderWeights:
 
     def _layer(self, layer: nn.Module, window: int | None) -> LayerWeights:
         attn = layer.self_attn
-        t = self.transposed
+        t, p = self.transposed, self.packed
         if hasattr(attn, "qkv_proj"):  # fused in the checkpoint (Phi-3)
-            qkv_w, qkv_b = _fuse([attn.qkv_proj], t)
+            qkv_w, qkv_b = _fuse([attn.qkv_proj], t, p)
         else:
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], t)
-        o_w, o_b = _fuse([attn.o_proj], t)
+            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], t, p)
+        o_w, o_b = _fuse([attn.o_proj], t, p)
         block = moe_block(layer)
         mlp = MoeMlp.of(block) if block is not None else self._dense(layer.mlp)
         norms = self.family.norms(layer)
@@ -270,25 +305,27 @@ class DecoderWeights:
         )
 
     def _dense(self, mlp: nn.Module) -> DenseMlp:
-        t = self.transposed
+        t, p = self.transposed, self.packed
         if hasattr(mlp, "gate_up_proj"):  # fused in the checkpoint (Phi-3): gate rows first
-            w, b = _fuse([mlp.gate_up_proj], t)
+            w, b = _fuse([mlp.gate_up_proj], t, p)
             gate_up: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]] = (
                 (w,),
                 (b,),
             )
         elif self.fuse_gate_up:
-            w, b = _fuse([mlp.gate_proj, mlp.up_proj], t)
+            w, b = _fuse([mlp.gate_proj, mlp.up_proj], t, p)
             gate_up = ((w,), (b,))
         else:
-            gate, up = _fuse([mlp.gate_proj], t), _fuse([mlp.up_proj], t)
+            gate, up = _fuse([mlp.gate_proj], t, p), _fuse([mlp.up_proj], t, p)
             gate_up = ((gate[0], up[0]), (gate[1], up[1]))
-        down_w, down_b = _fuse([mlp.down_proj], t)
+        down_w, down_b = _fuse([mlp.down_proj], t, p)
         return DenseMlp(*gate_up, down_w, down_b)
 
     def as_constants(self) -> DecoderWeights:
         """A shallow copy whose tensors are `nn.Parameter`s over the same storage: what
         torch.compile's freezing folds into a graph as constants (and packs for its GEMMs)."""
+        if self.packed:
+            raise ValueError("compiled graphs fold plain weights; these are packed for oneDNN")
         frozen = copy.copy(self)
         frozen.layers = [_constant(layer) for layer in self.layers]  # type: ignore[misc]
         frozen.ropes = [_constant(rope) for rope in self.ropes]  # type: ignore[misc]
@@ -341,7 +378,7 @@ class DecoderWeights:
         """x [N, hidden], cos/sin [N, 1, rotary_dim] -> q [N, heads, d], k and v [N, kv_heads,
         d]. `lora`: the step's LoRA updates of this layer (paged.lora's LayerLora), or None."""
         h = x if layer.input_norm is None else self._rms(x, layer.input_norm)
-        qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+        qkv = linear(h, layer.qkv_w, layer.qkv_b)
         if lora is not None:
             lora.add(qkv, h, "qkv")
         n, d = x.shape[0], self.head_dim
@@ -393,7 +430,7 @@ class DecoderWeights:
     ) -> torch.Tensor:
         """Output projection, residual, MLP, residual: x [N, hidden], attn [N, heads * d];
         `lora` as in _qkv."""
-        out = F.linear(attn, layer.o_w, layer.o_b)
+        out = linear(attn, layer.o_w, layer.o_b)
         if lora is not None:
             lora.add(out, attn, "o_proj")
         out = self._reduce(out)
@@ -410,21 +447,19 @@ class DecoderWeights:
 
     def _dense_mlp(self, mlp: DenseMlp, h: torch.Tensor, lora: LayerUpdate | None) -> torch.Tensor:
         if len(mlp.gate_up_w) == 1:
-            fused = F.linear(h, mlp.gate_up_w[0], mlp.gate_up_b[0])
+            fused = linear(h, mlp.gate_up_w[0], mlp.gate_up_b[0])
             if lora is not None:
                 lora.add(fused, h, "gate_up")
             gate, up = fused.chunk(2, dim=-1)
         else:
-            gate, up = (
-                F.linear(h, w, b) for w, b in zip(mlp.gate_up_w, mlp.gate_up_b, strict=True)
-            )
+            gate, up = (linear(h, w, b) for w, b in zip(mlp.gate_up_w, mlp.gate_up_b, strict=True))
             if lora is not None:
                 lora.add(gate, h, "gate_proj")
                 lora.add(up, h, "up_proj")
         if lora is None:
-            return F.linear(self.act(gate) * up, mlp.down_w, mlp.down_b)
+            return linear(self.act(gate) * up, mlp.down_w, mlp.down_b)
         mid = self.act(gate) * up
-        down = F.linear(mid, mlp.down_w, mlp.down_b)
+        down = linear(mid, mlp.down_w, mlp.down_b)
         lora.add(down, mid, "down_proj")
         return down
 
@@ -432,7 +467,7 @@ class DecoderWeights:
         """Final norm and lm_head: x [rows, hidden] -> float32 logits [rows, vocab], scaled
         and soft-capped where the family does."""
         h = self._rms(x, self.final_norm)
-        logits = F.linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
         if self.parallel is not None:
             logits = self.parallel.gather_logits(logits)
         if self.logits_divisor != 1.0:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from tgis.backends.common.device import KV_MEMORY_FRACTION, available_memory, load_causal_lm
+from tgis.backends.common.device import (
+    KV_MEMORY_FRACTION,
+    available_memory,
+    layer_shape,
+    load_causal_lm,
+)
+from tgis.backends.common.gemm import choose_packing
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.warmup import powers_of_two, run_plan
@@ -91,6 +97,7 @@ class PagedTorchBackend:
         parallel: TensorParallel | None = None,
         shared_kv_bytes_per_token: int = 0,
         compile: bool = False,
+        packed_weights: bool | None = False,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -102,7 +109,9 @@ class PagedTorchBackend:
         another cache sized along with this one (a draft model's, as many tokens): a pool sized
         from memory leaves it its share. compile: decode steps run through graphs compiled at
         warmup (paged/compile.py; the plain-torch attention path only), and a pool sized from
-        memory leaves room for their copies of the weights."""
+        memory leaves room for their copies of the weights. packed_weights: the projections
+        over oneDNN-packed weights (common/gemm.py), which moves the model's own to the meta
+        device (models/decoder.py); None: where a probe measures them faster on this CPU."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -128,9 +137,12 @@ class PagedTorchBackend:
         self.model_needs = torch_attention_reason(model.config)
         self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
         per_token = paged_kv_bytes_per_token(model)
+        packed = self._packing(packed_weights, compile, model)
         # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
-            self.path = PagedForward(model, self._allocate_pool(1), max_sequence_tokens)
+            self.path = PagedForward(
+                model, self._allocate_pool(1), max_sequence_tokens, packed=packed
+            )
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
         if compile and (graphs or self.path.pool.flash or parallel is not None):
@@ -197,7 +209,24 @@ class PagedTorchBackend:
             "attention": self.attention,
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
+            "weights": self.weights,
         }
+
+    def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
+        """Whether the projections run over oneDNN-packed weights (common/gemm.py), and
+        `self.weights` saying which and why. None: where the probe measures them faster, on
+        a CPU and without --compile (whose graphs pack the plain weights themselves)."""
+        if requested and (self.name != "cpu" or compile):
+            raise ValueError("packed weights are for the eager forward on a CPU")
+        if requested is not None or self.name != "cpu" or compile:
+            packed = bool(requested)
+            self.weights = "oneDNN packed" if packed else "plain [out, in]"
+            return packed
+        hidden, intermediate = layer_shape(model.config.to_dict())
+        packed, why = choose_packing(self.dtype, hidden, intermediate)
+        self.weights = f"{'oneDNN packed' if packed else 'plain [out, in]'} ({why})"
+        logger.info("weights: %s", self.weights)
+        return packed
 
     @property
     def attention(self) -> str:
@@ -221,10 +250,12 @@ class PagedTorchBackend:
         shared_kv_bytes_per_token: int = 0,
         compile: bool = False,
         compile_cache: Path | None = None,
+        packed_weights: bool | None = None,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
-        as `__init__` takes it. With `compile`, `compile_cache`
-        keeps inductor's caches (a second start compiles faster)."""
+        as `__init__` takes it (the weight layout measured on a CPU by default: nothing else
+        holds the model). With `compile`, `compile_cache` keeps inductor's caches (a second
+        start compiles faster)."""
         if compile and compile_cache is not None:
             use_inductor_cache(compile_cache)
         model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
@@ -238,6 +269,7 @@ class PagedTorchBackend:
             cuda_graphs=cuda_graphs,
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
             compile=compile,
+            packed_weights=packed_weights,
         )
 
     @property

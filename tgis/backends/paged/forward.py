@@ -95,8 +95,10 @@ class PagedForward(DecoderWeights):
         max_positions: int,
         fuse_gate_up: bool | None = None,
         transposed: bool | None = None,
+        packed: bool = False,
     ) -> None:
-        super().__init__(model, pool.keys[0].device, max_positions, fuse_gate_up, transposed)
+        device = pool.keys[0].device
+        super().__init__(model, device, max_positions, fuse_gate_up, transposed, packed)
         self.pool = pool
 
     def forward(

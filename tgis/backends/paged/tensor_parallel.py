@@ -305,6 +305,7 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         memory_fraction=settings.memory_fraction,
         cuda_graphs=False,
         parallel=tp,
+        packed_weights=None,
     )
 
 
