@@ -391,3 +391,29 @@ def test_load_measures_the_weight_layout_and_says_it(
     handed = paged(tiny_model("llama"))
     assert not handed.path.packed and handed.runtime()["weights"] == "plain [out, in]"
     assert len(asked) == 1
+
+
+def test_ranks_pack_only_where_every_rank_measured_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under tensor parallelism the ranks agree on one layout (the smallest of their choices)."""
+    from tgis.backends.paged import backend as paged_backend
+
+    class Ranks:
+        def __init__(self, others: int) -> None:
+            self.others = others
+            self.asked: list[int] = []
+
+        def agree_min(self, value: int) -> int:
+            self.asked.append(value)
+            return min(value, self.others)
+
+    monkeypatch.setattr(paged_backend, "choose_packing", lambda *shape: (True, "measured here"))
+    model = tiny_model("llama")
+    backend = paged(model)
+    for others, packed in ((1, True), (0, False)):
+        ranks = Ranks(others)
+        backend.parallel = ranks  # type: ignore[assignment]
+        assert backend._packing(None, False, model) == packed and ranks.asked == [1]
+        if not packed:
+            assert backend.weights == (
+                "plain [out, in] (measured here; another rank measured plain weights faster)"
+            )

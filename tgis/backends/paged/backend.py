@@ -215,7 +215,8 @@ class PagedTorchBackend:
     def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
         """Whether the projections run over oneDNN-packed weights (common/gemm.py), and
         `self.weights` saying which and why. None: where the probe measures them faster, on
-        a CPU and without --compile (whose graphs pack the plain weights themselves)."""
+        a CPU and without --compile (whose graphs pack the plain weights themselves); under
+        tensor parallelism only where every rank measured it so."""
         if requested and (self.name != "cpu" or compile):
             raise ValueError("packed weights are for the eager forward on a CPU")
         if requested is not None or self.name != "cpu" or compile:
@@ -224,6 +225,11 @@ class PagedTorchBackend:
             return packed
         hidden, intermediate = layer_shape(model.config.to_dict())
         packed, why = choose_packing(self.dtype, hidden, intermediate)
+        if self.parallel is not None:  # the ranks read one layout: packed where all measured so
+            agreed = bool(self.parallel.agree_min(int(packed)))
+            if packed and not agreed:
+                why = f"{why}; another rank measured plain weights faster"
+            packed = agreed
         self.weights = f"{'oneDNN packed' if packed else 'plain [out, in]'} ({why})"
         logger.info("weights: %s", self.weights)
         return packed
