@@ -167,7 +167,9 @@ class BlockManager:
             if lookup
             else []
         )
-        need = max(self._taken(len(token_ids), hits, first), self._held(len(token_ids), hits))
+        n = len(token_ids)
+        held = self._held(n, hits)  # without a window, what allocate takes
+        need = held if self.sliding_window is None else max(self._taken(n, hits, first), held)
         return need <= self.free_blocks - reserve
 
     def can_append(self, seq_ids: Sequence[int]) -> bool:

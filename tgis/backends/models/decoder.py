@@ -456,11 +456,10 @@ class DecoderWeights:
             if lora is not None:
                 lora.add(gate, h, "gate_proj")
                 lora.add(up, h, "up_proj")
-        if lora is None:
-            return linear(self.act(gate) * up, mlp.down_w, mlp.down_b)
         mid = self.act(gate) * up
         down = linear(mid, mlp.down_w, mlp.down_b)
-        lora.add(down, mid, "down_proj")
+        if lora is not None:
+            lora.add(down, mid, "down_proj")
         return down
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

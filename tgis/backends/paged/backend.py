@@ -145,7 +145,7 @@ class PagedTorchBackend:
             )
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
-        if compile and (graphs or self.path.pool.flash or parallel is not None):
+        if compile and (graphs or self.flash or parallel is not None):
             raise ConfigError(
                 "--compile compiles the decode step of the plain-torch attention path on one "
                 f"device; here the paged engine attends with "
@@ -217,21 +217,22 @@ class PagedTorchBackend:
         `self.weights` saying which and why. None: where the probe measures them faster, on
         a CPU and without --compile (whose graphs pack the plain weights themselves); under
         tensor parallelism only where every rank measured it so."""
-        if requested and (self.name != "cpu" or compile):
+        eager_cpu = self.name == "cpu" and not compile
+        if requested and not eager_cpu:
             raise ValueError("packed weights are for the eager forward on a CPU")
-        if requested is not None or self.name != "cpu" or compile:
-            packed = bool(requested)
-            self.weights = "oneDNN packed" if packed else "plain [out, in]"
-            return packed
-        hidden, intermediate = layer_shape(model.config.to_dict())
-        packed, why = choose_packing(self.dtype, hidden, intermediate)
-        if self.parallel is not None:  # the ranks read one layout: packed where all measured so
-            agreed = bool(self.parallel.agree_min(int(packed)))
-            if packed and not agreed:
-                why = f"{why}; another rank measured plain weights faster"
-            packed = agreed
-        self.weights = f"{'oneDNN packed' if packed else 'plain [out, in]'} ({why})"
-        logger.info("weights: %s", self.weights)
+        packed, why = bool(requested), None
+        if requested is None and eager_cpu:
+            hidden, intermediate = layer_shape(model.config.to_dict())
+            packed, why = choose_packing(self.dtype, hidden, intermediate)
+            if self.parallel is not None:  # one layout on every rank: packed where all measured so
+                agreed = bool(self.parallel.agree_min(int(packed)))
+                if packed and not agreed:
+                    why = f"{why}; another rank measured plain weights faster"
+                packed = agreed
+        layout = "oneDNN packed" if packed else "plain [out, in]"
+        self.weights = layout if why is None else f"{layout} ({why})"
+        if why is not None:
+            logger.info("weights: %s", self.weights)
         return packed
 
     @property

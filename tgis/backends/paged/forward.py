@@ -21,7 +21,6 @@ from tgis.backends.models.decoder import DecoderWeights, LayerWeights
 from tgis.backends.paged.attention import (
     StepMetadata,
     attend,
-    flash_paged_available,
     pool_shape,
     write_kv,
 )
@@ -54,11 +53,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        flash: bool | None = None,
+        flash: bool,
     ) -> KVPool:
-        """`flash`: pages for flash attention (by default wherever it runs)."""
-        if flash is None:
-            flash = flash_paged_available(device, dtype)
+        """`flash`: pages for flash attention (`flash_paged_available`), else head-major."""
         shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
 
         def make() -> torch.Tensor:

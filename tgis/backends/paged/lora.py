@@ -49,11 +49,6 @@ class LoraShapes:
             )
         return cls(config.num_hidden_layers, family.lora_modules(config), family)
 
-    def groups(self, fuse_gate_up: bool) -> dict[str, tuple[str, ...]]:
-        """The forward's projections -> the adapter modules each concatenates
-        (`Family.lora_groups`)."""
-        return self.family.lora_groups(fuse_gate_up)
-
 
 @dataclass(frozen=True)
 class Stack:
@@ -75,7 +70,7 @@ def stack(adapters: Sequence[LoraAdapter], shapes: LoraShapes, fuse_gate_up: boo
     device, dtype = some.device, some.dtype
     owner: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Factors]] = [{} for _ in range(shapes.num_layers)]
-    for name, modules in shapes.groups(fuse_gate_up).items():
+    for name, modules in shapes.family.lora_groups(fuse_gate_up).items():
         # Each adapter's block: its rank's columns for each module, side by side.
         widths = [adapter.rank * len(modules) for adapter in adapters]
         starts = [sum(widths[:g]) for g in range(len(adapters))]
