@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, greedy_reference
@@ -22,6 +23,7 @@ from tests.factories import make_lora_adapter
 from tgis.adapter_store import AdapterStore, LoraShapes
 from tgis.backends.common.gemm import packing_available
 from tgis.backends.models.families import FAMILIES, family_of, paged_unsupported_reason
+from tgis.backends.models.moe import MoeMlp
 from tgis.engine.backend import PackedItem
 from tgis.errors import InputValidationError
 
@@ -336,3 +338,15 @@ def test_lora_on_experts_is_refused_naming_the_projections(tmp_path: Path) -> No
         InputValidationError, match="q_proj, k_proj, v_proj, o_proj is served for mixtral"
     ):
         store.get("experts")
+
+
+def test_an_expert_layer_freezes_for_compiled_decode() -> None:
+    """--compile folds the weights as constants (DecoderWeights.as_constants): an expert
+    layer's tensors become parameters and its derived kernel choice is derived again."""
+    path = paged(family_model("mixtral")).path
+    frozen = path.as_constants()
+    for layer, plain in zip(frozen.layers, path.layers, strict=True):
+        assert isinstance(layer.mlp, MoeMlp) and isinstance(plain.mlp, MoeMlp)
+        assert isinstance(layer.mlp.gate_up, nn.Parameter)
+        assert layer.mlp.gate_up.data_ptr() == plain.mlp.gate_up.data_ptr()
+        assert layer.mlp.runs_grouped == plain.mlp.runs_grouped

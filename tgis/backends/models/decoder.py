@@ -170,8 +170,10 @@ def _constant(value: object) -> object:
     if isinstance(value, tuple):
         return tuple(_constant(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Fields set in __post_init__ (init=False) are derived again by replace.
+        fields = [f for f in dataclasses.fields(value) if f.init]
         return dataclasses.replace(
-            value, **{f.name: _constant(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            value, **{f.name: _constant(getattr(value, f.name)) for f in fields}
         )
     return value
 
