@@ -105,12 +105,14 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
         r"(oneDNN packed|plain \[out, in\]) \(decode-shaped float32 matmuls: .*\)",
         facts.pop("weights"),
     )
+    assert facts.pop("weight_bytes") == paged.path.weight_bytes() > 0
     assert facts == {
         "engine": "paged",
         "attention": "plain torch over head-major KV blocks (flash attention needs CUDA; "
         "this is cpu)",
         "cuda_graphs": [],
         "compiled_decode": [],
+        "quantization": None,
         "kv_blocks": 512 // paged.block_size,
         "kv_block_size": paged.block_size,
         "kv_tokens": 512,
@@ -118,6 +120,25 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
     }
     slot = backend_runtime(load_backend(make_config(max_batch_total_tokens=512), gpt2))
     assert slot["engine"] == "slot" and slot["kv_tokens"] == 512 and "kv_blocks" not in slot
+
+
+def test_quantized_weights_show_in_the_runtime_and_the_metrics(tmp_path: Path) -> None:
+    """/info's runtime names the method and the weights' bytes; the app publishes them as the
+    tgis_weight_bytes gauge labelled with the method."""
+    from tests.server.fakes import FakeEngine
+    from tgis.server import ModelInfo, create_app
+
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    config = make_config(max_batch_total_tokens=512, dtype="float32", quantize="int8")
+    facts = backend_runtime(load_backend(config, llama))
+    assert facts["quantization"] == "int8"
+    assert facts["weights"] == "quantized: int8 weight-only, per output channel; lm_head int8"
+    metrics = Metrics()
+    info = ModelInfo.from_config(config, runtime=facts)
+    tokenizer = tiny_tokenizer()
+    create_app(FakeEngine(tokenizer), tokenizer, config, info, metrics=metrics)
+    text = metrics.render().decode()
+    assert f'tgis_weight_bytes{{quantization="int8"}} {float(facts["weight_bytes"])}' in text
 
 
 def test_vocabulary_mismatch_names_the_first_difference() -> None:

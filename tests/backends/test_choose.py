@@ -163,3 +163,75 @@ def test_load_backend_loads_the_choice(tmp_path: Path) -> None:
     config, _ = config_of(dict(read_model_facts(gpt2).config), **flags, compile=True)
     slot = load_backend(config, gpt2)
     assert isinstance(slot, TorchDynamicBackend) and slot.compiled
+
+
+def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:
+    """--quantize resolves with int4's default group, runs on the paged engine (the engine line
+    says so), and every misuse names the setting and the fix."""
+    choice = choose(LLAMA, backend="cpu", quantize="int4")
+    assert choice.reason == "the paged forward runs llama over int4 (groups of 64) weights"
+    config, _ = config_of(LLAMA, {"QUANTIZE": "INT8"}, backend="cpu")
+    assert (config.quantize, config.quantize_group_size) == ("int8", None)
+    config, _ = config_of(LLAMA, backend="cuda", quantize="int4", quantize_group_size=128)
+    assert (config.quantize, config.quantize_group_size) == ("int4", 128)
+    cases = {
+        "--quantize fp8: fp8 multiplies in float8": {"backend": "cpu", "quantize": "fp8"},
+        "--quantize int4 and --compile true: compiled decode folds plain weights": {
+            "backend": "cpu", "quantize": "int4", "compile": True,
+        },
+        "--quantize-group-size 48 is not an int4 group size": {
+            "backend": "cpu", "quantize": "int4", "quantize_group_size": 48,
+        },
+        "--quantize-group-size 64 sets int4's groups; --quantize int8 has none": {
+            "backend": "cpu", "quantize": "int8", "quantize_group_size": 64,
+        },
+        "--quantize-group-size 64 sets int4's groups, and no --quantize": {
+            "backend": "cpu", "quantize_group_size": 64,
+        },
+        "--quantize awq names a format of pre-quantized checkpoints": {
+            "backend": "cpu", "quantize": "awq",
+        },
+        "--quantize eetq is not a tgis method (use --quantize int8, the same method": {
+            "backend": "cuda", "quantize": "eetq",
+        },
+        "--quantize nf5 is not a quantization method (use one of int8, int4, fp8)": {
+            "backend": "cpu", "quantize": "nf5",
+        },
+        "--quantize int8: weights are quantized by the paged engine's forward": {
+            "backend": "tpu", "quantize": "int8", "max_batch_size": 1,
+        },
+    }  # fmt: skip
+    for expected, flags in cases.items():
+        assert refusal(LLAMA, **flags).startswith(expected), flags
+    assert "QUANTIZE=int8: weight quantization runs in the paged engine" in refusal(
+        GPT2, {"QUANTIZE": "int8"}, backend="cpu"
+    )
+
+
+def test_a_pre_quantized_checkpoint_is_refused_with_the_way_to_serve_it() -> None:
+    gptq = {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    text = refusal(gptq, backend="cpu")
+    assert text.startswith("the checkpoint's config.json declares gptq quantization")
+    assert "--quantize int8 or int4 or fp8" in text
+    assert "--quantize int8 asks for another method on top" in refusal(
+        gptq, backend="cpu", quantize="int8"
+    )
+
+
+def test_int4_groups_must_fit_each_shards_columns() -> None:
+    """Row-parallel projections split their inputs: each rank's share must hold whole groups."""
+    model = {**LLAMA, "hidden_size": 192}  # 8 heads of 24: each shard's o takes 96 columns
+    text = refusal(model, backend="cpu", num_shard=2, quantize="int4", quantize_group_size=64)
+    assert "each of 2 shards takes 96 input columns of a row-parallel projection" in text
+    assert "--quantize-group-size can be one dividing 96, 128" in text
+    flags = {"backend": "cpu", "num_shard": 2, "quantize": "int4", "quantize_group_size": 32}
+    assert choose(model, **flags).shards == 2
+
+
+def test_load_backend_quantizes_the_weights(tmp_path: Path) -> None:
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    flags = {"backend": "cpu", "max_total_tokens": 64, "max_batch_total_tokens": 512}
+    config, _ = config_of(dict(read_model_facts(llama).config), **flags, quantize="int8")
+    backend = load_backend(config, llama)
+    assert isinstance(backend, PagedTorchBackend)
+    assert backend.runtime()["quantization"] == "int8"

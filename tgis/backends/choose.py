@@ -35,6 +35,7 @@ from tgis.config.parse import flag
 from tgis.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
+    from tgis.backends.common.quant import Quantization
     from tgis.engine.backend import Backend, PagedBackend
 
 log = logging.getLogger("tgis.backends")
@@ -48,6 +49,7 @@ PAGED_ONLY = {
     "speculate": "speculative decoding",
     "lora_adapters": "LoRA adapters",
     "lora_adapter_dir": "LoRA adapters",
+    "quantize": "weight quantization",
 }
 
 
@@ -105,12 +107,18 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
             ", or serve a model of a family docs/models.md lists for the paged engine",
         )
         return BackendChoice(config.backend, "fallback", why)
+    runs = f"the paged forward runs {kind}"
+    if config.quantize is not None:
+        group = f" (groups of {config.quantize_group_size})" if config.quantize_group_size else ""
+        runs = f"{runs} over {config.quantize}{group} weights"
     if config.num_shard == 1:
-        return BackendChoice(config.backend, "paged", f"the paged forward runs {kind}")
+        return BackendChoice(config.backend, "paged", runs)
     from tgis.backends.paged.tensor_parallel import shard_unsupported_reason
 
     sharded = config.label("num_shard", config.num_shard)
-    shard_reason = shard_unsupported_reason(dict(facts.config), config.num_shard)
+    shard_reason = shard_unsupported_reason(
+        dict(facts.config), config.num_shard, config.quantize_group_size
+    )
     if shard_reason is not None:
         raise ConfigError(f"{sharded}: {shard_reason}", "pick one of the values named")
     _refuse(
@@ -119,12 +127,7 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
         "{given}: {what} runs on one device; " + f"{sharded} runs sharded steps eagerly",
         ", or serve on one device (--num-shard 1)",
     )
-    return BackendChoice(
-        config.backend,
-        "paged",
-        f"the paged forward runs {kind}, tensor-parallel",
-        config.num_shard,
-    )
+    return BackendChoice(config.backend, "paged", f"{runs}, tensor-parallel", config.num_shard)
 
 
 def _static(config: ServeConfig, facts: ModelFacts, kind: str) -> BackendChoice:
@@ -177,6 +180,15 @@ def _refuse(config: ServeConfig, names: tuple[str, ...], message: str, fix: str 
         )
 
 
+def quantization_of(config: ServeConfig) -> Quantization | None:
+    """The weight quantization `config` asks the paged engine for, or None."""
+    if config.quantize is None:
+        return None
+    from tgis.backends.common.quant import Quantization
+
+    return Quantization(config.quantize, config.quantize_group_size)
+
+
 def load_backend(
     config: ServeConfig,
     model_dir: Path,
@@ -218,6 +230,7 @@ def load_backend(
             memory_fraction=config.cuda_memory_fraction,
             cuda_graphs=config.cuda_graphs,
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
+            quantization=quantization_of(config),
         )
     if choice.design == "fallback":
         from tgis.backends.fallback.backend import TorchDynamicBackend

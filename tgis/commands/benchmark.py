@@ -198,6 +198,15 @@ def command(
             rich_help_panel=ENGINE,
         ),
     ] = "auto",
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            help="--engine: quantize the weights at load, as `tgis serve --quantize` takes it "
+            "(int8, int4, fp8).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
     num_shard: Annotated[
         int,
         typer.Option(
@@ -280,13 +289,14 @@ def command(
                 )
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
-            dtype, seed, compile, num_shard, model_impl,
+            dtype, seed, compile, num_shard, model_impl, quantize,
         )  # fmt: skip
         return
     for given, flag in (
         (compile, "--compile"),
         (num_shard != 1, "--num-shard"),
         (model_impl != "auto", "--model-impl"),
+        (quantize is not None, "--quantize"),
     ):
         if given:
             from tgis.errors import ConfigError
@@ -370,6 +380,7 @@ def _engine(
     compile: bool = False,
     num_shard: int = 1,
     model_impl: str = "auto",
+    quantize: str | None = None,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -393,6 +404,7 @@ def _engine(
         compile,
         num_shard,
         model_impl,
+        quantize,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

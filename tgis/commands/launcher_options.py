@@ -179,6 +179,25 @@ ModelImpl = Annotated[
         "auto: the paged engine's where the model's family has one",
     ),
 ]
+Quantize = Annotated[
+    str | None,
+    _opt(
+        "quantize",
+        DEVICE,
+        "cpu/cuda, paged engine: quantize the weights at load: int8 (weight-only, per "
+        "channel), int4 (weight-only, group-wise) or fp8 (CUDA, compute capability 8.9+).",
+        "none: the serving dtype",
+    ),
+]
+QuantizeGroupSize = Annotated[
+    int | None,
+    _opt(
+        "quantize_group_size",
+        DEVICE,
+        "--quantize int4: input columns sharing one scale and zero point (32, 64 or 128).",
+        "64",
+    ),
+]
 CompileCache = Annotated[
     str | None,
     _opt(
@@ -401,6 +420,8 @@ OPTIONS: dict[str, Any] = {
     "master_port": MasterPort,
     "prefill_mode": PrefillMode,
     "model_impl": ModelImpl,
+    "quantize": Quantize,
+    "quantize_group_size": QuantizeGroupSize,
     "compile_cache": CompileCache,
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
@@ -460,6 +481,8 @@ WARMUP_OPTIONS = (
     "master_port",
     "prefill_mode",
     "model_impl",
+    "quantize",
+    "quantize_group_size",
     "compile_cache",
     "compile",
     "cuda_graphs",

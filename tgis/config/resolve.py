@@ -35,6 +35,7 @@ from tgis.config.rules import (
     derive_dynamic_defaults,
     lora_settings,
     model_impl,
+    quantization,
 )
 from tgis.config.static import apply_static_rules
 from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig, TlsFiles
@@ -104,6 +105,7 @@ def build_serve_config(
     lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
     impl = model_impl(backend, values, r)
+    quantize, group_size = quantization(backend, values, r, facts.config)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
     if values["cuda_graphs"] and not warmup_enabled:
         raise ConfigError(
@@ -152,6 +154,8 @@ def build_serve_config(
         ),
         prefill_mode=prefill_mode,
         model_impl=impl,
+        quantize=quantize,
+        quantize_group_size=group_size,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=values["cuda_graphs"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,11 @@ from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
 from tgis.config.types import (
     ADAPTER_NAME,
+    DEFAULT_QUANTIZE_GROUP_SIZE,
     MAX_SPECULATE,
     PREFILL_MODES,
+    QUANTIZE_GROUP_SIZES,
+    QUANTIZE_METHODS,
     STATIC_BACKENDS,
     ServeConfig,
 )
@@ -305,6 +309,103 @@ def model_impl(backend: str, values: dict[str, Any], r: Sources) -> str:
             "drop --model-impl (TGIS_MODEL_IMPL)",
         )
     return impl
+
+
+# TGI's --quantize values tgis serves another way: the value -> how.
+QUANTIZE_INSTEAD = {
+    "eetq": "use --quantize int8, the same method (int8 weights per output channel)",
+    "bitsandbytes": "use --quantize int8 (int8 weights per output channel)",
+    "bitsandbytes-nf4": "use --quantize int4 (4-bit weights in groups)",
+    "bitsandbytes-fp4": "use --quantize int4 (4-bit weights in groups)",
+}
+# Formats of pre-quantized checkpoints (config.json's quantization_config.quant_method).
+CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8", "bitsandbytes", "marlin", "exl2")
+
+
+def checkpoint_quantization(config: Mapping[str, Any]) -> str | None:
+    """The quantization format a checkpoint's config.json declares, or None."""
+    declared = config.get("quantization_config")
+    if not isinstance(declared, Mapping):
+        return None
+    method = declared.get("quant_method")
+    return str(method).lower() if method else "unnamed"
+
+
+def quantization(
+    backend: str, values: dict[str, Any], r: Sources, model_config: Mapping[str, Any]
+) -> tuple[str | None, int | None]:
+    """--quantize and --quantize-group-size, checked against the backend and the checkpoint:
+    the method in force and int4's group size. A pre-quantized checkpoint is refused with the
+    way to serve the model (its float weights under --quantize)."""
+    given, group = values["quantize"], values["quantize_group_size"]
+    method = given.strip().lower() if given is not None else None
+    label = r.label("quantize", given) if given is not None else None
+    stored = checkpoint_quantization(model_config)
+    if stored is not None:
+        clash = f"; {label} asks for another method on top" if label else ""
+        raise ConfigError(
+            f"the checkpoint's config.json declares {stored} quantization "
+            f"(quantization_config), which tgis does not load{clash}",
+            "serve the model's float checkpoint, quantized at load with --quantize "
+            f"{' or '.join(QUANTIZE_METHODS)}",
+        )
+    if method is None:
+        if group is not None:
+            raise ConfigError(
+                f"{r.label('quantize_group_size', group)} sets int4's groups, and no "
+                "--quantize is given",
+                "add --quantize int4, or drop --quantize-group-size (QUANTIZE_GROUP_SIZE)",
+            )
+        return None, None
+    if method in QUANTIZE_INSTEAD:
+        raise ConfigError(f"{label} is not a tgis method", QUANTIZE_INSTEAD[method])
+    if method in CHECKPOINT_FORMATS and method not in QUANTIZE_METHODS:
+        raise ConfigError(
+            f"{label} names a format of pre-quantized checkpoints, not one tgis computes at load",
+            f"use one of {', '.join(QUANTIZE_METHODS)}",
+        )
+    if method not in QUANTIZE_METHODS:
+        raise ConfigError(
+            f"{label} is not a quantization method", f"use one of {', '.join(QUANTIZE_METHODS)}"
+        )
+    if backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{label}: weights are quantized by the paged engine's forward on the cpu and cuda "
+            f"backends; the {backend} backend runs its own",
+            "drop --quantize (QUANTIZE)"
+            + (
+                ", or set QUANT_CONFIG for Intel Neural Compressor's fp8"
+                if backend == "gaudi"
+                else ""
+            ),
+        )
+    if method == "fp8" and backend == "cpu":
+        raise ConfigError(
+            f"{label}: fp8 multiplies in float8 through torch._scaled_mm on CUDA GPUs of compute "
+            "capability 8.9 or later (Ada, Hopper, Blackwell); a CPU has no fast float8 matmul",
+            "use --quantize int8 or --quantize int4 on a CPU",
+        )
+    if values["compile"]:
+        raise ConfigError(
+            f"{label} and {r.label('compile', 'true')}: compiled decode folds plain weights "
+            "into its graphs; quantized ones run their own kernels",
+            "drop --compile (TGIS_COMPILE), or --quantize",
+        )
+    if method != "int4":
+        if group is not None:
+            raise ConfigError(
+                f"{r.label('quantize_group_size', group)} sets int4's groups; {label} has none",
+                "drop --quantize-group-size (QUANTIZE_GROUP_SIZE)",
+            )
+        return method, None
+    if group is None:
+        return method, DEFAULT_QUANTIZE_GROUP_SIZE
+    if group not in QUANTIZE_GROUP_SIZES:
+        raise ConfigError(
+            f"{r.label('quantize_group_size', group)} is not an int4 group size",
+            f"use one of {', '.join(map(str, QUANTIZE_GROUP_SIZES))}",
+        )
+    return method, group
 
 
 def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:

@@ -17,6 +17,11 @@ TGI_MAX_WAITING_TOKENS = 20
 BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 # Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
 STATIC_BACKENDS = ("tpu", "neuron")
+# `--quantize`: methods that quantize a float checkpoint's weights at load (the paged engine,
+# cpu and cuda; fp8 on CUDA only), and int4's group sizes (`--quantize-group-size`).
+QUANTIZE_METHODS = ("int8", "int4", "fp8")
+QUANTIZE_GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANTIZE_GROUP_SIZE = 64
 # How a static batch prefills (see tgis.backends.static.buckets): recompute every slot, or only new ones.
 # The most draft tokens speculative decoding verifies per step (--speculate).
 MAX_SPECULATE = 16
@@ -53,6 +58,8 @@ class LauncherArgs:
     cors_allow_origin: str | None = None
     prefill_mode: str | None = None
     model_impl: str | None = None
+    quantize: str | None = None
+    quantize_group_size: int | None = None
     compile_cache: str | None = None
     compile: bool | None = None
     cuda_graphs: bool | None = None
@@ -219,6 +226,11 @@ class ServeConfig:
     # where its family has one, else transformers'; "tgis": the paged engine's (an error where
     # it has none); "transformers": transformers' forward on the slot engine.
     model_impl: str = "auto"
+    # Weight quantization of the paged engine (cpu/cuda): --quantize's method (int8, int4,
+    # fp8), or the format of a pre-quantized checkpoint read from its config.json; None: the
+    # weights in the serving dtype. The group size is int4's columns per scale (else None).
+    quantize: str | None = None
+    quantize_group_size: int | None = None
     # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
     # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
     compile_cache: str | None = None

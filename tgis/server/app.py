@@ -123,6 +123,9 @@ def create_app(
             max_total_tokens=config.max_total_tokens,
             max_batch_size=config.batch_slots,
         )
+    runtime = model_info.runtime or {}
+    if "weight_bytes" in runtime:
+        metrics.on_weights(runtime.get("quantization"), runtime["weight_bytes"])
     lifecycle = Lifecycle()
     limits = RequestLimits.from_config(config)
     pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes, adapters)

@@ -158,6 +158,13 @@ class Metrics:
             "tgis_kv_cache_usage": "Share of the paged KV cache's blocks in use (0..1)",
         }
         self.gauges = {name: Gauge(name, doc, registry=r) for name, doc in gauges.items()}
+        self.weight_bytes = Gauge(
+            "tgis_weight_bytes",
+            "Bytes the model's weights hold on the device, labelled with the quantization in "
+            "force (none: the serving dtype)",
+            ["quantization"],
+            registry=r,
+        )
         kv_counters = {
             "tgis_prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache",
             "tgis_prefix_cache_hit_tokens": "Prompt tokens found in the prefix cache (not "
@@ -272,6 +279,10 @@ class Metrics:
         self.gauges["tgi_batch_current_size"].set(running)
         self.gauges["tgi_batch_input_tokens"].set(input_tokens)
         self.gauges["tgi_batch_max_remaining_tokens"].set(max_remaining)
+
+    def on_weights(self, quantization: str | None, weight_bytes: int) -> None:
+        """The loaded model's weights: their quantization method (None: none) and bytes."""
+        self.weight_bytes.labels(quantization=quantization or "none").set(weight_bytes)
 
     def on_kv_state(
         self,

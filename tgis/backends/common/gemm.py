@@ -19,9 +19,13 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tgis.backends.common.quant import QuantLinear
 
 # The decode-shaped work the probes time: batch sizes, and rounds of each (the fastest counts).
 PROBE_BATCHES = (1, 16)
@@ -51,9 +55,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a plain [out, in] weight or a packed one (`pack`): x [..., in] ->
-    [..., out]."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantLinear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear over a plain [out, in] weight, a packed one (`pack`) or a quantized one
+    (common/quant.py): x [..., in] -> [..., out]."""
+    if not isinstance(weight, torch.Tensor):
+        return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
     return F.linear(x, weight, bias)

@@ -48,6 +48,7 @@ from transformers import PreTrainedModel
 
 from tgis.backends.common.gemm import linear, pack
 from tgis.backends.common.kv import KVShape, sliding_windows
+from tgis.backends.common.quant import Quantization, QuantLinear, kernel
 from tgis.backends.models.families import Family, family_of_model
 from tgis.backends.models.moe import MoeMlp, moe_block
 
@@ -79,18 +80,26 @@ def native_kv_shape(model: PreTrainedModel) -> KVShape:
 
 
 def _fuse(
-    linears: list[nn.Linear], transposed: bool, packed: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    linears: list[nn.Linear],
+    transposed: bool,
+    packed: bool = False,
+    quantize: Callable[[torch.Tensor], QuantLinear] | None = None,
+) -> tuple[torch.Tensor | QuantLinear, torch.Tensor | None]:
     """Concatenate the weights (and biases) of `linears` along the output dimension, then make
     each module's parameters views of the fused tensors (one copy of the weights in memory).
 
     Returns the weight as `gemm.linear` takes it, [out, in]. With `transposed` it is a view of a
     contiguous [in, out] tensor: MKL's fp32 GEMM is faster on that layout for the few-row
     inputs of decode (~20% at one row, ~5% at 16 measured on AVX-512); bf16 and CUDA GEMMs
-    are not, so they keep [out, in]. With `packed` it is oneDNN's packed copy (gemm.pack)
-    and the modules' weights move to the meta device (module doc).
+    are not, so they keep [out, in]. With `packed` it is oneDNN's packed copy (gemm.pack),
+    with `quantize` what that makes of the fused float weight (common/quant.py); either way the
+    modules' weights move to the meta device (module doc).
     """
-    if packed:
+    released = packed or quantize is not None
+    weight: torch.Tensor | QuantLinear
+    if quantize is not None:
+        weight = quantize(torch.cat([m.weight for m in linears]))
+    elif packed:
         weight = pack(torch.cat([m.weight for m in linears]))
     elif transposed:
         storage = torch.cat([m.weight.t() for m in linears], dim=1)  # [in, out], contiguous
@@ -105,9 +114,10 @@ def _fuse(
     offset = 0
     for m in linears:
         rows = m.out_features
-        if packed:
+        if released:
             m.weight = _released(m.weight)
         else:
+            assert isinstance(weight, torch.Tensor)
             m.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
         if m.bias is not None and bias is not None:
             m.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
@@ -121,14 +131,19 @@ def _released(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
+# A projection's weight as `gemm.linear` takes it: a tensor [out, in] (plain or oneDNN-packed) or
+# a quantized one (common/quant.py).
+Weight = torch.Tensor | QuantLinear
+
+
 @dataclass(frozen=True)
 class DenseMlp:
     """A gated MLP: one fused [2 * intermediate, hidden] gate/up weight, or gate's and up's
     apart (see FUSE_GATE_UP), and down's."""
 
-    gate_up_w: tuple[torch.Tensor, ...]
+    gate_up_w: tuple[Weight, ...]
     gate_up_b: tuple[torch.Tensor | None, ...]
-    down_w: torch.Tensor
+    down_w: Weight
     down_b: torch.Tensor | None
 
 
@@ -138,11 +153,11 @@ class LayerWeights:
     the family has no such norm)."""
 
     input_norm: torch.Tensor | None  # before attention
-    qkv_w: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]
+    qkv_w: Weight  # [(heads + 2 kv_heads) * head_dim, hidden]
     qkv_b: torch.Tensor | None
     q_norm: torch.Tensor | None  # [head_dim] per head, or [heads * head_dim] whole
     k_norm: torch.Tensor | None
-    o_w: torch.Tensor
+    o_w: Weight
     o_b: torch.Tensor | None
     attn_out_norm: torch.Tensor | None  # on attention's output, before the residual
     mlp_norm: torch.Tensor | None  # before the MLP
@@ -196,11 +211,13 @@ class DecoderWeights:
         fuse_gate_up: bool | None = None,
         transposed: bool | None = None,
         packed: bool = False,
+        quantization: Quantization | None = None,
     ) -> None:
         """Take `model`'s weights (re-pointing its modules at the fused copies) and precompute
         rope tables for `max_positions` positions. fuse_gate_up / transposed: weight
         layouts, by default the faster ones measured for the device and dtype (see _fuse).
-        packed: the projections and lm_head in oneDNN's layout (module doc; CPU only)."""
+        packed: the projections and lm_head in oneDNN's layout (module doc; CPU only).
+        quantization: the projections (and lm_head, as it says) quantized at load."""
         self.family: Family = family_of_model(model)
         config, base = model.config, model.model
         self.device = device
@@ -214,13 +231,17 @@ class DecoderWeights:
         self.dtype = base.embed_tokens.weight.dtype
         if packed and self.device.type != "cpu":
             raise ValueError(f"packed weights are for the CPU's oneDNN GEMM, not {self.device}")
+        if packed and quantization is not None:
+            raise ValueError("quantized weights have their own kernels' layouts; pack plain ones")
         self.packed = packed
+        self.quantization = quantization
         if transposed is None:
             transposed = self.device.type == "cpu" and self.dtype == torch.float32
         self.transposed = transposed and not packed
         if fuse_gate_up is None:
             fuse_gate_up = FUSE_GATE_UP.get(self.device.type, False)
-        self.fuse_gate_up = fuse_gate_up or self.family.fused_checkpoint
+        # Quantized kernels take gate and up fused: one call and one activation cast.
+        self.fuse_gate_up = fuse_gate_up or self.family.fused_checkpoint or quantization is not None
         # Multipliers (1.0 and None: the family has none).
         traits = self.family.traits(config)
         self.embed_scale = float(torch.tensor(traits.embed_scale, dtype=self.dtype).item())
@@ -240,15 +261,35 @@ class DecoderWeights:
         self.final_norm = self._norm_scale(base.norm)
         self.lm_head = self._head(model)
 
-    def _head(self, model: PreTrainedModel) -> torch.Tensor:
-        """The lm_head's weight [vocab, hidden], packed with `packed` (a tied one as a copy)."""
+    def _head(self, model: PreTrainedModel) -> Weight:
+        """The lm_head's weight [vocab, hidden], packed with `packed` or quantized as
+        `quantization` says (a tied one as a copy)."""
         head = model.get_output_embeddings()
-        if not self.packed:
+        weight: Weight
+        if self.packed:
+            weight = pack(head.weight)
+        elif self.quantization is not None and (canon := self.quantization.head(head.weight)):
+            weight = kernel(canon, self.device, self.dtype)
+        else:
             return head.weight
-        weight = pack(head.weight)
         if head.weight is not model.get_input_embeddings().weight:
             head.weight = _released(head.weight)
         return weight
+
+    def _quantizer(self) -> Callable[[torch.Tensor], QuantLinear] | None:
+        """A float weight [out, in] -> its kernel under `quantization` (None: unquantized)."""
+        method = self.quantization
+        if method is None:
+            return None
+
+        def quantize(weight: torch.Tensor) -> QuantLinear:
+            return kernel(method.quantize(weight), self.device, self.dtype)
+
+        return quantize
+
+    def _fused(self, linears: list[nn.Linear]) -> tuple[Weight, torch.Tensor | None]:
+        """`linears` fused into one projection in this model's weight layout (see _fuse)."""
+        return _fuse(linears, self.transposed, self.packed, self._quantizer())
 
     @property
     def cos(self) -> torch.Tensor:
@@ -281,14 +322,13 @@ class DecoderWeights:
 
     def _layer(self, layer: nn.Module, window: int | None) -> LayerWeights:
         attn = layer.self_attn
-        t, p = self.transposed, self.packed
         if hasattr(attn, "qkv_proj"):  # fused in the checkpoint (Phi-3)
-            qkv_w, qkv_b = _fuse([attn.qkv_proj], t, p)
+            qkv_w, qkv_b = self._fused([attn.qkv_proj])
         else:
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], t, p)
-        o_w, o_b = _fuse([attn.o_proj], t, p)
+            qkv_w, qkv_b = self._fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        o_w, o_b = self._fused([attn.o_proj])
         block = moe_block(layer)
-        mlp = MoeMlp.of(block) if block is not None else self._dense(layer.mlp)
+        mlp = MoeMlp.of(block, self._quantizer()) if block is not None else self._dense(layer.mlp)
         norms = self.family.norms(layer)
         return LayerWeights(
             input_norm=self._norm_scale(norms.input),
@@ -307,27 +347,59 @@ class DecoderWeights:
         )
 
     def _dense(self, mlp: nn.Module) -> DenseMlp:
-        t, p = self.transposed, self.packed
         if hasattr(mlp, "gate_up_proj"):  # fused in the checkpoint (Phi-3): gate rows first
-            w, b = _fuse([mlp.gate_up_proj], t, p)
+            w, b = self._fused([mlp.gate_up_proj])
             gate_up: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]] = (
                 (w,),
                 (b,),
             )
         elif self.fuse_gate_up:
-            w, b = _fuse([mlp.gate_proj, mlp.up_proj], t, p)
+            w, b = self._fused([mlp.gate_proj, mlp.up_proj])
             gate_up = ((w,), (b,))
         else:
-            gate, up = _fuse([mlp.gate_proj], t, p), _fuse([mlp.up_proj], t, p)
+            gate, up = self._fused([mlp.gate_proj]), self._fused([mlp.up_proj])
             gate_up = ((gate[0], up[0]), (gate[1], up[1]))
-        down_w, down_b = _fuse([mlp.down_proj], t, p)
+        down_w, down_b = self._fused([mlp.down_proj])
         return DenseMlp(*gate_up, down_w, down_b)
+
+    def weight_bytes(self) -> int:
+        """Bytes the forward's weights hold on their device: projections (plain, packed or
+        quantized), experts, norms, embeddings and lm_head, each tensor counted once (a tied
+        lm_head's storage is the embeddings'; rope tables are not weights)."""
+        seen: set[tuple[int, int]] = set()
+        total = 0
+
+        def visit(value: object) -> None:
+            nonlocal total
+            if isinstance(value, torch.Tensor):
+                if value.is_meta:
+                    return
+                if value.is_mkldnn:
+                    total += value.numel() * value.element_size()
+                    return
+                key = (value.untyped_storage().data_ptr(), value.storage_offset())
+                if key not in seen:
+                    seen.add(key)
+                    total += value.numel() * value.element_size()
+            elif isinstance(value, tuple):
+                for item in value:
+                    visit(item)
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                for f in dataclasses.fields(value):
+                    visit(getattr(value, f.name))
+            elif hasattr(value, "nbytes") and hasattr(value, "reference"):  # QuantLinear
+                total += int(value.nbytes)  # type: ignore[attr-defined]
+
+        for part in (*self.layers, self.embed, self.final_norm, self.lm_head):
+            visit(part)
+        return total
 
     def as_constants(self) -> DecoderWeights:
         """A shallow copy whose tensors are `nn.Parameter`s over the same storage: what
         torch.compile's freezing folds into a graph as constants (and packs for its GEMMs)."""
-        if self.packed:
-            raise ValueError("compiled graphs fold plain weights; these are packed for oneDNN")
+        if self.packed or self.quantization is not None:
+            kind = "packed for oneDNN" if self.packed else "quantized"
+            raise ValueError(f"compiled graphs fold plain weights; these are {kind}")
         frozen = copy.copy(self)
         frozen.layers = [_constant(layer) for layer in self.layers]  # type: ignore[misc]
         frozen.ropes = [_constant(rope) for rope in self.ropes]  # type: ignore[misc]

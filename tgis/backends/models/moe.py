@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgis.backends.common.gemm import linear
+from tgis.backends.common.quant import QuantLinear
+
 # The HF sparse-MoE blocks computed here, by class name -> an expert's (gate, up, down)
 # projections. Matched by class, not by having `gate` and `experts`: other blocks built of the
 # same modules route differently (DeepSeek's grouped top-k and sigmoid scores, Qwen3-Next's
@@ -125,6 +128,21 @@ def _stack(groups: list[list[nn.Linear]]) -> torch.Tensor:
     return stacked
 
 
+def _meta(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor of `weight`'s shape and dtype on the meta device (its values live elsewhere)."""
+    return torch.empty_like(weight, device="meta")
+
+
+def _projections(
+    block: nn.Module, names: tuple[str, str, str], shared: nn.Module | None
+) -> list[nn.Linear]:
+    """Every expert's (and the shared expert's) gate, up and down modules of `block`."""
+    modules = [getattr(e, name) for e in block.experts for name in names]
+    if shared is not None:
+        modules += [shared.gate_proj, shared.up_proj, shared.down_proj]
+    return modules
+
+
 def _refuse_biases(block: nn.Module) -> None:
     """The forward computes the experts, router and shared expert without biases (none of the
     three families has them); a block that has them would be computed wrong, so it is refused."""
@@ -149,6 +167,10 @@ class MoeMlp:
     shared_gate: torch.Tensor | None = None  # [1, hidden]
     # Use the grouped matmul where it runs (False: one matmul per expert everywhere).
     grouped: bool = True
+    # Quantized experts (common/quant.py): each expert's (gate/up, down) kernels, and the
+    # shared expert's; the stacked tensors above then hold only shapes (the meta device).
+    expert_kernels: tuple[tuple[QuantLinear, QuantLinear], ...] | None = None
+    shared_kernels: tuple[QuantLinear, QuantLinear] | None = None
     # Whether calls take the grouped path: decided once from the weights' device, dtype and
     # strides (x has the weights' device and dtype), not tried and caught per call.
     runs_grouped: bool = field(init=False, repr=False, compare=False)
@@ -156,6 +178,7 @@ class MoeMlp:
     def __post_init__(self) -> None:
         runs = (
             self.grouped
+            and self.expert_kernels is None
             and _grouped_mm_kernel(self.gate_up.device, self.gate_up.dtype)
             and _grouped_mm_takes(self.gate_up.transpose(1, 2))
             and _grouped_mm_takes(self.down.transpose(1, 2))
@@ -164,10 +187,14 @@ class MoeMlp:
 
     @classmethod
     @torch.no_grad()
-    def of(cls, block: nn.Module) -> MoeMlp:
+    def of(
+        cls, block: nn.Module, quantize: Callable[[torch.Tensor], QuantLinear] | None = None
+    ) -> MoeMlp:
         """The MLP of HF sparse-MoE `block` (one of BLOCKS), its experts' weights stacked and
         the block's modules re-pointed at them. Mixtral's router jitter is a training setting
-        (HF applies it only in training mode), so it is ignored."""
+        (HF applies it only in training mode), so it is ignored. `quantize`: each expert's
+        (and the shared expert's) projections through it, the router kept in the model's
+        dtype; the block's expert weights then move to the meta device."""
         kind = type(block).__name__
         names = BLOCKS.get(kind)
         if names is None:
@@ -195,16 +222,31 @@ class MoeMlp:
             shared_gate_up = _stack([[shared.gate_proj, shared.up_proj]])[0]
             shared_down = shared.down_proj.weight
             shared_gate = block.shared_expert_gate.weight
+        gate_up = _stack([[getattr(e, gate), getattr(e, up)] for e in experts])
+        down_w = _stack([[getattr(e, down)] for e in experts])
+        expert_kernels = shared_kernels = None
+        if quantize is not None:
+            expert_kernels = tuple(
+                (quantize(gate_up[e]), quantize(down_w[e])) for e in range(len(experts))
+            )
+            if shared_gate_up is not None and shared_down is not None:
+                shared_kernels = (quantize(shared_gate_up), quantize(shared_down))
+                shared_gate_up, shared_down = _meta(shared_gate_up), _meta(shared_down)
+            gate_up, down_w = _meta(gate_up), _meta(down_w)
+            for module in _projections(block, names, shared):
+                module.weight = nn.Parameter(_meta(module.weight), requires_grad=False)
         return cls(
             router=block.gate.weight,
-            gate_up=_stack([[getattr(e, gate), getattr(e, up)] for e in experts]),
-            down=_stack([[getattr(e, down)] for e in experts]),
+            gate_up=gate_up,
+            down=down_w,
             top_k=top_k,
             # Mixtral always renormalizes; the Qwen blocks as their config's norm_topk_prob says.
             renormalize=bool(getattr(block, "norm_topk_prob", True)),
             shared_gate_up=shared_gate_up,
             shared_down=shared_down,
             shared_gate=shared_gate,
+            expert_kernels=expert_kernels,
+            shared_kernels=shared_kernels,
         )
 
     def __call__(
@@ -233,8 +275,9 @@ class MoeMlp:
         result = torch.zeros_like(x).index_add_(0, tokens, out)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_gate is not None
-            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
-            shared = F.linear(act(gate) * up, self.shared_down)
+            shared_up, shared_down = self.shared_kernels or (self.shared_gate_up, self.shared_down)
+            gate, up = linear(x, shared_up).chunk(2, dim=-1)
+            shared = linear(act(gate) * up, shared_down)
             result = result + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return result
 
@@ -270,7 +313,12 @@ class MoeMlp:
             if count == 0:
                 continue
             end = start + count
-            gate, up = F.linear(rows[start:end], self.gate_up[expert]).chunk(2, dim=-1)
-            out[start:end] = F.linear(act(gate) * up, self.down[expert])
+            up_w, down_w = (
+                self.expert_kernels[expert]
+                if self.expert_kernels is not None
+                else (self.gate_up[expert], self.down[expert])
+            )
+            gate, up = linear(rows[start:end], up_w).chunk(2, dim=-1)
+            out[start:end] = linear(act(gate) * up, down_w)
             start = end
         return out

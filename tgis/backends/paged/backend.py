@@ -51,6 +51,7 @@ from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
+    from tgis.backends.common.quant import Quantization
     from tgis.backends.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class PagedTorchBackend:
         shared_kv_bytes_per_token: int = 0,
         compile: bool = False,
         packed_weights: bool | None = False,
+        quantization: Quantization | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -111,7 +113,9 @@ class PagedTorchBackend:
         warmup (paged/compile.py; the plain-torch attention path only), and a pool sized from
         memory leaves room for their copies of the weights. packed_weights: the projections
         over oneDNN-packed weights (common/gemm.py), which moves the model's own to the meta
-        device (models/decoder.py); None: where a probe measures them faster on this CPU."""
+        device (models/decoder.py); None: where a probe measures them faster on this CPU.
+        quantization: the projections quantized at load (common/quant.py), then never
+        packed."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -137,12 +141,27 @@ class PagedTorchBackend:
         self.model_needs = torch_attention_reason(model.config)
         self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
         per_token = paged_kv_bytes_per_token(model)
-        packed = self._packing(packed_weights, compile, model)
+        if quantization is not None and compile:
+            raise ConfigError(
+                "--compile folds plain weights into its graphs; quantized ones run their own "
+                "kernels",
+                "drop --compile (TGIS_COMPILE), or --quantize",
+            )
+        packed = quantization is None and self._packing(packed_weights, compile, model)
         # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
             self.path = PagedForward(
-                model, self._allocate_pool(1), max_sequence_tokens, packed=packed
+                model,
+                self._allocate_pool(1),
+                max_sequence_tokens,
+                packed=packed,
+                quantization=quantization,
             )
+        self.quantization = quantization
+        if quantization is not None:
+            self.weights = f"quantized: {quantization.describe()}"
+        self.weight_bytes = self.path.weight_bytes()
+        logger.info("weights: %s, %.1f MiB", self.weights, self.weight_bytes / 2**20)
         self.path.parallel = parallel
         graphs = self._use_graphs(cuda_graphs, graph_api)
         if compile and (graphs or self.flash or parallel is not None):
@@ -210,6 +229,8 @@ class PagedTorchBackend:
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
             "weights": self.weights,
+            "quantization": self.quantization.method if self.quantization else None,
+            "weight_bytes": self.weight_bytes,
         }
 
     def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
@@ -231,8 +252,6 @@ class PagedTorchBackend:
                 packed = agreed
         layout = "oneDNN packed" if packed else "plain [out, in]"
         self.weights = layout if why is None else f"{layout} ({why})"
-        if why is not None:
-            logger.info("weights: %s", self.weights)
         return packed
 
     @property
@@ -258,6 +277,7 @@ class PagedTorchBackend:
         compile: bool = False,
         compile_cache: Path | None = None,
         packed_weights: bool | None = None,
+        quantization: Quantization | None = None,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
         as `__init__` takes it (the weight layout measured on a CPU by default: nothing else
@@ -277,6 +297,7 @@ class PagedTorchBackend:
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
             compile=compile,
             packed_weights=packed_weights,
+            quantization=quantization,
         )
 
     @property

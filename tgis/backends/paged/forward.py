@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tgis.backends.common.masks import place_embeds
+from tgis.backends.common.quant import Quantization
 from tgis.backends.models.decoder import DecoderWeights, LayerWeights
 from tgis.backends.paged.attention import (
     StepMetadata,
@@ -93,9 +94,12 @@ class PagedForward(DecoderWeights):
         fuse_gate_up: bool | None = None,
         transposed: bool | None = None,
         packed: bool = False,
+        quantization: Quantization | None = None,
     ) -> None:
         device = pool.keys[0].device
-        super().__init__(model, device, max_positions, fuse_gate_up, transposed, packed)
+        super().__init__(
+            model, device, max_positions, fuse_gate_up, transposed, packed, quantization
+        )
         self.pool = pool
 
     def forward(

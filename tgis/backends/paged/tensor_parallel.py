@@ -50,10 +50,13 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 
 
-def shard_unsupported_reason(config: dict[str, Any], world: int) -> str | None:
+def shard_unsupported_reason(
+    config: dict[str, Any], world: int, group: int | None = None
+) -> str | None:
     """Why a config.json of a family the paged forward runs cannot be split `world` ways, or
     None: every width a rank takes a share of (heads, KV heads, the MLP's and each expert's)
-    must divide."""
+    must divide; with int4's `group`, each rank's share of a row-parallel projection's input
+    (o's, down's) must hold whole groups."""
     family = family_of(config)
     if family is not None and family.unshardable is not None and world > 1:
         return f"{family.unshardable}; --num-shard can be 1"
@@ -74,6 +77,16 @@ def shard_unsupported_reason(config: dict[str, Any], world: int) -> str | None:
             f"{world} shards must divide its {kv} KV heads, {heads} attention heads and "
             f"{mlp}-wide MLP; --num-shard can be {', '.join(map(str, valid))}"
         )
+    if group is not None:
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+        inputs = [heads * head_dim // world, *(w // world for w in widths)]
+        split = [i for i in inputs if i % group]
+        if split:
+            return (
+                f"each of {world} shards takes {split[0]} input columns of a row-parallel "
+                f"projection, not whole int4 groups of {group}; --quantize-group-size can be "
+                f"one dividing {', '.join(map(str, sorted(set(inputs))))}, or --num-shard lower"
+            )
     return None
 
 
@@ -233,6 +246,8 @@ class ShardSettings:
     master_addr: str
     master_port: int
     world: int
+    quantize: str | None = None
+    quantize_group_size: int | None = None
 
     @staticmethod
     def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
@@ -265,6 +280,8 @@ class ShardSettings:
             master_addr=config.master_addr,
             master_port=config.master_port,
             world=world,
+            quantize=config.quantize,
+            quantize_group_size=config.quantize_group_size,
         )
 
 
@@ -291,6 +308,7 @@ def _join(settings: ShardSettings, rank: int) -> torch.device:
 def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
     """This rank's PagedTorchBackend over its slices (in the group already)."""
     from tgis.backends.common.device import resolve_dtype
+    from tgis.backends.common.quant import Quantization
     from tgis.backends.paged.backend import PagedTorchBackend
 
     device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
@@ -306,6 +324,11 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         cuda_graphs=False,
         parallel=tp,
         packed_weights=None,
+        quantization=(
+            Quantization(settings.quantize, settings.quantize_group_size)
+            if settings.quantize
+            else None
+        ),
     )
 
 

@@ -1,0 +1,179 @@
+"""tgis.backends.common.quant: the canonical forms round and dequantize as their formats say, and
+every kernel computes what its pure-torch reference does from the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tgis.backends.common.gemm import linear
+from tgis.backends.common.quant import (
+    FP8_MAX,
+    Fp8Channels,
+    Fp8Linear,
+    Int4Groups,
+    Int4Linear,
+    Int8Channels,
+    Int8Linear,
+    Quantization,
+    cat,
+    kernel,
+)
+
+CPU = torch.device("cpu")
+
+
+def _weight(out: int = 48, cols: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out - expected).norm() / expected.norm())
+
+
+def test_int8_rounds_each_row_to_its_own_scale() -> None:
+    w = _weight()
+    w[3] = 0.0  # an all-zero row keeps a finite scale and dequantizes to zeros
+    canon = Int8Channels.quantize(w)
+    assert canon.q.dtype == torch.int8 and canon.q.abs().max() == 127
+    assert torch.equal(canon.scale[:3], w[:3].abs().amax(dim=1) / 127)
+    error = (canon.dequantize() - w).abs()
+    assert torch.all(error <= canon.scale[:, None] / 2 + 1e-7)
+    assert torch.equal(canon.dequantize()[3], torch.zeros(128))
+
+
+def test_int4_groups_round_within_half_a_step_and_keep_zero() -> None:
+    w = _weight()
+    w[:, 5] = 0.0
+    canon = Int4Groups.quantize(w, 32)
+    assert canon.q.dtype == torch.uint8 and int(canon.q.max()) <= 15
+    assert canon.scale.shape == (4, 48) and canon.zero.shape == (4, 48)
+    assert torch.equal(canon.zero, canon.zero.round())
+    restored = canon.dequantize()
+    step = canon.scale.t().repeat_interleave(32, dim=1)
+    # Rounding moves a weight by half a step at most; the integer zero point by half again.
+    assert torch.all((restored - w).abs() <= step + 1e-6)
+    assert torch.equal(restored[:, 5], torch.zeros(48))
+    with pytest.raises(ValueError, match="not a multiple of group size 64"):
+        Int4Groups.quantize(_weight(16, 96), 64)
+
+
+def test_fp8_rows_reach_e4m3s_largest_value() -> None:
+    w = _weight()
+    canon = Fp8Channels.quantize(w)
+    assert canon.q.dtype == torch.float8_e4m3fn
+    assert torch.equal(canon.q.float().abs().amax(dim=1), torch.full((48,), FP8_MAX))
+    # e4m3 keeps 3 mantissa bits: each weight within 1/16 of its magnitude.
+    assert torch.all((canon.dequantize() - w).abs() <= w.abs() / 16 + canon.scale[:, None])
+
+
+def test_fusing_quantized_parts_equals_quantizing_the_fused_weight() -> None:
+    """Per-row scales and per-row groups: q, k and v quantized apart then stacked are the fused
+    projection quantized whole (a checkpoint's parts and tgis's fused weight agree)."""
+    parts = [_weight(16, 64, seed) for seed in range(3)]
+    whole = torch.cat(parts)
+    for quantize in (Int8Channels.quantize, lambda w: Int4Groups.quantize(w, 32)):
+        fused = cat([quantize(p) for p in parts])
+        direct = quantize(whole)
+        assert torch.equal(fused.dequantize(), direct.dequantize())
+    with pytest.raises(ValueError, match="quantized differently"):
+        cat([Int8Channels.quantize(parts[0]), Int4Groups.quantize(parts[1], 32)])
+    with pytest.raises(ValueError, match="group size"):
+        cat([Int4Groups.quantize(parts[0], 32), Int4Groups.quantize(parts[1], 64)])
+
+
+def test_act_order_columns_dequantize_in_the_inputs_order() -> None:
+    """GPTQ's act-order: the groups cover the input columns in `perm`'s order; dequantize puts
+    each column back, and the kernel permutes x to match."""
+    w = _weight(32, 64)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1))
+    grouped = Int4Groups.quantize(w[:, perm], 32)
+    ordered = Int4Groups(grouped.q, grouped.scale, grouped.zero, 32, perm)
+    restored = ordered.dequantize()
+    assert torch.equal(restored[:, perm], grouped.dequantize())
+    x = torch.randn(3, 64)
+    op = Int4Linear(ordered, CPU)
+    torch.testing.assert_close(op(x), op.reference(x), atol=0, rtol=0)
+    assert _relative_error(op(x), x @ restored.t()) < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_kernel_equals_its_reference(rows: int) -> None:
+    w = _weight(48, 96)
+    op = Int8Linear(Int8Channels.quantize(w), CPU, torch.bfloat16)
+    x = torch.randn(rows, 96)
+    out = op(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    torch.testing.assert_close(out, op.reference(x), atol=1e-2, rtol=1e-2)
+    # And within bfloat16's rounding of the float weight's product.
+    assert _relative_error(out, x @ w.t()) < 0.01
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernel_equals_its_reference(group: int) -> None:
+    w = _weight(32, 256)
+    op = Int4Linear(Int4Groups.quantize(w, group), CPU)
+    x = torch.randn(2, 7, 256)
+    out = op(x)
+    assert out.shape == (2, 7, 32)
+    torch.testing.assert_close(out, op.reference(x), atol=1e-2, rtol=1e-2)
+
+
+def test_int4_kernel_refuses_widths_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match=r"multiples of 16 .* \[40, 64\]"):
+        Int4Linear(Int4Groups.quantize(_weight(40, 64), 32), CPU)
+
+
+def test_fp8_kernel_scales_each_token_on_its_own() -> None:
+    """Per-token activation scales: a row's output does not depend on the other rows (one
+    huge row beside it changes nothing but the GEMM's summation order)."""
+    w = _weight(32, 64)
+    op = Fp8Linear(Fp8Channels.quantize(w), CPU, torch.float32)
+    x = torch.randn(4, 64)
+    alone = op(x[:1])
+    beside_huge = op(torch.cat([x[:1], 1000 * x[1:]]))[:1]
+    torch.testing.assert_close(alone, beside_huge, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(op(x), op.reference(x), atol=1e-4, rtol=1e-4)
+    assert _relative_error(op(x), x @ w.t()) < 0.05
+
+
+def test_linear_adds_the_bias_and_dispatches_quantized_weights() -> None:
+    w, bias = _weight(32, 64), torch.randn(32)
+    op = kernel(Int8Channels.quantize(w), CPU, torch.float32)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x, op, bias), op(x) + bias)
+    torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias))
+
+
+def test_quantization_names_its_method_and_group() -> None:
+    assert Quantization("int4", 64).describe() == "int4 weight-only, groups of 64; lm_head int8"
+    assert isinstance(Quantization("int8").head(_weight()), Int8Channels)
+    assert Quantization("fp8").head(_weight()) is None
+    with pytest.raises(ValueError, match="int4 groups"):
+        Quantization("int4", 48)
+    with pytest.raises(ValueError, match="not one of"):
+        Quantization("nf4")
+
+
+def test_kernels_report_the_bytes_they_hold() -> None:
+    w = _weight(64, 128)
+    assert kernel(Int8Channels.quantize(w), CPU, torch.float32).nbytes == 64 * 128 + 64 * 2
+    int4 = kernel(Int4Groups.quantize(w, 64), CPU, torch.float32)
+    assert int4.nbytes == 64 * 128 // 2 + 2 * 64 * 2 * 2  # packed nibbles, bf16 scale/offset pairs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_cuda_kernels_equal_their_references(rows: int) -> None:
+    cuda = torch.device("cuda")
+    w = _weight(64, 256)
+    x = torch.randn(rows, 256, device=cuda, dtype=torch.bfloat16)
+    ops = [
+        Int8Linear(Int8Channels.quantize(w), cuda, torch.bfloat16),
+        Int4Linear(Int4Groups.quantize(w, 64), cuda),
+    ]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        ops.append(Fp8Linear(Fp8Channels.quantize(w), cuda, torch.bfloat16))
+    for op in ops:
+        torch.testing.assert_close(op(x).float(), op.reference(x), atol=0.05, rtol=0.02)

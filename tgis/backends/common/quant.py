@@ -1,0 +1,428 @@
+"""Quantized weights of the paged forward's projections: what they hold, how they are made, the
+kernels that multiply by them, and the pure-torch arithmetic each kernel must equal.
+
+A quantized weight exists in two forms:
+
+- a **canonical** one (`Int8Channels`, `Int4Groups`, `Fp8Channels`): plain tensors in one
+  layout whatever the source, so that q, k and v (or gate and up) concatenate into one fused
+  projection, a tensor-parallel rank can take its rows or columns, and `dequantize()` gives the
+  float weight it stands for. Quantizing a checkpoint's float weights at load (`--quantize
+  int8|int4|fp8`) and reading a pre-quantized checkpoint's tensors both end here;
+- a **kernel** one (`QuantLinear`): the canonical tensors moved into the layout one kernel reads
+  on one device, called as `gemm.linear` calls a plain weight. `reference(x)` computes in float32
+  what the kernel computes, from the same rounded scales: the tests hold each kernel to it.
+
+The kernels are torch's own:
+
+| method | CPU | CUDA |
+|---|---|---|
+| int8 (weight-only, per output channel) | `aten._weight_int8pack_mm`, bfloat16 activations | the same op at decode's rows, a dequantized weight and cuBLAS beyond them |
+| int4 (weight-only, group-wise) | `aten._weight_int4pack_mm_for_cpu`, bfloat16 activations | `aten._weight_int4pack_mm` (tinygemm), bfloat16 activations |
+| fp8 (W8A8, per-channel weights, per-token activations) | refused | `torch._scaled_mm` (compute capability 8.9+) |
+
+Activations enter the CPU kernels in bfloat16 whatever the model's dtype: both run ~10x slower
+over float32 activations on the 2-core AVX2 CPU of docs/performance.md (a 135M model's decode
+matmuls at one row: 94 ms in float32 against 9.6 ms in bfloat16), and the result is cast back
+to the model's dtype. Norms, attention and the residual stream stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, Self
+
+import torch
+import torch.nn.functional as F
+
+# `--quantize` values that quantize a checkpoint's float weights at load.
+LOAD_METHODS = ("int8", "int4", "fp8")
+# Group sizes of `--quantize int4` (`--quantize-group-size`): columns sharing one scale and zero.
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+# The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
+# where reading the weight is the cost (decode), not where the matmul's arithmetic is (prefill).
+CUDA_INT8_KERNEL_ROWS = 32
+# The largest finite float8 e4m3 value, and the smallest scale (an all-zero row or token).
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+MIN_SCALE = 1e-12
+# CPU kernels' activation dtype (module doc).
+CPU_ACTIVATION_DTYPE = torch.bfloat16
+
+
+class QuantLinear(Protocol):
+    """A quantized [out, in] weight in one kernel's layout: what `gemm.linear` multiplies by."""
+
+    method: str
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        ...
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What __call__ computes, in plain float32 torch from this weight's own values."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight holds on its device."""
+        ...
+
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as the 2-D [rows, in] the kernels take."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+# --- canonical forms -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Channels:
+    """Weights with one float32 scale per output channel: w[n, k] = q[n, k] * scale[n]."""
+
+    q: torch.Tensor  # [out, in], the subclass's storage dtype
+    scale: torch.Tensor  # float32 [out]
+
+    @classmethod
+    def cat(cls, parts: Sequence[Self]) -> Self:
+        """The parts' rows stacked (a fused projection)."""
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        return self.q.float() * self.scale[:, None]
+
+
+@dataclass(frozen=True)
+class Int8Channels(_Channels):
+    """Symmetric int8 per output channel (q int8)."""
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int8Channels:
+        """Round `weight` [out, in] to int8 with each row's absolute maximum at 127."""
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=MIN_SCALE)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return Int8Channels(q, scale)
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """Asymmetric 4-bit weights in groups of `group` input columns:
+    w[n, perm[k]] = (q[n, k] - zero[k // group, n]) * scale[k // group, n].
+
+    `perm` (GPTQ's act-order, None: the identity) lists the input columns in the order the
+    groups cover them: a kernel multiplies x[:, perm] by the groups laid end to end."""
+
+    q: torch.Tensor  # uint8 [out, in], values 0..15
+    scale: torch.Tensor  # float32 [in / group, out]
+    zero: torch.Tensor  # float32 [in / group, out], values 0..15 (integers in every format read)
+    group: int
+    perm: torch.Tensor | None = None  # int64 [in]
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, group: int) -> Int4Groups:
+        """Round `weight` [out, in] group by group to 16 levels spanning its min and max (the
+        range widened to hold 0, so a zero weight stays zero), with an integer zero point."""
+        out, cols = weight.shape
+        if cols % group:
+            raise ValueError(f"{cols} input columns are not a multiple of group size {group}")
+        w = weight.float().reshape(out, cols // group, group)
+        low = w.amin(dim=-1).clamp(max=0.0)
+        high = w.amax(dim=-1).clamp(min=0.0)
+        scale = ((high - low) / 15.0).clamp(min=MIN_SCALE)
+        zero = torch.round(-low / scale).clamp(0, 15)
+        q = (torch.round(w / scale[..., None]) + zero[..., None]).clamp(0, 15)
+        return Int4Groups(
+            q.reshape(out, cols).to(torch.uint8), scale.t().contiguous(), zero.t().contiguous(),
+            group,
+        )  # fmt: skip
+
+    @staticmethod
+    def cat(parts: Sequence[Int4Groups]) -> Int4Groups:
+        """The parts' rows stacked: they must share the group size and the column order."""
+        first = parts[0]
+        for p in parts[1:]:
+            if p.group != first.group or not _same_perm(p.perm, first.perm):
+                raise ValueError("fused projections must share their group size and column order")
+        return Int4Groups(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts], dim=1),
+            torch.cat([p.zero for p in parts], dim=1),
+            first.group,
+            first.perm,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in], columns in the input's order."""
+        scale = self.scale.t().repeat_interleave(self.group, dim=1)
+        zero = self.zero.t().repeat_interleave(self.group, dim=1)
+        w = (self.q.float() - zero) * scale
+        if self.perm is None:
+            return w
+        ordered = torch.empty_like(w)
+        ordered[:, self.perm] = w
+        return ordered
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(torch.equal(a, b))
+
+
+@dataclass(frozen=True)
+class Fp8Channels(_Channels):
+    """float8 e4m3 per output channel (q float8_e4m3fn)."""
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Fp8Channels:
+        """Scale each row of `weight` [out, in] so its absolute maximum is e4m3's largest value."""
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+        q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return Fp8Channels(q, scale)
+
+
+Canonical = Int8Channels | Int4Groups | Fp8Channels
+
+
+def cat(parts: Sequence[Canonical]) -> Canonical:
+    """Concatenate canonical weights of one kind along their output rows."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"cannot fuse weights quantized differently: {sorted(k.__name__ for k in kinds)}"
+        )
+    return parts[0].cat(parts)  # type: ignore[arg-type]
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+
+class Int8Linear:
+    """int8 weight-only GEMM (module doc's table). On the CPU the kernel reads bfloat16
+    activations and scales; on CUDA the model's dtype."""
+
+    method = "int8"
+
+    def __init__(self, weight: Int8Channels, device: torch.device, act_dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.device = device
+        self.act_dtype = act_dtype
+        self.q = weight.q.to(device).contiguous()
+        # The kernel multiplies by the scale in the activations' dtype: round it once here.
+        self.scale = weight.scale.to(device=device, dtype=act_dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = _rows(x).to(self.act_dtype)
+        if self.device.type == "cuda" and rows.shape[0] > CUDA_INT8_KERNEL_ROWS:
+            out = F.linear(rows, self.q.to(self.act_dtype)) * self.scale
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return _add_bias(out, bias)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x).to(self.act_dtype).float()
+        w = self.q.float() * self.scale.float()[:, None]
+        out = (rows @ w.t()).to(self.act_dtype)
+        return out.float().reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.q, self.scale)
+
+
+def _inner_k_tiles(cols: int) -> int:
+    """tinygemm's tiles along the input (CUDA int4): the most of 8, 4, 2 that divide it in 16s."""
+    for tiles in (8, 4, 2):
+        if cols % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"CUDA's int4 kernel needs input widths in multiples of 32, not {cols}")
+
+
+class Int4Linear:
+    """Group-wise int4 weight-only GEMM (module doc's table), bfloat16 activations.
+
+    Both of torch's kernels compute w = (q - 8) * scale + offset per group; a zero point z is
+    the offset (8 - z) * scale, rounded with the scale to bfloat16 here, once."""
+
+    method = "int4"
+
+    def __init__(self, weight: Int4Groups, device: torch.device) -> None:
+        out, cols = weight.shape
+        self.out_features, self.in_features = out, cols
+        self.device = device
+        self.group = weight.group
+        if out % 16 or cols % weight.group:
+            raise ValueError(
+                f"int4 kernels need output widths in multiples of 16 and input widths in "
+                f"multiples of the group size {weight.group}; this projection is [{out}, {cols}]"
+            )
+        offset = (8.0 - weight.zero) * weight.scale
+        self.scales_and_zeros = (
+            torch.stack([weight.scale, offset], dim=-1).to(device=device, dtype=torch.bfloat16)
+        ).contiguous()  # [in / group, out, 2]
+        self.perm = None if weight.perm is None else weight.perm.to(device)
+        q = weight.q.to(device)
+        if device.type == "cuda":
+            self.tiles = _inner_k_tiles(cols)
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, self.tiles)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # Kept for `reference` only where cheap to hold: the tests' small weights.
+        self._levels = q if q.numel() <= REFERENCE_LEVELS else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = _rows(x).to(torch.bfloat16)
+        if self.perm is not None:
+            rows = rows[:, self.perm]
+        if self.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(
+                rows, self.packed, self.group, self.scales_and_zeros
+            )
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed, self.group, self.scales_and_zeros
+            )
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return _add_bias(out, bias)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self._levels is None:
+            raise ValueError("reference arithmetic is kept for small weights only")
+        sz = self.scales_and_zeros.float()
+        scale = sz[..., 0].t().repeat_interleave(self.group, dim=1)
+        offset = sz[..., 1].t().repeat_interleave(self.group, dim=1)
+        w = (self._levels.float() - 8.0) * scale + offset
+        rows = _rows(x).to(torch.bfloat16).float()
+        if self.perm is not None:
+            rows = rows[:, self.perm]
+        out = (rows @ w.t()).to(torch.bfloat16)
+        return out.float().reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.packed, self.scales_and_zeros, self.perm)
+
+
+# Weights of at most this many elements keep their 4-bit levels unpacked beside the kernel's
+# layout, for `Int4Linear.reference` (the tests' models; a real model's never do).
+REFERENCE_LEVELS = 1 << 20
+
+
+class Fp8Linear:
+    """W8A8 float8 GEMM through torch._scaled_mm: each token's activations scaled to e4m3's
+    range on the fly (per-token scales), the weight's scale per output channel. The result is
+    in the model's dtype."""
+
+    method = "fp8"
+
+    def __init__(self, weight: Fp8Channels, device: torch.device, out_dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.out_dtype = out_dtype
+        # _scaled_mm takes the weight as the column-major [in, out] operand: a transposed view.
+        self.q = weight.q.to(device).contiguous()
+        self.scale = weight.scale.to(device=device, dtype=torch.float32)[None, :]  # [1, out]
+
+    @staticmethod
+    def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, in] -> e4m3 rows and their float32 scales [M, 1]."""
+        scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+        q = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q, scale
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        q, scale = self.quantize_rows(_rows(x))
+        out = torch._scaled_mm(
+            q, self.q.t(), scale_a=scale, scale_b=self.scale, out_dtype=self.out_dtype
+        )
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return _add_bias(out, bias)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self.quantize_rows(_rows(x))
+        w = self.q.float() * self.scale.t()
+        out = ((q.float() * scale) @ w.t()).to(self.out_dtype)
+        return out.float().reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.q, self.scale)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a model's projections are quantized: `method` (`--quantize`'s value, or the format
+    of a pre-quantized checkpoint) and, for int4, the group size. The lm_head of int8 and int4
+    models is int8 (4 bits cost a vocabulary's logits too much); fp8 keeps it in the model's
+    dtype, as vLLM does."""
+
+    method: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in LOAD_METHODS:
+            raise ValueError(f"{self.method!r} is not one of {', '.join(LOAD_METHODS)}")
+        if self.method == "int4" and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 groups are {GROUP_SIZES} columns, not {self.group_size}")
+
+    def quantize(self, weight: torch.Tensor) -> Canonical:
+        """A projection's float weight [out, in] in this method's canonical form."""
+        if self.method == "int8":
+            return Int8Channels.quantize(weight)
+        if self.method == "int4":
+            assert self.group_size is not None
+            return Int4Groups.quantize(weight, self.group_size)
+        return Fp8Channels.quantize(weight)
+
+    def head(self, weight: torch.Tensor) -> Canonical | None:
+        """The lm_head's canonical form, or None where it stays in the model's dtype."""
+        return None if self.method == "fp8" else Int8Channels.quantize(weight)
+
+    def describe(self) -> str:
+        """One line for the start-up log and /info."""
+        if self.method == "int4":
+            return f"int4 weight-only, groups of {self.group_size}; lm_head int8"
+        if self.method == "int8":
+            return "int8 weight-only, per output channel; lm_head int8"
+        return "fp8 e4m3 weights per output channel, activations per token; lm_head unquantized"
+
+
+def kernel(weight: Canonical, device: torch.device, dtype: torch.dtype) -> QuantLinear:
+    """The kernel form of canonical `weight` on `device` for a model computing in `dtype`."""
+    if isinstance(weight, Int8Channels):
+        act = CPU_ACTIVATION_DTYPE if device.type == "cpu" else dtype
+        return Int8Linear(weight, device, act)
+    if isinstance(weight, Int4Groups):
+        return Int4Linear(weight, device)
+    return Fp8Linear(weight, device, dtype)
+
+
+def weight_bytes(weight: torch.Tensor | QuantLinear) -> int:
+    """Bytes a projection's weight holds, plain or quantized (packed oneDNN tensors by their
+    logical size)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.nbytes
