@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from tests.backends.models.test_families import NEW_FAMILIES, family_model
 from tests.backends.paged_driver import paged
 from tests.engine.test_engine import collect, run, tokenizer
+from tests.engine.test_prompt_prefix import generate_over_embeds
 from tests.engine.test_speculation import Counts
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
@@ -43,23 +44,7 @@ def greedy_params(**extra: Any) -> GenerateParameters:
 def reference(model: PreTrainedModel, ids: tuple[int, ...], prefix: torch.Tensor | None = None):
     """generate()'s greedy tokens after `ids` (behind `prefix`'s embedding rows), and the
     log-softmax of each step's logits."""
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(torch.tensor([ids]))
-        if prefix is not None:
-            embeds = torch.cat([prefix[None], embeds], dim=1)
-        out = model.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            max_new_tokens=NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0].tolist()[-NEW:]
-    logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
-    return tokens, logprobs
+    return generate_over_embeds(model, ids, prefix, NEW)
 
 
 class ReferenceProposer:

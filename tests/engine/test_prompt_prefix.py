@@ -5,10 +5,12 @@ both forward paths of the slot engine, alone and in batches that mix prefixes.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from tests.engine.test_engine import PROMPTS, collect, hf_model, request, run, tokenizer
 from tests.engine.test_engine_paged import make_engine as make_paged_engine
@@ -31,21 +33,33 @@ def prefix_of(hf_model, length: int, seed: int, name: str) -> PromptPrefix:
     return PromptPrefix(name, rows, name.encode())
 
 
-def reference(hf_model, req: GenerationRequest) -> list[int]:
-    """Greedy tokens of transformers' generate over [prefix embeddings; input embeddings]."""
+def generate_over_embeds(
+    model: PreTrainedModel, ids: Sequence[int], prefix: torch.Tensor | None, new_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy generate over [prefix rows; the embeddings of `ids`] (no EOS
+    stop): the new tokens, and the log-softmax of each step's logits."""
     with torch.no_grad():
-        embeds = hf_model.get_input_embeddings()(torch.tensor([req.input_ids]))
-        if req.prefix is not None:
-            embeds = torch.cat([req.prefix.embeddings[None], embeds], dim=1)
-        out = hf_model.generate(
+        embeds = model.get_input_embeddings()(torch.tensor([list(ids)]))
+        if prefix is not None:
+            embeds = torch.cat([prefix[None], embeds], dim=1)
+        out = model.generate(
             inputs_embeds=embeds,
             attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-    return out[0].tolist()[-NEW_TOKENS:]
+    logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
+    return out.sequences[0].tolist()[-new_tokens:], logprobs
+
+
+def reference(hf_model, req: GenerationRequest) -> list[int]:
+    """Greedy tokens of transformers' generate over [prefix embeddings; input embeddings]."""
+    prefix = req.prefix.embeddings if req.prefix is not None else None
+    return generate_over_embeds(hf_model, req.input_ids, prefix, NEW_TOKENS)[0]
 
 
 def slot_engine(demo_model_dir: Path, tokenizer) -> Engine:

@@ -318,8 +318,9 @@ QUANTIZE_INSTEAD = {
     "bitsandbytes-nf4": "use --quantize int4 (4-bit weights in groups)",
     "bitsandbytes-fp4": "use --quantize int4 (4-bit weights in groups)",
 }
-# Formats of pre-quantized checkpoints (config.json's quantization_config.quant_method).
-CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "fp8", "bitsandbytes", "marlin", "exl2")
+# TGI's --quantize values that name formats of pre-quantized checkpoints (config.json's
+# quantization_config.quant_method), none of them a method tgis computes at load.
+CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "marlin", "exl2")
 
 
 def checkpoint_quantization(config: Mapping[str, Any]) -> str | None:
@@ -359,7 +360,7 @@ def quantization(
         return None, None
     if method in QUANTIZE_INSTEAD:
         raise ConfigError(f"{label} is not a tgis method", QUANTIZE_INSTEAD[method])
-    if method in CHECKPOINT_FORMATS and method not in QUANTIZE_METHODS:
+    if method in CHECKPOINT_FORMATS:
         raise ConfigError(
             f"{label} names a format of pre-quantized checkpoints, not one tgis computes at load",
             f"use one of {', '.join(QUANTIZE_METHODS)}",

@@ -19,6 +19,7 @@ from tgis.backends.common.quant import (
     Quantization,
     cat,
     kernel,
+    reference,
 )
 
 CPU = torch.device("cpu")
@@ -94,18 +95,19 @@ def test_act_order_columns_dequantize_in_the_inputs_order() -> None:
     assert torch.equal(restored[:, perm], grouped.dequantize())
     x = torch.randn(3, 64)
     op = Int4Linear(ordered, CPU)
-    torch.testing.assert_close(op(x), op.reference(x), atol=0, rtol=0)
+    torch.testing.assert_close(op(x), reference(ordered, x, torch.float32), atol=0, rtol=0)
     assert _relative_error(op(x), x @ restored.t()) < 0.01
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_int8_kernel_equals_its_reference(rows: int) -> None:
     w = _weight(48, 96)
-    op = Int8Linear(Int8Channels.quantize(w), CPU, torch.bfloat16)
+    canon = Int8Channels.quantize(w)
+    op = Int8Linear(canon, CPU, torch.bfloat16)
     x = torch.randn(rows, 96)
     out = op(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
-    torch.testing.assert_close(out, op.reference(x), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, reference(canon, x, torch.float32), atol=1e-2, rtol=1e-2)
     # And within bfloat16's rounding of the float weight's product.
     assert _relative_error(out, x @ w.t()) < 0.01
 
@@ -113,11 +115,12 @@ def test_int8_kernel_equals_its_reference(rows: int) -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_kernel_equals_its_reference(group: int) -> None:
     w = _weight(32, 256)
-    op = Int4Linear(Int4Groups.quantize(w, group), CPU)
+    canon = Int4Groups.quantize(w, group)
+    op = Int4Linear(canon, CPU)
     x = torch.randn(2, 7, 256)
     out = op(x)
     assert out.shape == (2, 7, 32)
-    torch.testing.assert_close(out, op.reference(x), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, reference(canon, x, torch.float32), atol=1e-2, rtol=1e-2)
 
 
 def test_int4_kernel_refuses_widths_it_cannot_pack() -> None:
@@ -129,12 +132,13 @@ def test_fp8_kernel_scales_each_token_on_its_own() -> None:
     """Per-token activation scales: a row's output does not depend on the other rows (one
     huge row beside it changes nothing but the GEMM's summation order)."""
     w = _weight(32, 64)
-    op = Fp8Linear(Fp8Channels.quantize(w), CPU, torch.float32)
+    canon = Fp8Channels.quantize(w)
+    op = Fp8Linear(canon, CPU, torch.float32)
     x = torch.randn(4, 64)
     alone = op(x[:1])
     beside_huge = op(torch.cat([x[:1], 1000 * x[1:]]))[:1]
     torch.testing.assert_close(alone, beside_huge, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(op(x), op.reference(x), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(op(x), reference(canon, x, torch.float32), atol=1e-4, rtol=1e-4)
     assert _relative_error(op(x), x @ w.t()) < 0.05
 
 
@@ -169,11 +173,13 @@ def test_cuda_kernels_equal_their_references(rows: int) -> None:
     cuda = torch.device("cuda")
     w = _weight(64, 256)
     x = torch.randn(rows, 256, device=cuda, dtype=torch.bfloat16)
-    ops = [
-        Int8Linear(Int8Channels.quantize(w), cuda, torch.bfloat16),
-        Int4Linear(Int4Groups.quantize(w, 64), cuda),
+    weights: list[Int8Channels | Int4Groups | Fp8Channels] = [
+        Int8Channels.quantize(w),
+        Int4Groups.quantize(w, 64),
     ]
     if torch.cuda.get_device_capability() >= (8, 9):
-        ops.append(Fp8Linear(Fp8Channels.quantize(w), cuda, torch.bfloat16))
-    for op in ops:
-        torch.testing.assert_close(op(x).float(), op.reference(x), atol=0.05, rtol=0.02)
+        weights.append(Fp8Channels.quantize(w))
+    for canon in weights:
+        op = kernel(canon, cuda, torch.bfloat16)
+        expected = reference(canon, x, torch.bfloat16)
+        torch.testing.assert_close(op(x).float(), expected, atol=0.05, rtol=0.02)

@@ -20,7 +20,7 @@ from tests.backends.conftest import PROMPTS
 from tests.backends.models.test_families import NEW_FAMILIES, _store, family_model, hf_logits
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import make_lora_adapter
-from tgis.backends.common.quant import Int4Linear, Int8Linear, Quantization, kernel
+from tgis.backends.common.quant import Canonical, Int4Linear, Int8Linear, Quantization, reference
 from tgis.backends.models.moe import MoeMlp
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.backend import PackedItem
@@ -62,9 +62,9 @@ def model_of(name: str, seed: int) -> PreTrainedModel:
 def quantized_reference(model: PreTrainedModel, quantization: Quantization) -> PreTrainedModel:
     """A copy of `model` whose projections (and lm_head, as `quantization` says) compute their
     quantized weight's reference arithmetic, each quantized on its own."""
-    reference = copy.deepcopy(model)
+    model_copy = copy.deepcopy(model)
     dtype = next(model.parameters()).dtype
-    for name, module in reference.named_modules():
+    for name, module in model_copy.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         leaf = name.rsplit(".", 1)[-1]
@@ -76,16 +76,15 @@ def quantized_reference(model: PreTrainedModel, quantization: Quantization) -> P
             continue
         if canon is None:
             continue
-        op = kernel(canon, torch.device("cpu"), dtype)
-        module.forward = _computing(op.reference, module.bias)  # type: ignore[method-assign]
-    return reference
+        module.forward = _computing(canon, dtype, module.bias)  # type: ignore[method-assign]
+    return model_copy
 
 
 def _computing(
-    reference: Callable[[torch.Tensor], torch.Tensor], bias: torch.Tensor | None
+    canon: Canonical, dtype: torch.dtype, bias: torch.Tensor | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = reference(x).to(x.dtype)
+        out = reference(canon, x, dtype).to(x.dtype)
         return out if bias is None else out + bias
 
     return forward

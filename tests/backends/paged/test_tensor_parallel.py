@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from tests.engine.test_engine import PROMPTS, collect, request, run
 from tests.factories import save_model, tiny_model
+from tgis.backends.common.quant import Quantization
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.tensor_parallel import (
     ShardSettings,
@@ -36,11 +37,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def settings(model_dir: Path, world: int = 2, device: str = "cpu") -> ShardSettings:
+def settings(
+    model_dir: Path, world: int = 2, device: str = "cpu", quantization: Quantization | None = None
+) -> ShardSettings:
     return ShardSettings(
         model_dir=str(model_dir), device=device, dtype="float32", max_sequences=8,
         max_sequence_tokens=TOKENS, max_prefill_tokens=64, kv_tokens=8 * TOKENS,
         memory_fraction=None, master_addr="127.0.0.1", master_port=free_port(), world=world,
+        quantization=quantization,
     )  # fmt: skip
 
 
@@ -74,8 +78,11 @@ def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model, tmp_path_factory.mktemp("gqa"))
 
 
-def check_two_shards(model_dir: Path, device: str) -> None:
-    """Two shards' greedy tokens equal one device's, alone and batched; workers end on close."""
+def check_two_shards(
+    model_dir: Path, device: str, quantization: Quantization | None = None
+) -> None:
+    """Two shards' greedy tokens equal one device's, alone and batched; workers end on close.
+    `quantization`: both quantize the weights at load (each shard its own slices)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reqs = [
         request(tokenizer, PROMPTS[i % len(PROMPTS)], f"r{i}", max_new_tokens=10, ignore_eos=True)
@@ -83,7 +90,7 @@ def check_two_shards(model_dir: Path, device: str) -> None:
     ]
     one = PagedTorchBackend.load(
         model_dir, device, "float32", max_sequences=8, max_sequence_tokens=TOKENS,
-        max_prefill_tokens=64, kv_tokens=8 * TOKENS,
+        max_prefill_tokens=64, kv_tokens=8 * TOKENS, quantization=quantization,
     )  # fmt: skip
     engine = engine_over(one, tokenizer)
     try:
@@ -91,7 +98,7 @@ def check_two_shards(model_dir: Path, device: str) -> None:
     finally:
         engine.stop()
     assert len({tuple(t) for t in expected}) > 1
-    sharded = TensorParallelBackend(settings(model_dir, device=device))
+    sharded = TensorParallelBackend(settings(model_dir, device=device, quantization=quantization))
     engine = engine_over(sharded, tokenizer)
     try:
         assert sharded.capacity.kv_tokens == one.capacity.kv_tokens
@@ -101,6 +108,12 @@ def check_two_shards(model_dir: Path, device: str) -> None:
         engine.stop()
         sharded.close()
     assert all(not w.is_alive() for w in sharded.group.workers)
+
+
+def test_two_int4_shards_generate_what_one_int4_device_does(demo_model_dir: Path) -> None:
+    """int4 groups never straddle a shard, so each shard's quantized slices are one device's
+    quantized weight, sliced: the same tokens."""
+    check_two_shards(demo_model_dir, "cpu", Quantization("int4", 32))
 
 
 @pytest.mark.parametrize("which", ["demo", "tiny-gqa"])

@@ -9,8 +9,9 @@ A quantized weight exists in two forms:
   float weight it stands for. Quantizing a checkpoint's float weights at load (`--quantize
   int8|int4|fp8`) and reading a pre-quantized checkpoint's tensors both end here;
 - a **kernel** one (`QuantLinear`): the canonical tensors moved into the layout one kernel reads
-  on one device, called as `gemm.linear` calls a plain weight. `reference(x)` computes in float32
-  what the kernel computes, from the same rounded scales: the tests hold each kernel to it.
+  on one device, called as `gemm.linear` calls a plain weight. `reference(weight, x, dtype)`
+  computes in float32 from the canonical form what the kernel computes, rounding where the
+  kernel rounds: the tests hold each kernel to it.
 
 The kernels are torch's own:
 
@@ -28,18 +29,16 @@ to the model's dtype. Norms, attention and the residual stream stay in the model
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Self
 
 import torch
 import torch.nn.functional as F
 
-# `--quantize` values that quantize a checkpoint's float weights at load.
-LOAD_METHODS = ("int8", "int4", "fp8")
-# Group sizes of `--quantize int4` (`--quantize-group-size`): columns sharing one scale and zero.
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
+from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS
+
 # The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
 # where reading the weight is the cost (decode), not where the matmul's arithmetic is (prefill).
 CUDA_INT8_KERNEL_ROWS = 32
@@ -50,25 +49,21 @@ MIN_SCALE = 1e-12
 CPU_ACTIVATION_DTYPE = torch.bfloat16
 
 
-class QuantLinear(Protocol):
+class QuantLinear(ABC):
     """A quantized [out, in] weight in one kernel's layout: what `gemm.linear` multiplies by."""
 
     method: str
     in_features: int
     out_features: int
 
+    @abstractmethod
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
-        ...
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """What __call__ computes, in plain float32 torch from this weight's own values."""
-        ...
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes the weight holds on its device."""
-        ...
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
@@ -219,7 +214,27 @@ def cat(parts: Sequence[Canonical]) -> Canonical:
 # --- kernels -------------------------------------------------------------------------------
 
 
-class Int8Linear:
+def _int8_activations(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the int8 kernel reads activations and scales in (module doc)."""
+    return CPU_ACTIVATION_DTYPE if device.type == "cpu" else dtype
+
+
+def _scales_and_offsets(weight: Int4Groups) -> torch.Tensor:
+    """int4's scales and offsets as torch's kernels take them, [in / group, out, 2] bfloat16:
+    both compute w = (q - 8) * scale + offset per group, so a zero point z is the offset
+    (8 - z) * scale, rounded with the scale to bfloat16 once."""
+    offset = (8.0 - weight.zero) * weight.scale
+    return torch.stack([weight.scale, offset], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, in] -> e4m3 rows and their float32 scales [M, 1] (one per token)."""
+    scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+class Int8Linear(QuantLinear):
     """int8 weight-only GEMM (module doc's table). On the CPU the kernel reads bfloat16
     activations and scales; on CUDA the model's dtype."""
 
@@ -242,12 +257,6 @@ class Int8Linear:
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return _add_bias(out, bias)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x).to(self.act_dtype).float()
-        w = self.q.float() * self.scale.float()[:, None]
-        out = (rows @ w.t()).to(self.act_dtype)
-        return out.float().reshape(*x.shape[:-1], self.out_features)
-
     @property
     def nbytes(self) -> int:
         return _bytes(self.q, self.scale)
@@ -261,11 +270,9 @@ def _inner_k_tiles(cols: int) -> int:
     raise ValueError(f"CUDA's int4 kernel needs input widths in multiples of 32, not {cols}")
 
 
-class Int4Linear:
-    """Group-wise int4 weight-only GEMM (module doc's table), bfloat16 activations.
-
-    Both of torch's kernels compute w = (q - 8) * scale + offset per group; a zero point z is
-    the offset (8 - z) * scale, rounded with the scale to bfloat16 here, once."""
+class Int4Linear(QuantLinear):
+    """Group-wise int4 weight-only GEMM (module doc's table), bfloat16 activations and the
+    scales and offsets of `_scales_and_offsets`."""
 
     method = "int4"
 
@@ -279,10 +286,7 @@ class Int4Linear:
                 f"int4 kernels need output widths in multiples of 16 and input widths in "
                 f"multiples of the group size {weight.group}; this projection is [{out}, {cols}]"
             )
-        offset = (8.0 - weight.zero) * weight.scale
-        self.scales_and_zeros = (
-            torch.stack([weight.scale, offset], dim=-1).to(device=device, dtype=torch.bfloat16)
-        ).contiguous()  # [in / group, out, 2]
+        self.scales_and_zeros = _scales_and_offsets(weight).to(device)
         self.perm = None if weight.perm is None else weight.perm.to(device)
         q = weight.q.to(device)
         if device.type == "cuda":
@@ -291,8 +295,6 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, self.tiles)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        # Kept for `reference` only where cheap to hold: the tests' small weights.
-        self._levels = q if q.numel() <= REFERENCE_LEVELS else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = _rows(x).to(torch.bfloat16)
@@ -309,30 +311,12 @@ class Int4Linear:
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return _add_bias(out, bias)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        if self._levels is None:
-            raise ValueError("reference arithmetic is kept for small weights only")
-        sz = self.scales_and_zeros.float()
-        scale = sz[..., 0].t().repeat_interleave(self.group, dim=1)
-        offset = sz[..., 1].t().repeat_interleave(self.group, dim=1)
-        w = (self._levels.float() - 8.0) * scale + offset
-        rows = _rows(x).to(torch.bfloat16).float()
-        if self.perm is not None:
-            rows = rows[:, self.perm]
-        out = (rows @ w.t()).to(torch.bfloat16)
-        return out.float().reshape(*x.shape[:-1], self.out_features)
-
     @property
     def nbytes(self) -> int:
         return _bytes(self.packed, self.scales_and_zeros, self.perm)
 
 
-# Weights of at most this many elements keep their 4-bit levels unpacked beside the kernel's
-# layout, for `Int4Linear.reference` (the tests' models; a real model's never do).
-REFERENCE_LEVELS = 1 << 20
-
-
-class Fp8Linear:
+class Fp8Linear(QuantLinear):
     """W8A8 float8 GEMM through torch._scaled_mm: each token's activations scaled to e4m3's
     range on the fly (per-token scales), the weight's scale per output channel. The result is
     in the model's dtype."""
@@ -346,26 +330,13 @@ class Fp8Linear:
         self.q = weight.q.to(device).contiguous()
         self.scale = weight.scale.to(device=device, dtype=torch.float32)[None, :]  # [1, out]
 
-    @staticmethod
-    def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [M, in] -> e4m3 rows and their float32 scales [M, 1]."""
-        scale = (rows.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
-        q = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return q, scale
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        q, scale = self.quantize_rows(_rows(x))
+        q, scale = _fp8_rows(_rows(x))
         out = torch._scaled_mm(
             q, self.q.t(), scale_a=scale, scale_b=self.scale, out_dtype=self.out_dtype
         )
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return _add_bias(out, bias)
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale = self.quantize_rows(_rows(x))
-        w = self.q.float() * self.scale.t()
-        out = ((q.float() * scale) @ w.t()).to(self.out_dtype)
-        return out.float().reshape(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
@@ -383,10 +354,12 @@ class Quantization:
     group_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in LOAD_METHODS:
-            raise ValueError(f"{self.method!r} is not one of {', '.join(LOAD_METHODS)}")
-        if self.method == "int4" and self.group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 groups are {GROUP_SIZES} columns, not {self.group_size}")
+        if self.method not in QUANTIZE_METHODS:
+            raise ValueError(f"{self.method!r} is not one of {', '.join(QUANTIZE_METHODS)}")
+        if self.method == "int4" and self.group_size not in QUANTIZE_GROUP_SIZES:
+            raise ValueError(
+                f"int4 groups are {QUANTIZE_GROUP_SIZES} columns, not {self.group_size}"
+            )
 
     def quantize(self, weight: torch.Tensor) -> Canonical:
         """A projection's float weight [out, in] in this method's canonical form."""
@@ -413,16 +386,33 @@ class Quantization:
 def kernel(weight: Canonical, device: torch.device, dtype: torch.dtype) -> QuantLinear:
     """The kernel form of canonical `weight` on `device` for a model computing in `dtype`."""
     if isinstance(weight, Int8Channels):
-        act = CPU_ACTIVATION_DTYPE if device.type == "cpu" else dtype
-        return Int8Linear(weight, device, act)
+        return Int8Linear(weight, device, _int8_activations(device, dtype))
     if isinstance(weight, Int4Groups):
         return Int4Linear(weight, device)
     return Fp8Linear(weight, device, dtype)
 
 
-def weight_bytes(weight: torch.Tensor | QuantLinear) -> int:
-    """Bytes a projection's weight holds, plain or quantized (packed oneDNN tensors by their
-    logical size)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.numel() * weight.element_size()
-    return weight.nbytes
+def reference(
+    weight: Canonical, x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """What `kernel(weight, device, dtype)` computes for x [..., in], in plain float32 torch
+    from the canonical values, rounded where the kernel rounds (activations, scales and
+    outputs to the dtype it reads and writes): float32 [..., out]. `device`: x's by default."""
+    device = device or x.device
+    rows = _rows(x)
+    if isinstance(weight, Int8Channels):
+        act = _int8_activations(device, dtype)
+        w = weight.q.float() * weight.scale.to(act).float()[:, None]
+        out = (rows.to(act).float() @ w.t()).to(act)
+    elif isinstance(weight, Int4Groups):
+        pairs = _scales_and_offsets(weight).float()
+        scale, offset = (pairs[..., i].t().repeat_interleave(weight.group, dim=1) for i in (0, 1))
+        w = (weight.q.float() - 8.0) * scale + offset
+        inputs = rows.to(torch.bfloat16).float()
+        if weight.perm is not None:
+            inputs = inputs[:, weight.perm]
+        out = (inputs @ w.t()).to(torch.bfloat16)
+    else:
+        q, scale = _fp8_rows(rows)
+        out = ((q.float() * scale) @ weight.dequantize().t()).to(dtype)
+    return out.float().reshape(*x.shape[:-1], weight.shape[0])

@@ -50,7 +50,7 @@ from tgis.backends.common.gemm import linear, pack
 from tgis.backends.common.kv import KVShape, sliding_windows
 from tgis.backends.common.quant import Quantization, QuantLinear, kernel
 from tgis.backends.models.families import Family, family_of_model
-from tgis.backends.models.moe import MoeMlp, moe_block
+from tgis.backends.models.moe import MoeMlp, moe_block, released
 
 if TYPE_CHECKING:
     from tgis.backends.models.parallel import TensorParallel
@@ -79,28 +79,29 @@ def native_kv_shape(model: PreTrainedModel) -> KVShape:
     )
 
 
+# A projection's weight as `gemm.linear` takes it: a tensor [out, in] (plain or oneDNN-packed) or
+# a quantized one (common/quant.py).
+Weight = torch.Tensor | QuantLinear
+
+
 def _fuse(
     linears: list[nn.Linear],
     transposed: bool,
-    packed: bool = False,
-    quantize: Callable[[torch.Tensor], QuantLinear] | None = None,
-) -> tuple[torch.Tensor | QuantLinear, torch.Tensor | None]:
+    convert: Callable[[torch.Tensor], Weight] | None = None,
+) -> tuple[Weight, torch.Tensor | None]:
     """Concatenate the weights (and biases) of `linears` along the output dimension, then make
     each module's parameters views of the fused tensors (one copy of the weights in memory).
 
     Returns the weight as `gemm.linear` takes it, [out, in]. With `transposed` it is a view of a
     contiguous [in, out] tensor: MKL's fp32 GEMM is faster on that layout for the few-row
     inputs of decode (~20% at one row, ~5% at 16 measured on AVX-512); bf16 and CUDA GEMMs
-    are not, so they keep [out, in]. With `packed` it is oneDNN's packed copy (gemm.pack),
-    with `quantize` what that makes of the fused float weight (common/quant.py); either way the
+    are not, so they keep [out, in]. With `convert` it is what that makes of the fused float
+    weight (oneDNN's packed copy, gemm.pack, or a quantized one, common/quant.py), and the
     modules' weights move to the meta device (module doc).
     """
-    released = packed or quantize is not None
-    weight: torch.Tensor | QuantLinear
-    if quantize is not None:
-        weight = quantize(torch.cat([m.weight for m in linears]))
-    elif packed:
-        weight = pack(torch.cat([m.weight for m in linears]))
+    weight: Weight
+    if convert is not None:
+        weight = convert(torch.cat([m.weight for m in linears]))
     elif transposed:
         storage = torch.cat([m.weight.t() for m in linears], dim=1)  # [in, out], contiguous
         weight = storage.t()
@@ -114,8 +115,8 @@ def _fuse(
     offset = 0
     for m in linears:
         rows = m.out_features
-        if released:
-            m.weight = _released(m.weight)
+        if convert is not None:
+            m.weight = released(m.weight)
         else:
             assert isinstance(weight, torch.Tensor)
             m.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
@@ -123,17 +124,6 @@ def _fuse(
             m.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
         offset += rows
     return weight, bias
-
-
-def _released(weight: torch.Tensor) -> nn.Parameter:
-    """A parameter of `weight`'s shape and dtype on the meta device: the HF module keeps its
-    shape while the forward holds the only (packed) copy of the values."""
-    return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
-
-
-# A projection's weight as `gemm.linear` takes it: a tensor [out, in] (plain or oneDNN-packed) or
-# a quantized one (common/quant.py).
-Weight = torch.Tensor | QuantLinear
 
 
 @dataclass(frozen=True)
@@ -273,7 +263,7 @@ class DecoderWeights:
         else:
             return head.weight
         if head.weight is not model.get_input_embeddings().weight:
-            head.weight = _released(head.weight)
+            head.weight = released(head.weight)
         return weight
 
     def _quantizer(self) -> Callable[[torch.Tensor], QuantLinear] | None:
@@ -289,7 +279,7 @@ class DecoderWeights:
 
     def _fused(self, linears: list[nn.Linear]) -> tuple[Weight, torch.Tensor | None]:
         """`linears` fused into one projection in this model's weight layout (see _fuse)."""
-        return _fuse(linears, self.transposed, self.packed, self._quantizer())
+        return _fuse(linears, self.transposed, pack if self.packed else self._quantizer())
 
     @property
     def cos(self) -> torch.Tensor:
@@ -387,8 +377,8 @@ class DecoderWeights:
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
                 for f in dataclasses.fields(value):
                     visit(getattr(value, f.name))
-            elif hasattr(value, "nbytes") and hasattr(value, "reference"):  # QuantLinear
-                total += int(value.nbytes)  # type: ignore[attr-defined]
+            elif isinstance(value, QuantLinear):
+                total += value.nbytes
 
         for part in (*self.layers, self.embed, self.final_norm, self.lm_head):
             visit(part)

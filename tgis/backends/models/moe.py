@@ -128,9 +128,11 @@ def _stack(groups: list[list[nn.Linear]]) -> torch.Tensor:
     return stacked
 
 
-def _meta(weight: torch.Tensor) -> torch.Tensor:
-    """A tensor of `weight`'s shape and dtype on the meta device (its values live elsewhere)."""
-    return torch.empty_like(weight, device="meta")
+def released(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of `weight`'s shape and dtype on the meta device: an HF module (or a
+    stacked tensor) keeps its shape while the forward holds the only (packed or quantized) copy
+    of the values."""
+    return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
 def _projections(
@@ -231,10 +233,10 @@ class MoeMlp:
             )
             if shared_gate_up is not None and shared_down is not None:
                 shared_kernels = (quantize(shared_gate_up), quantize(shared_down))
-                shared_gate_up, shared_down = _meta(shared_gate_up), _meta(shared_down)
-            gate_up, down_w = _meta(gate_up), _meta(down_w)
+                shared_gate_up, shared_down = released(shared_gate_up), released(shared_down)
+            gate_up, down_w = released(gate_up), released(down_w)
             for module in _projections(block, names, shared):
-                module.weight = nn.Parameter(_meta(module.weight), requires_grad=False)
+                module.weight = released(module.weight)
         return cls(
             router=block.gate.weight,
             gate_up=gate_up,

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tgis.backends.common.quant import Quantization
 from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
@@ -246,13 +247,13 @@ class ShardSettings:
     master_addr: str
     master_port: int
     world: int
-    quantize: str | None = None
-    quantize_group_size: int | None = None
+    quantization: Quantization | None = None
 
     @staticmethod
     def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
         """The settings of --num-shard N processes serving the model in `model_dir` under
         `config`; a ConfigError when fewer GPUs are visible than shards."""
+        from tgis.backends.choose import quantization_of
         from tgis.backends.common.device import layer_shape, resolve_dtype
 
         world = config.num_shard
@@ -280,8 +281,7 @@ class ShardSettings:
             master_addr=config.master_addr,
             master_port=config.master_port,
             world=world,
-            quantize=config.quantize,
-            quantize_group_size=config.quantize_group_size,
+            quantization=quantization_of(config),
         )
 
 
@@ -308,7 +308,6 @@ def _join(settings: ShardSettings, rank: int) -> torch.device:
 def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
     """This rank's PagedTorchBackend over its slices (in the group already)."""
     from tgis.backends.common.device import resolve_dtype
-    from tgis.backends.common.quant import Quantization
     from tgis.backends.paged.backend import PagedTorchBackend
 
     device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
@@ -324,11 +323,7 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         cuda_graphs=False,
         parallel=tp,
         packed_weights=None,
-        quantization=(
-            Quantization(settings.quantize, settings.quantize_group_size)
-            if settings.quantize
-            else None
-        ),
+        quantization=settings.quantization,
     )
 
 
