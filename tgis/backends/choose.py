@@ -35,7 +35,6 @@ from tgis.config.parse import flag
 from tgis.errors import BackendUnavailableError, ConfigError
 
 if TYPE_CHECKING:
-    from tgis.backends.common.quant import Quantization
     from tgis.engine.backend import Backend, PagedBackend
 
 log = logging.getLogger("tgis.backends")
@@ -180,15 +179,6 @@ def _refuse(config: ServeConfig, names: tuple[str, ...], message: str, fix: str 
         )
 
 
-def quantization_of(config: ServeConfig) -> Quantization | None:
-    """The weight quantization `config` asks the paged engine for, or None."""
-    if config.quantize is None:
-        return None
-    from tgis.backends.common.quant import Quantization
-
-    return Quantization(config.quantize, config.quantize_group_size)
-
-
 def load_backend(
     config: ServeConfig,
     model_dir: Path,
@@ -220,6 +210,7 @@ def load_backend(
         "compile_cache": Path(config.compile_cache) if config.compile_cache else None,
     }
     if choice.design == "paged":
+        from tgis.backends.common.quant import Quantization
         from tgis.backends.paged.backend import PagedTorchBackend
 
         return PagedTorchBackend.load(
@@ -230,7 +221,7 @@ def load_backend(
             memory_fraction=config.cuda_memory_fraction,
             cuda_graphs=config.cuda_graphs,
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
-            quantization=quantization_of(config),
+            quantization=Quantization.of(config),
         )
     if choice.design == "fallback":
         from tgis.backends.fallback.backend import TorchDynamicBackend

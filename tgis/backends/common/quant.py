@@ -37,7 +37,7 @@ from typing import Self
 import torch
 import torch.nn.functional as F
 
-from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS
+from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS, ServeConfig
 
 # The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
 # where reading the weight is the cost (decode), not where the matmul's arithmetic is (prefill).
@@ -360,6 +360,13 @@ class Quantization:
             raise ValueError(
                 f"int4 groups are {QUANTIZE_GROUP_SIZES} columns, not {self.group_size}"
             )
+
+    @classmethod
+    def of(cls, config: ServeConfig) -> Quantization | None:
+        """The quantization `config` asks the paged engine for (`--quantize`), or None."""
+        if config.quantize is None:
+            return None
+        return cls(config.quantize, config.quantize_group_size)
 
     def quantize(self, weight: torch.Tensor) -> Canonical:
         """A projection's float weight [out, in] in this method's canonical form."""

@@ -253,7 +253,6 @@ class ShardSettings:
     def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
         """The settings of --num-shard N processes serving the model in `model_dir` under
         `config`; a ConfigError when fewer GPUs are visible than shards."""
-        from tgis.backends.choose import quantization_of
         from tgis.backends.common.device import layer_shape, resolve_dtype
 
         world = config.num_shard
@@ -281,7 +280,7 @@ class ShardSettings:
             master_addr=config.master_addr,
             master_port=config.master_port,
             world=world,
-            quantization=quantization_of(config),
+            quantization=Quantization.of(config),
         )
 
 
