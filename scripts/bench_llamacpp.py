@@ -14,6 +14,11 @@ ignored, one server at a time, nothing else running.
 
     python scripts/bench_llamacpp.py --llama-server BIN --demo-gguf demo-f32.gguf \
         --smol-gguf smol-f32.gguf --workdir /tmp/tgis-bench --output runtime.json
+
+Quantized weights (docs/quantization.md): with `--quant-gguf int8=smol-q8_0.gguf` (and/or
+`int4=smol-q4_0.gguf`), tgis serve --quantize METHOD on the 135M model against llama-server on
+the GGUF of that quantization (ITL p50 at 1 stream, tokens/s at 16, peak RSS of each server);
+the float runs are skipped where their GGUFs are not given.
 """
 
 from __future__ import annotations
@@ -71,11 +76,12 @@ def serve_both(
     port: int,
     repeat: int = 1,
     compile: bool = False,
+    tgis_flags: tuple[str, ...] = (),
 ) -> dict[str, list[dict[str, Any]]]:
     """Each load (streams, requests) on tgis serve, then on llama-server; `repeat` rounds of
     both in turn, each figure the median of its rounds (this kind of machine drifts by tens of
     percent between runs). `compile`: tgis serves with --compile (its inductor caches kept in
-    the workdir, so later rounds start faster)."""
+    the workdir, so later rounds start faster). `tgis_flags`: more flags of tgis serve."""
     texts = prompts(model_dir, sum(n for _, n in loads) + 4, 100, seed=0)
     warm, rest = texts[:4], texts[4:]
     load_texts = []
@@ -89,6 +95,7 @@ def serve_both(
                 "--max-total-tokens", "512", "--max-batch-size", str(most)]  # fmt: skip
     if compile:
         tgis_cmd += ["--compile", "--compile-cache", str(workdir / "inductor-cache")]
+    tgis_cmd += list(tgis_flags)
     # One slot per stream, each with room for a prompt and its answer.
     llama_cmd = [llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-np", str(most), "-c", str(most * 512), "-t", str(os.cpu_count() or 1),
@@ -102,8 +109,8 @@ def serve_both(
             )  # fmt: skip
             rounds[server].append(
                 [
-                    summary(streams, res)
-                    for (streams, _), (res, _) in zip(load_texts, results, strict=True)
+                    summary(streams, res, rss)
+                    for (streams, _), (res, rss) in zip(load_texts, results, strict=True)
                 ]
             )
     return {server: median_rows(runs) for server, runs in rounds.items()}
@@ -114,15 +121,17 @@ def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for per_load in zip(*runs, strict=True):
         row: dict[str, Any] = {"streams": per_load[0]["streams"], "rounds": list(per_load)}
-        for key in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "output_tokens"):
+        for key in ("output_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "output_tokens",
+                    "peak_rss_mb"):  # fmt: skip
             row[key] = statistics.median(r[key] for r in per_load)
         row["errors"] = sum(r["errors"] for r in per_load)
         rows.append(row)
     return rows
 
 
-def summary(streams: int, res: Result) -> dict[str, Any]:
+def summary(streams: int, res: Result, rss: float) -> dict[str, Any]:
     return {
+        "peak_rss_mb": rss,
         "streams": streams,
         "output_tok_s": res.output_tokens / res.wall if res.wall else 0.0,
         "itl_p50_ms": pct(res.itl, 50) * 1000,
@@ -138,11 +147,37 @@ def at(rows: list[dict[str, Any]], streams: int) -> dict[str, Any]:
     return next(r for r in rows if r["streams"] == streams)
 
 
+# Targets of the ratios (tgis over llama.cpp): docs/performance.md and docs/quantization.md.
+TARGETS = {
+    "demo_itl_x1_tgis_over_llama": ("<=", 2.0),
+    "demo_tok_s_x16_tgis_over_llama": (">=", 1.0),
+    "demo_tok_s_x64_tgis_over_llama": (">=", 1.5),
+    "smol_itl_x1_tgis_over_llama": ("<=", 1.2),
+    "smol_itl_x1_served_over_bare": ("<=", 1.1),
+    "smol_int8_itl_x1_tgis_over_llama": ("<=", 1.0),
+    "smol_int8_tok_s_x16_tgis_over_llama": (">=", 1.5),
+    "smol_int4_itl_x1_tgis_over_llama": ("<=", 1.0),
+}
+
+
+def itl_ratio(table: dict[str, list[dict[str, Any]]], streams: int) -> float:
+    return at(table["tgis"], streams)["itl_p50_ms"] / at(table["llama.cpp"], streams)["itl_p50_ms"]
+
+
+def tok_s_ratio(table: dict[str, list[dict[str, Any]]], streams: int) -> float:
+    tgis, llama = at(table["tgis"], streams), at(table["llama.cpp"], streams)
+    return tgis["output_tok_s"] / llama["output_tok_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
-    parser.add_argument("--demo-gguf", type=Path, required=True, help="the demo model, f32 GGUF")
-    parser.add_argument("--smol-gguf", type=Path, required=True, help="the 135M model, f32 GGUF")
+    parser.add_argument("--demo-gguf", type=Path, help="the demo model, f32 GGUF")
+    parser.add_argument("--smol-gguf", type=Path, help="the 135M model, f32 GGUF")
+    parser.add_argument(
+        "--quant-gguf", action="append", default=[], metavar="METHOD=FILE",
+        help="tgis --quantize METHOD (int8, int4) against this GGUF of the 135M model",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench"))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=18090)
@@ -150,62 +185,69 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="tgis serve --compile")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
+    quantized = dict(item.split("=", 1) for item in args.quant_gguf)
+    if not quantized and not (args.demo_gguf and args.smol_gguf):
+        parser.error("give --demo-gguf and --smol-gguf, or --quant-gguf METHOD=FILE")
     args.workdir.mkdir(parents=True, exist_ok=True)
     smol_dir = build_model(args.workdir)
     started = time.time()
-    demo = serve_both("demo", DEMO_MODEL, args.demo_gguf, args.llama_server,
-                      [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port,
-                      args.repeat, args.compile)  # fmt: skip
-    smol = serve_both("smol", smol_dir, args.smol_gguf, args.llama_server,
-                      [(1, 3), (16, 32)], args.new_tokens, args.workdir, args.port,
-                      args.repeat, args.compile)  # fmt: skip
-    bare_ms = statistics.median(
-        bare_decode_ms(smol_dir, "float32", compile=args.compile)[0] for _ in range(args.repeat)
-    )
-    ratios = {
-        "demo_itl_x1_tgis_over_llama": at(demo["tgis"], 1)["itl_p50_ms"]
-        / at(demo["llama.cpp"], 1)["itl_p50_ms"],
-        "demo_tok_s_x16_tgis_over_llama": at(demo["tgis"], 16)["output_tok_s"]
-        / at(demo["llama.cpp"], 16)["output_tok_s"],
-        "demo_tok_s_x64_tgis_over_llama": at(demo["tgis"], 64)["output_tok_s"]
-        / at(demo["llama.cpp"], 64)["output_tok_s"],
-        "smol_itl_x1_tgis_over_llama": at(smol["tgis"], 1)["itl_p50_ms"]
-        / at(smol["llama.cpp"], 1)["itl_p50_ms"],
-        "smol_itl_x1_served_over_bare": at(smol["tgis"], 1)["itl_p50_ms"] / bare_ms,
-        "smol_tok_s_x16_tgis_over_llama": at(smol["tgis"], 16)["output_tok_s"]
-        / at(smol["llama.cpp"], 16)["output_tok_s"],
-    }
-    targets = {
-        "demo_itl_x1_tgis_over_llama": ("<=", 2.0),
-        "demo_tok_s_x16_tgis_over_llama": (">=", 1.0),
-        "demo_tok_s_x64_tgis_over_llama": (">=", 1.5),
-        "smol_itl_x1_tgis_over_llama": ("<=", 1.2),
-        "smol_itl_x1_served_over_bare": ("<=", 1.1),
-    }
+    tables: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    ratios: dict[str, float] = {}
+    bare_ms = None
+    if args.demo_gguf and args.smol_gguf:
+        demo = tables["demo"] = serve_both(
+            "demo", DEMO_MODEL, args.demo_gguf, args.llama_server,
+            [(1, 8), (16, 64), (64, 192)], args.new_tokens, args.workdir, args.port,
+            args.repeat, args.compile,
+        )  # fmt: skip
+        smol = tables["135M"] = serve_both(
+            "smol", smol_dir, args.smol_gguf, args.llama_server, [(1, 3), (16, 32)],
+            args.new_tokens, args.workdir, args.port, args.repeat, args.compile,
+        )  # fmt: skip
+        bare_ms = statistics.median(
+            bare_decode_ms(smol_dir, "float32", compile=args.compile)[0] for _ in range(args.repeat)
+        )
+        ratios.update({
+            "demo_itl_x1_tgis_over_llama": itl_ratio(demo, 1),
+            "demo_tok_s_x16_tgis_over_llama": tok_s_ratio(demo, 16),
+            "demo_tok_s_x64_tgis_over_llama": tok_s_ratio(demo, 64),
+            "smol_itl_x1_tgis_over_llama": itl_ratio(smol, 1),
+            "smol_itl_x1_served_over_bare": at(smol["tgis"], 1)["itl_p50_ms"] / bare_ms,
+            "smol_tok_s_x16_tgis_over_llama": tok_s_ratio(smol, 16),
+        })  # fmt: skip
+    for method, gguf in quantized.items():
+        table = tables[f"135M {method}"] = serve_both(
+            f"smol-{method}", smol_dir, Path(gguf), args.llama_server, [(1, 3), (16, 32)],
+            args.new_tokens, args.workdir, args.port, args.repeat, args.compile,
+            ("--quantize", method),
+        )  # fmt: skip
+        ratios[f"smol_{method}_itl_x1_tgis_over_llama"] = itl_ratio(table, 1)
+        ratios[f"smol_{method}_tok_s_x16_tgis_over_llama"] = tok_s_ratio(table, 16)
     print(f"\nCPU: {cpu_name()} ({os.cpu_count()} cores; {' '.join(cpu_flags())})")
-    print(f"{'model':<6}{'server':<11}{'streams':>8}{'tok/s':>10}{'ITL p50':>11}{'ITL p99':>11}"
-          f"{'TTFT p50':>11}{'err':>5}")  # fmt: skip
-    for name, table in (("demo", demo), ("135M", smol)):
+    print(f"{'model':<11}{'server':<11}{'streams':>8}{'tok/s':>10}{'ITL p50':>11}{'ITL p99':>11}"
+          f"{'TTFT p50':>11}{'RSS MB':>9}{'err':>5}")  # fmt: skip
+    for name, table in tables.items():
         for server, rows in table.items():
             for r in rows:
-                print(f"{name:<6}{server:<11}{r['streams']:>8}{r['output_tok_s']:>10.1f}"
+                print(f"{name:<11}{server:<11}{r['streams']:>8}{r['output_tok_s']:>10.1f}"
                       f"{r['itl_p50_ms']:>9.2f}ms{r['itl_p99_ms']:>9.2f}ms"
-                      f"{r['ttft_p50_ms']:>9.1f}ms{r['errors']:>5}")  # fmt: skip
-    print(f"135M bare in-process decode step, batch 1: {bare_ms:.2f} ms")
+                      f"{r['ttft_p50_ms']:>9.1f}ms{r['peak_rss_mb']:>9.0f}{r['errors']:>5}")  # fmt: skip
+    if bare_ms is not None:
+        print(f"135M bare in-process decode step, batch 1: {bare_ms:.2f} ms")
     if args.repeat > 1:
         print(f"(medians of {args.repeat} rounds, the servers in turn)")
     for key, value in ratios.items():
-        target = targets.get(key)
+        target = TARGETS.get(key)
         verdict = ""
         if target is not None:
             op, bound = target
             met = value <= bound if op == "<=" else value >= bound
             verdict = f"  (target {op} {bound}: {'met' if met else 'not met'})"
-        print(f"{key:<34}{value:>7.2f}{verdict}")
+        print(f"{key:<40}{value:>7.2f}{verdict}")
     if args.output:
         args.output.write_text(json.dumps({
             "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
-            "demo": demo, "smol": smol, "smol_bare_step_ms": bare_ms, "ratios": ratios,
+            **tables, "smol_bare_step_ms": bare_ms, "ratios": ratios,
             "minutes": (time.time() - started) / 60, "repeat": args.repeat,
             "compile": args.compile,
         }, indent=2))  # fmt: skip

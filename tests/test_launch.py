@@ -132,7 +132,9 @@ def test_quantized_weights_show_in_the_runtime_and_the_metrics(tmp_path: Path) -
     config = make_config(max_batch_total_tokens=512, dtype="float32", quantize="int8")
     facts = backend_runtime(load_backend(config, llama))
     assert facts["quantization"] == "int8"
-    assert facts["weights"] == "quantized: int8 weight-only, per output channel; lm_head int8"
+    assert facts["weights"] == (
+        "quantized: int8 weight-only, per output channel; lm_head unquantized"
+    )
     metrics = Metrics()
     info = ModelInfo.from_config(config, runtime=facts)
     tokenizer = tiny_tokenizer()

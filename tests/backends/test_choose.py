@@ -3,10 +3,12 @@ refuses every option that design cannot honour; `load_backend` loads what it cho
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.factories import make_model_dir
 from tgis.backends.choose import BackendChoice, choose_backend, load_backend
@@ -208,14 +210,50 @@ def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:
     )
 
 
-def test_a_pre_quantized_checkpoint_is_refused_with_the_way_to_serve_it() -> None:
-    gptq = {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4}}
-    text = refusal(gptq, backend="cpu")
-    assert text.startswith("the checkpoint's config.json declares gptq quantization")
-    assert "--quantize int8 or int4 or fp8" in text
-    assert "--quantize int8 asks for another method on top" in refusal(
-        gptq, backend="cpu", quantize="int8"
+def test_a_pre_quantized_checkpoint_is_detected_and_checked() -> None:
+    """quantization_config selects the method with no flag; repeating it is fine, asking for
+    another, a group size, fp8 on a CPU, --compile or a static backend is refused by name."""
+    gptq = {**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    config, _ = config_of(gptq, backend="cpu")
+    assert (config.quantize, config.quantize_group_size, config.quantized_checkpoint) == (
+        "gptq", 128, True,
+    )  # fmt: skip
+    assert choose(gptq, backend="cpu").reason == (
+        "the paged forward runs llama over gptq (groups of 128) weights"
     )
+    config, _ = config_of(gptq, backend="cpu", quantize="gptq")
+    assert config.quantize == "gptq"
+    text = refusal(gptq, backend="cpu", quantize="int8")
+    assert text.startswith("--quantize int8 asks for another quantization of a checkpoint")
+    assert "gptq checkpoint, 4-bit weights in groups of 128" in text
+    assert "drop --quantize (QUANTIZE)" in text
+    assert "stored" in refusal(gptq, backend="cpu", quantize_group_size=64)
+    assert "folds plain weights" in refusal(gptq, backend="cpu", compile=True)
+    assert "the tpu backend runs its own" in refusal(gptq, backend="tpu", max_batch_size=1)
+    fp8 = {**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert "a CPU has no fast float8 matmul" in refusal(fp8, backend="cpu")
+    config, _ = config_of(fp8, backend="cuda")
+    assert (config.quantize, config.quantize_group_size) == ("fp8", None)
+    refused = {
+        "quantization_config.bits is 8": {"quant_method": "gptq", "bits": 8},
+        "quantization_config.version is 'gemv'": {"quant_method": "awq", "bits": 4, "version": "gemv"},
+        "quantization_config.quant_method is 'bitsandbytes'": {"quant_method": "bitsandbytes"},
+        "quantization_config.format is 'marlin-24'": {
+            "quant_method": "compressed-tensors", "format": "marlin-24",
+        },
+        "quantization_config.config_groups.group_0.weights.strategy is 'tensor'": {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"weights": {
+                "num_bits": 4, "type": "int", "strategy": "tensor",
+            }}},
+        },
+    }  # fmt: skip
+    for expected, declared in refused.items():
+        text = refusal({**LLAMA, "quantization_config": declared}, backend="cpu")
+        assert text.startswith(f"config.json's {expected}"), text
+        assert "--quantize int8 or int4" in text
+    text = refusal(LLAMA, backend="cpu", quantize="gptq")
+    assert "this checkpoint's config.json declares no quantization_config" in text
 
 
 def test_int4_groups_must_fit_each_shards_columns() -> None:
@@ -235,3 +273,30 @@ def test_load_backend_quantizes_the_weights(tmp_path: Path) -> None:
     backend = load_backend(config, llama)
     assert isinstance(backend, PagedTorchBackend)
     assert backend.runtime()["quantization"] == "int8"
+
+
+def test_load_backend_reads_a_pre_quantized_checkpoint(tmp_path: Path) -> None:
+    """A GPTQ checkpoint resolves to its method with no flag and loads as stored: /info's
+    runtime names it, and the projections run the int4 kernel."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.backends.common.test_quant_checkpoint import write_checkpoint
+    from tgis.backends.common.quant import Int4Linear
+
+    llama = make_model_dir(tmp_path / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    gptq = write_checkpoint(model, tmp_path / "gptq", "gptq-v2").model_dir
+    for path in llama.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors"):
+            shutil.copy(path, gptq / path.name)
+    flags = {"backend": "cpu", "max_total_tokens": 64, "max_batch_total_tokens": 512}
+    config, _ = config_of(dict(read_model_facts(gptq).config), **flags)
+    assert (config.quantize, config.quantized_checkpoint) == ("gptq", True)
+    backend = load_backend(config, gptq)
+    assert isinstance(backend, PagedTorchBackend)
+    assert backend.runtime()["quantization"] == "gptq"
+    assert (
+        backend.weights
+        == "quantized: gptq checkpoint, 4-bit weights in groups of 32; lm_head as stored"
+    )
+    assert isinstance(backend.path.layers[0].qkv_w, Int4Linear)

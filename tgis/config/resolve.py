@@ -105,7 +105,7 @@ def build_serve_config(
     lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
     impl = model_impl(backend, values, r)
-    quantize, group_size = quantization(backend, values, r, facts.config)
+    quantize, group_size, from_checkpoint = quantization(backend, values, r, facts.config)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
     if values["cuda_graphs"] and not warmup_enabled:
         raise ConfigError(
@@ -156,6 +156,7 @@ def build_serve_config(
         model_impl=impl,
         quantize=quantize,
         quantize_group_size=group_size,
+        quantized_checkpoint=from_checkpoint,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=values["cuda_graphs"],

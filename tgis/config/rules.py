@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tgis.config.checkpoint_quant import CheckpointQuant
 from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
 from tgis.config.types import (
@@ -319,37 +320,61 @@ QUANTIZE_INSTEAD = {
     "bitsandbytes-fp4": "use --quantize int4 (4-bit weights in groups)",
 }
 # TGI's --quantize values that name formats of pre-quantized checkpoints (config.json's
-# quantization_config.quant_method), none of them a method tgis computes at load.
+# quantization_config.quant_method): detected from the checkpoint, never computed at load.
 CHECKPOINT_FORMATS = ("gptq", "awq", "compressed-tensors", "marlin", "exl2")
 
 
-def checkpoint_quantization(config: Mapping[str, Any]) -> str | None:
-    """The quantization format a checkpoint's config.json declares, or None."""
-    declared = config.get("quantization_config")
-    if not isinstance(declared, Mapping):
-        return None
-    method = declared.get("quant_method")
-    return str(method).lower() if method else "unnamed"
+def _checkpoint_quantization(
+    backend: str, values: dict[str, Any], r: Sources, stored: CheckpointQuant
+) -> tuple[str, int | None, bool]:
+    """A pre-quantized checkpoint's method: --quantize may repeat it, not ask for another."""
+    given, group = values["quantize"], values["quantize_group_size"]
+    if given is not None and given.strip().lower() != stored.method:
+        raise ConfigError(
+            f"{r.label('quantize', given)} asks for another quantization of a checkpoint "
+            f"config.json declares already quantized ({stored.describe()})",
+            "drop --quantize (QUANTIZE): the checkpoint's quantization is read from it",
+        )
+    if group is not None:
+        raise ConfigError(
+            f"{r.label('quantize_group_size', group)}: the checkpoint's groups are stored "
+            f"({stored.describe()})",
+            "drop --quantize-group-size (QUANTIZE_GROUP_SIZE)",
+        )
+    what = f"the checkpoint's {stored.method} quantization"
+    if backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{what} is loaded by the paged engine on the cpu and cuda backends; the "
+            f"{backend} backend runs its own weights",
+            "serve the model's float checkpoint on this backend, or use --backend cpu/cuda",
+        )
+    if stored.float8 and backend == "cpu":
+        raise ConfigError(
+            f"{what}: fp8 weights multiply through torch._scaled_mm on CUDA GPUs of compute "
+            "capability 8.9 or later; a CPU has no fast float8 matmul",
+            "serve it with --backend cuda, or the float checkpoint with --quantize int8 on a CPU",
+        )
+    if values["compile"]:
+        raise ConfigError(
+            f"{what} and {r.label('compile', 'true')}: compiled decode folds plain weights "
+            "into its graphs; quantized ones run their own kernels",
+            "drop --compile (TGIS_COMPILE)",
+        )
+    return stored.method, stored.group_size, True
 
 
 def quantization(
     backend: str, values: dict[str, Any], r: Sources, model_config: Mapping[str, Any]
-) -> tuple[str | None, int | None]:
+) -> tuple[str | None, int | None, bool]:
     """--quantize and --quantize-group-size, checked against the backend and the checkpoint:
-    the method in force and int4's group size. A pre-quantized checkpoint is refused with the
-    way to serve the model (its float weights under --quantize)."""
+    the method in force, int4's group size, and whether the weights are read quantized from a
+    pre-quantized checkpoint (tgis.config.checkpoint_quant) rather than quantized at load."""
+    stored = CheckpointQuant.of(model_config)
+    if stored is not None:
+        return _checkpoint_quantization(backend, values, r, stored)
     given, group = values["quantize"], values["quantize_group_size"]
     method = given.strip().lower() if given is not None else None
     label = r.label("quantize", given) if given is not None else None
-    stored = checkpoint_quantization(model_config)
-    if stored is not None:
-        clash = f"; {label} asks for another method on top" if label else ""
-        raise ConfigError(
-            f"the checkpoint's config.json declares {stored} quantization "
-            f"(quantization_config), which tgis does not load{clash}",
-            "serve the model's float checkpoint, quantized at load with --quantize "
-            f"{' or '.join(QUANTIZE_METHODS)}",
-        )
     if method is None:
         if group is not None:
             raise ConfigError(
@@ -357,13 +382,15 @@ def quantization(
                 "--quantize is given",
                 "add --quantize int4, or drop --quantize-group-size (QUANTIZE_GROUP_SIZE)",
             )
-        return None, None
+        return None, None, False
     if method in QUANTIZE_INSTEAD:
         raise ConfigError(f"{label} is not a tgis method", QUANTIZE_INSTEAD[method])
     if method in CHECKPOINT_FORMATS:
         raise ConfigError(
-            f"{label} names a format of pre-quantized checkpoints, not one tgis computes at load",
-            f"use one of {', '.join(QUANTIZE_METHODS)}",
+            f"{label} names a format of pre-quantized checkpoints, and this checkpoint's "
+            "config.json declares no quantization_config",
+            f"serve a {method} checkpoint (its format is detected, no flag needed), or quantize "
+            f"this one at load with one of {', '.join(QUANTIZE_METHODS)}",
         )
     if method not in QUANTIZE_METHODS:
         raise ConfigError(
@@ -398,15 +425,15 @@ def quantization(
                 f"{r.label('quantize_group_size', group)} sets int4's groups; {label} has none",
                 "drop --quantize-group-size (QUANTIZE_GROUP_SIZE)",
             )
-        return method, None
+        return method, None, False
     if group is None:
-        return method, DEFAULT_QUANTIZE_GROUP_SIZE
+        return method, DEFAULT_QUANTIZE_GROUP_SIZE, False
     if group not in QUANTIZE_GROUP_SIZES:
         raise ConfigError(
             f"{r.label('quantize_group_size', group)} is not an int4 group size",
             f"use one of {', '.join(map(str, QUANTIZE_GROUP_SIZES))}",
         )
-    return method, group
+    return method, group, False
 
 
 def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> str | None:

@@ -228,9 +228,12 @@ class ServeConfig:
     model_impl: str = "auto"
     # Weight quantization of the paged engine (cpu/cuda): --quantize's method (int8, int4,
     # fp8), or the format of a pre-quantized checkpoint read from its config.json; None: the
-    # weights in the serving dtype. The group size is int4's columns per scale (else None).
+    # weights in the serving dtype. The group size is int4's columns per scale (else None, and
+    # None for a checkpoint that stores them per tensor). quantized_checkpoint: the weights are
+    # read quantized from the checkpoint (tgis.config.checkpoint_quant), not quantized at load.
     quantize: str | None = None
     quantize_group_size: int | None = None
+    quantized_checkpoint: bool = False
     # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
     # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
     compile_cache: str | None = None

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tgis.backends.common.gemm import linear
 from tgis.backends.common.quant import (
     FP8_MAX,
+    Fp8Blocks,
     Fp8Channels,
     Fp8Linear,
     Int4Groups,
@@ -19,6 +20,8 @@ from tgis.backends.common.quant import (
     Quantization,
     cat,
     kernel,
+    kernel_groups,
+    narrow,
     reference,
 )
 
@@ -152,7 +155,8 @@ def test_linear_adds_the_bias_and_dispatches_quantized_weights() -> None:
 
 def test_quantization_names_its_method_and_group() -> None:
     assert Quantization("int4", 64).describe() == "int4 weight-only, groups of 64; lm_head int8"
-    assert isinstance(Quantization("int8").head(_weight()), Int8Channels)
+    assert isinstance(Quantization("int4", 64).head(_weight()), Int8Channels)
+    assert Quantization("int8").head(_weight()) is None
     assert Quantization("fp8").head(_weight()) is None
     with pytest.raises(ValueError, match="int4 groups"):
         Quantization("int4", 48)
@@ -183,3 +187,46 @@ def test_cuda_kernels_equal_their_references(rows: int) -> None:
         op = kernel(canon, cuda, torch.bfloat16)
         expected = reference(canon, x, torch.bfloat16)
         torch.testing.assert_close(op(x).float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_wide_groups_are_cut_into_kernel_groups_exactly() -> None:
+    """A per-channel int4 weight (GPTQ's group_size -1) runs in groups torch's kernels take,
+    each sharing the row's scale and zero point: the same weight, the same kernel output."""
+    whole = Int4Groups.quantize(_weight(cols=384), 384)
+    cut = kernel_groups(whole)
+    assert cut.group == 128 and cut.scale.shape == (3, 48)
+    assert torch.equal(cut.dequantize(), whole.dequantize())
+    x = torch.randn(3, 384)
+    torch.testing.assert_close(
+        kernel(cut, torch.device("cpu"), torch.float32)(x), reference(cut, x, torch.float32)
+    )
+    with pytest.raises(ValueError, match="groups of 16 columns"):
+        kernel_groups(Int4Groups.quantize(_weight(cols=128), 16))
+
+
+def test_a_shard_narrows_rows_and_whole_groups_of_columns() -> None:
+    weight = Int4Groups.quantize(_weight(out=64, cols=128), 32)
+    rows = narrow(weight, 0, ((0, 16), (32, 48)))
+    expected = torch.cat([weight.dequantize()[0:16], weight.dequantize()[32:48]])
+    assert torch.equal(rows.dequantize(), expected)
+    cols = narrow(weight, 1, ((64, 128),))
+    assert torch.equal(cols.dequantize(), weight.dequantize()[:, 64:128])
+    with pytest.raises(ValueError, match="splits a quantization group of 32 columns"):
+        narrow(weight, 1, ((48, 96),))
+    int8 = Int8Channels.quantize(_weight())
+    assert torch.equal(narrow(int8, 1, ((0, 64),)).dequantize(), int8.dequantize()[:, :64])
+    act_order = Int4Groups(weight.q, weight.scale, weight.zero, 32, torch.randperm(128))
+    with pytest.raises(ValueError, match="act-order"):
+        narrow(act_order, 1, ((0, 64),))
+
+
+def test_fp8_blocks_fold_into_channel_scales_within_one_rounding() -> None:
+    w = _weight(out=64, cols=128) * torch.linspace(0.01, 1, 128)  # blocks of unequal range
+    blocks = w.reshape(2, 32, 4, 32)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).reshape(64, 128).to(torch.float8_e4m3fn)
+    stored = Fp8Blocks(q, scale, (32, 32))
+    channels = stored.to_channels()
+    assert channels.scale.shape == (64,)
+    assert torch.equal(channels.scale, scale.repeat_interleave(32, dim=0).amax(dim=1))
+    torch.testing.assert_close(channels.dequantize(), stored.dequantize(), rtol=0.07, atol=1e-6)

@@ -139,13 +139,13 @@ def test_the_weights_are_quantized_and_the_floats_released(name: str) -> None:
     backend = quantized(model, Quantization("int8"))
     layer = backend.path.layers[0]
     assert isinstance(layer.qkv_w, Int8Linear) and isinstance(layer.o_w, Int8Linear)
-    assert isinstance(backend.path.lm_head, Int8Linear)
+    assert isinstance(backend.path.lm_head, torch.Tensor)  # int8 keeps it in the model's dtype
     if isinstance(layer.mlp, MoeMlp):
         assert layer.mlp.expert_kernels is not None and not layer.mlp.runs_grouped
         assert layer.mlp.gate_up.is_meta and layer.mlp.down.is_meta
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
-    # int8 projections and lm_head: under half of float32's bytes, with the embeddings whole.
-    assert backend.weight_bytes < 0.5 * full
+    # int8 projections: under 60% of float32's bytes, with the embeddings and lm_head whole.
+    assert backend.weight_bytes < 0.6 * full
     assert backend.runtime()["quantization"] == "int8"
     assert backend.runtime()["weight_bytes"] == backend.weight_bytes
     assert backend.weights.startswith("quantized: int8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -114,6 +115,23 @@ def test_two_int4_shards_generate_what_one_int4_device_does(demo_model_dir: Path
     """int4 groups never straddle a shard, so each shard's quantized slices are one device's
     quantized weight, sliced: the same tokens."""
     check_two_shards(demo_model_dir, "cpu", Quantization("int4", 32))
+
+
+@pytest.mark.parametrize("fmt", ["gptq-v2", "compressed-int8"])
+def test_two_shards_of_a_pre_quantized_checkpoint_generate_what_one_device_does(
+    fmt: str, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Each shard reads the stored projections and keeps its rows or whole groups of columns."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.backends.common.test_quant_checkpoint import write_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+    written = write_checkpoint(model, tmp_path / fmt, fmt)
+    for path in demo_model_dir.iterdir():
+        if path.is_file() and path.name not in ("config.json", "model.safetensors"):
+            shutil.copy(path, written.model_dir / path.name)
+    check_two_shards(written.model_dir, "cpu")
 
 
 @pytest.mark.parametrize("which", ["demo", "tiny-gqa"])

@@ -189,6 +189,11 @@ def load_causal_lm(
     chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
+    if getattr(config, "quantization_config", None) is not None and not seq2seq:
+        # A pre-quantized checkpoint: its projections read as stored, for the paged forward.
+        from tgis.backends.common.quant_checkpoint import load_quantized
+
+        return load_quantized(model_dir, config, device, chosen)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=chosen)
     return model.to(device).eval()

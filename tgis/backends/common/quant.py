@@ -37,6 +37,7 @@ from typing import Self
 import torch
 import torch.nn.functional as F
 
+from tgis.config.checkpoint_quant import CheckpointQuant
 from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS, ServeConfig
 
 # The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
@@ -198,7 +199,101 @@ class Fp8Channels(_Channels):
         return Fp8Channels(q, scale)
 
 
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """float8 e4m3 with one float32 scale per block of `block` = (rows, columns):
+    w[n, k] = q[n, k] * scale[n // rows, k // columns] (Qwen3-FP8's and DeepSeek-V3's layout;
+    edge blocks may be partial). Served as `to_channels()` makes it."""
+
+    q: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [ceil(out / rows), ceil(in / columns)]
+    block: tuple[int, int]
+
+    def scales(self) -> torch.Tensor:
+        """Each weight's scale, float32 [out, in]."""
+        rows, cols = self.block
+        out, width = self.q.shape
+        scale = self.scale.float().repeat_interleave(rows, dim=0)[:out]
+        return scale.repeat_interleave(cols, dim=1)[:, :width]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        return self.q.float() * self.scales()
+
+    def to_channels(self) -> Fp8Channels:
+        """The same weights with one scale per output channel, the largest of the row's
+        blocks: the values of the other blocks are rounded to e4m3 once more (float8 keeps its
+        relative precision down to 2**-6 of the range, so the loss is one more rounding).
+        torch's block-scaled GEMM takes the activations in blocks too, and only on Hopper."""
+        scale = self.scale.float().repeat_interleave(self.block[0], dim=0)[: self.q.shape[0]]
+        channel = scale.amax(dim=1).clamp(min=MIN_SCALE)
+        q = (self.dequantize() / channel[:, None]).clamp(-FP8_MAX, FP8_MAX)
+        return Fp8Channels(q.to(torch.float8_e4m3fn), channel)
+
+
 Canonical = Int8Channels | Int4Groups | Fp8Channels
+
+# The group sizes torch's int4 kernels take (CPU and CUDA alike).
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def kernel_groups(weight: Int4Groups) -> Int4Groups:
+    """`weight` in groups torch's int4 kernels take: a group wider than they take (or a whole
+    row, one scale per output channel) is cut into equal groups sharing its scale and zero
+    point, which is exact. A ValueError where no kernel group size divides the stored one."""
+    if weight.group in INT4_KERNEL_GROUPS:
+        return weight
+    size = next((g for g in reversed(INT4_KERNEL_GROUPS) if weight.group % g == 0), None)
+    if size is None:
+        raise ValueError(
+            f"int4 groups of {weight.group} columns: torch's int4 kernels take groups of "
+            f"{', '.join(map(str, INT4_KERNEL_GROUPS))} (or a multiple of one)"
+        )
+    times = weight.group // size
+    return Int4Groups(
+        weight.q,
+        weight.scale.repeat_interleave(times, dim=0),
+        weight.zero.repeat_interleave(times, dim=0),
+        size,
+        weight.perm,
+    )
+
+
+def narrow(weight: Canonical, dim: int, ranges: Sequence[tuple[int, int]]) -> Canonical:
+    """The part of canonical `weight` a tensor-parallel rank holds: the (start, stop) ranges of
+    its output rows (dim 0) or input columns (dim 1), concatenated in order. Scales follow
+    their rows or columns; a range must hold whole groups or blocks."""
+
+    def take(t: torch.Tensor, axis: int, unit: int = 1) -> torch.Tensor:
+        for a, b in ranges:
+            if a % unit or (b % unit and b != weight.shape[dim]):
+                raise ValueError(
+                    f"a shard's range {a}:{b} splits a quantization group of {unit} "
+                    f"{'rows' if dim == 0 else 'columns'}"
+                )
+        pieces = [t.narrow(axis, a // unit, -(-b // unit) - a // unit) for a, b in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis)
+
+    if isinstance(weight, Int4Groups):
+        if dim == 0:
+            return Int4Groups(
+                take(weight.q, 0), take(weight.scale, 1), take(weight.zero, 1), weight.group,
+                weight.perm,
+            )  # fmt: skip
+        if weight.perm is not None:
+            raise ValueError(
+                "act-order int4 weights (GPTQ desc_act) cannot be split by input columns: "
+                "their groups cover columns in another order"
+            )
+        return Int4Groups(
+            take(weight.q, 1),
+            take(weight.scale, 0, weight.group),
+            take(weight.zero, 0, weight.group),
+            weight.group,
+        )
+    if dim == 0:
+        return type(weight)(take(weight.q, 0), take(weight.scale, 0))
+    return type(weight)(take(weight.q, 1), weight.scale)
 
 
 def cat(parts: Sequence[Canonical]) -> Canonical:
@@ -346,14 +441,21 @@ class Fp8Linear(QuantLinear):
 @dataclass(frozen=True)
 class Quantization:
     """How a model's projections are quantized: `method` (`--quantize`'s value, or the format
-    of a pre-quantized checkpoint) and, for int4, the group size. The lm_head of int8 and int4
-    models is int8 (4 bits cost a vocabulary's logits too much); fp8 keeps it in the model's
-    dtype, as vLLM does."""
+    of a pre-quantized checkpoint) and, for int4, the group size. The lm_head of int4 models is
+    int8 (4 bits cost a vocabulary's logits too much); int8 and fp8 keep it in the model's
+    dtype, as vLLM does (an int8 lm_head turns near-tied greedy choices: docs/quantization.md).
+    `scheme`: a pre-quantized checkpoint's (common/quant_checkpoint.py),
+    whose projections are read as stored and whose lm_head stays as stored."""
 
     method: str
     group_size: int | None = None
+    scheme: CheckpointQuant | None = None
 
     def __post_init__(self) -> None:
+        if self.scheme is not None:
+            if self.method != self.scheme.method:
+                raise ValueError(f"{self.method!r} is not the checkpoint's {self.scheme.method!r}")
+            return
         if self.method not in QUANTIZE_METHODS:
             raise ValueError(f"{self.method!r} is not one of {', '.join(QUANTIZE_METHODS)}")
         if self.method == "int4" and self.group_size not in QUANTIZE_GROUP_SIZES:
@@ -363,13 +465,16 @@ class Quantization:
 
     @classmethod
     def of(cls, config: ServeConfig) -> Quantization | None:
-        """The quantization `config` asks the paged engine for (`--quantize`), or None."""
-        if config.quantize is None:
+        """The quantization `config` asks the paged engine to compute at load (`--quantize`),
+        or None (a pre-quantized checkpoint's is read with its weights)."""
+        if config.quantize is None or config.quantized_checkpoint:
             return None
         return cls(config.quantize, config.quantize_group_size)
 
     def quantize(self, weight: torch.Tensor) -> Canonical:
         """A projection's float weight [out, in] in this method's canonical form."""
+        if self.scheme is not None:
+            raise ValueError(f"a {self.method} checkpoint's projections are read as stored")
         if self.method == "int8":
             return Int8Channels.quantize(weight)
         if self.method == "int4":
@@ -379,14 +484,18 @@ class Quantization:
 
     def head(self, weight: torch.Tensor) -> Canonical | None:
         """The lm_head's canonical form, or None where it stays in the model's dtype."""
-        return None if self.method == "fp8" else Int8Channels.quantize(weight)
+        if self.method != "int4" or self.scheme is not None:
+            return None
+        return Int8Channels.quantize(weight)
 
     def describe(self) -> str:
         """One line for the start-up log and /info."""
+        if self.scheme is not None:
+            return f"{self.scheme.describe()}; lm_head as stored"
         if self.method == "int4":
             return f"int4 weight-only, groups of {self.group_size}; lm_head int8"
         if self.method == "int8":
-            return "int8 weight-only, per output channel; lm_head int8"
+            return "int8 weight-only, per output channel; lm_head unquantized"
         return "fp8 e4m3 weights per output channel, activations per token; lm_head unquantized"
 
 

@@ -46,9 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from tgis.backends.common import quant
 from tgis.backends.common.gemm import linear, pack
 from tgis.backends.common.kv import KVShape, sliding_windows
 from tgis.backends.common.quant import Quantization, QuantLinear, kernel
+from tgis.backends.common.quant_checkpoint import model_quantization, stored
 from tgis.backends.models.families import Family, family_of_model
 from tgis.backends.models.moe import MoeMlp, moe_block, released
 
@@ -87,7 +89,7 @@ Weight = torch.Tensor | QuantLinear
 def _fuse(
     linears: list[nn.Linear],
     transposed: bool,
-    convert: Callable[[torch.Tensor], Weight] | None = None,
+    convert: Callable[[list[nn.Linear]], Weight] | None = None,
 ) -> tuple[Weight, torch.Tensor | None]:
     """Concatenate the weights (and biases) of `linears` along the output dimension, then make
     each module's parameters views of the fused tensors (one copy of the weights in memory).
@@ -95,13 +97,14 @@ def _fuse(
     Returns the weight as `gemm.linear` takes it, [out, in]. With `transposed` it is a view of a
     contiguous [in, out] tensor: MKL's fp32 GEMM is faster on that layout for the few-row
     inputs of decode (~20% at one row, ~5% at 16 measured on AVX-512); bf16 and CUDA GEMMs
-    are not, so they keep [out, in]. With `convert` it is what that makes of the fused float
-    weight (oneDNN's packed copy, gemm.pack, or a quantized one, common/quant.py), and the
+    are not, so they keep [out, in]. With `convert` it is what that makes of the linears
+    (oneDNN's packed copy of their fused weight, gemm.pack, or a quantized one, common/quant.py,
+    from their float weights or from what a pre-quantized checkpoint stored for them), and the
     modules' weights move to the meta device (module doc).
     """
     weight: Weight
     if convert is not None:
-        weight = convert(torch.cat([m.weight for m in linears]))
+        weight = convert(linears)
     elif transposed:
         storage = torch.cat([m.weight.t() for m in linears], dim=1)  # [in, out], contiguous
         weight = storage.t()
@@ -221,6 +224,14 @@ class DecoderWeights:
         self.dtype = base.embed_tokens.weight.dtype
         if packed and self.device.type != "cpu":
             raise ValueError(f"packed weights are for the CPU's oneDNN GEMM, not {self.device}")
+        # A pre-quantized checkpoint's model carries its quantization (common/quant_checkpoint.py).
+        loaded = model_quantization(model)
+        if loaded is not None and quantization is not None and quantization != loaded:
+            raise ValueError(
+                f"the model's checkpoint is quantized ({loaded.describe()}); it cannot be "
+                f"quantized again as {quantization.method}"
+            )
+        quantization = quantization or loaded
         if packed and quantization is not None:
             raise ValueError("quantized weights have their own kernels' layouts; pack plain ones")
         self.packed = packed
@@ -258,7 +269,9 @@ class DecoderWeights:
         weight: Weight
         if self.packed:
             weight = pack(head.weight)
-        elif self.quantization is not None and (canon := self.quantization.head(head.weight)):
+        elif (canon := stored(head)) is not None or (
+            self.quantization is not None and (canon := self.quantization.head(head.weight))
+        ):
             weight = kernel(canon, self.device, self.dtype)
         else:
             return head.weight
@@ -266,20 +279,38 @@ class DecoderWeights:
             head.weight = released(head.weight)
         return weight
 
-    def _quantizer(self) -> Callable[[torch.Tensor], QuantLinear] | None:
-        """A float weight [out, in] -> its kernel under `quantization` (None: unquantized)."""
+    def _quantizer(self) -> Callable[[list[nn.Linear]], Weight] | None:
+        """Linears -> their fused weight's kernel under `quantization` (None: unquantized): the
+        float weights quantized, or what a pre-quantized checkpoint stored for them (a fused
+        group the checkpoint left in float stays float)."""
         method = self.quantization
         if method is None:
             return None
 
-        def quantize(weight: torch.Tensor) -> QuantLinear:
-            return kernel(method.quantize(weight), self.device, self.dtype)
+        def quantize(linears: list[nn.Linear]) -> Weight:
+            parts = [stored(m) for m in linears]
+            if method.scheme is None:
+                canon = method.quantize(torch.cat([m.weight for m in linears]))
+            elif all(p is not None for p in parts):
+                canon = quant.cat([p for p in parts if p is not None])
+            elif any(p is not None for p in parts):
+                raise ValueError(
+                    "the checkpoint stores some of the projections fused here quantized and "
+                    "others in float"
+                )
+            else:
+                return torch.cat([m.weight for m in linears])
+            return kernel(canon, self.device, self.dtype)
 
         return quantize
 
     def _fused(self, linears: list[nn.Linear]) -> tuple[Weight, torch.Tensor | None]:
         """`linears` fused into one projection in this model's weight layout (see _fuse)."""
-        return _fuse(linears, self.transposed, pack if self.packed else self._quantizer())
+        if self.packed:
+            return _fuse(
+                linears, self.transposed, lambda ls: pack(torch.cat([m.weight for m in ls]))
+            )
+        return _fuse(linears, self.transposed, self._quantizer())
 
     @property
     def cos(self) -> torch.Tensor:

@@ -135,6 +135,15 @@ def released(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
+def _kernel(
+    quantize: Callable[[list[nn.Linear]], torch.Tensor | QuantLinear], linears: list[nn.Linear]
+) -> QuantLinear:
+    weight = quantize(linears)
+    if not isinstance(weight, QuantLinear):
+        raise ValueError("a quantized checkpoint stores this expert's projections in float")
+    return weight
+
+
 def _projections(
     block: nn.Module, names: tuple[str, str, str], shared: nn.Module | None
 ) -> list[nn.Linear]:
@@ -190,13 +199,16 @@ class MoeMlp:
     @classmethod
     @torch.no_grad()
     def of(
-        cls, block: nn.Module, quantize: Callable[[torch.Tensor], QuantLinear] | None = None
+        cls,
+        block: nn.Module,
+        quantize: Callable[[list[nn.Linear]], torch.Tensor | QuantLinear] | None = None,
     ) -> MoeMlp:
         """The MLP of HF sparse-MoE `block` (one of BLOCKS), its experts' weights stacked and
         the block's modules re-pointed at them. Mixtral's router jitter is a training setting
         (HF applies it only in training mode), so it is ignored. `quantize`: each expert's
         (and the shared expert's) projections through it, the router kept in the model's
-        dtype; the block's expert weights then move to the meta device."""
+        dtype; the block's expert weights then move to the meta device. It takes a projection's
+        linears (gate and up fused) and gives their kernel (decoder.DecoderWeights._quantizer)."""
         kind = type(block).__name__
         names = BLOCKS.get(kind)
         if names is None:
@@ -229,10 +241,18 @@ class MoeMlp:
         expert_kernels = shared_kernels = None
         if quantize is not None:
             expert_kernels = tuple(
-                (quantize(gate_up[e]), quantize(down_w[e])) for e in range(len(experts))
+                (
+                    _kernel(quantize, [getattr(e, gate), getattr(e, up)]),
+                    _kernel(quantize, [getattr(e, down)]),
+                )
+                for e in experts
             )
-            if shared_gate_up is not None and shared_down is not None:
-                shared_kernels = (quantize(shared_gate_up), quantize(shared_down))
+            if shared is not None:
+                assert shared_gate_up is not None and shared_down is not None
+                shared_kernels = (
+                    _kernel(quantize, [shared.gate_proj, shared.up_proj]),
+                    _kernel(quantize, [shared.down_proj]),
+                )
                 shared_gate_up, shared_down = released(shared_gate_up), released(shared_down)
             gate_up, down_w = released(gate_up), released(down_w)
             for module in _projections(block, names, shared):

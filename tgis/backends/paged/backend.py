@@ -32,6 +32,7 @@ from tgis.backends.common.device import (
 from tgis.backends.common.gemm import choose_packing
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
+from tgis.backends.common.quant_checkpoint import model_quantization
 from tgis.backends.common.warmup import powers_of_two, run_plan
 from tgis.backends.models.decoder import native_kv_shape
 from tgis.backends.paged.attention import (
@@ -141,6 +142,8 @@ class PagedTorchBackend:
         self.model_needs = torch_attention_reason(model.config)
         self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
         per_token = paged_kv_bytes_per_token(model)
+        # A pre-quantized checkpoint's model carries its own (common/quant_checkpoint.py).
+        quantization = quantization or model_quantization(model)
         if quantization is not None and compile:
             raise ConfigError(
                 "--compile folds plain weights into its graphs; quantized ones run their own "

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 
 from tgis.backends.common.quant import Quantization
+from tgis.backends.common.quant_checkpoint import attach_stored, empty_model, finish, opened
 from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
+from tgis.config.checkpoint_quant import CheckpointQuant
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
 
@@ -106,24 +108,6 @@ def local_config(config: Any, world: int) -> Any:
     return local
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Parameter name -> the safetensors file holding it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in mapping.items()}
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise ConfigError(
-            f"{model_dir} has no safetensors weights: each shard reads only its slices of them",
-            "convert the weights first: tgis convert-to-safetensors MODEL",
-        )
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 # A slice of a parameter: the dimension, and the (start, stop) ranges along it this rank
 # takes, concatenated in order (several for projections a checkpoint fuses).
 Slice = tuple[int, tuple[tuple[int, int], ...]]
@@ -181,34 +165,43 @@ def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
 def load_shard(
     model_dir: Path, rank: int, world: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Any, TensorParallel]:
-    """Rank `rank`'s part of the model, read slice by slice from the safetensors files."""
-    from safetensors import safe_open
+    """Rank `rank`'s part of the model, read slice by slice from the safetensors files (a
+    pre-quantized checkpoint's projections read whole, then cut, common/quant_checkpoint.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
     config = AutoConfig.from_pretrained(model_dir)
-    reason = shard_unsupported_reason(config.to_dict(), world)
+    scheme = CheckpointQuant.of(config.to_dict())
+    group = scheme.group_size if scheme is not None else None
+    reason = shard_unsupported_reason(config.to_dict(), world, group)
     if reason is not None:
         raise ConfigError(f"--num-shard {world}: {reason}", "pick one of the values named")
     local = local_config(config, world)
-    with no_init_weights(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+    if scheme is not None:
+        if hasattr(local, "quantization_config"):
+            del local.quantization_config
+        model = empty_model(local, dtype, device)
+    else:
+        with no_init_weights(), torch.device(device):
+            model = AutoModelForCausalLM.from_config(local, dtype=dtype)
     wanted = model.state_dict()
-    files = _weight_files(model_dir)
     state: dict[str, torch.Tensor] = {}
-    opened: dict[Path, Any] = {}
-    try:
+    with opened(model_dir) as checkpoint:
+        quantized: set[str] = set()
+        if scheme is not None:
+            quantized = attach_stored(
+                model, checkpoint, scheme, lambda name: _slice_of(name, config, rank, world)
+            )
         for name, target in wanted.items():
             source = name
-            if source not in files and name == "lm_head.weight" and config.tie_word_embeddings:
+            if name in quantized:
+                continue
+            if source not in checkpoint and name == "lm_head.weight" and config.tie_word_embeddings:
                 source = "model.embed_tokens.weight"
-            if source not in files:
+            if source not in checkpoint:
                 continue  # buffers (rotary tables) are built by the model itself
-            handle = opened.get(files[source])
-            if handle is None:
-                handle = opened[files[source]] = safe_open(files[source], "pt").__enter__()
             part = _slice_of(source, config, rank, world)
-            view = handle.get_slice(source)
+            view = checkpoint.view(source)
             if part is None:
                 tensor = view[:]
             else:
@@ -222,12 +215,15 @@ def load_shard(
             if name.endswith(("o_proj.bias", "down_proj.bias")) and rank != 0:
                 tensor = torch.zeros_like(tensor)  # row-parallel biases: added once
             state[name] = tensor.to(device=device, dtype=target.dtype)
-    finally:
-        for handle in opened.values():
-            handle.__exit__(None, None, None)
-    missing = [n for n in wanted if n not in state and not n.endswith("inv_freq")]
+    missing = [
+        n for n in wanted if n not in state and n not in quantized and not n.endswith("inv_freq")
+    ]
     if missing:
         raise ConfigError(f"{model_dir}: the weights lack {missing[:3]}", "check the checkpoint")
+    if scheme is not None:
+        return finish(model, state, quantized, scheme), TensorParallel(
+            rank, world, config.vocab_size
+        )
     model.load_state_dict(state, strict=False)
     return model.eval(), TensorParallel(rank, world, config.vocab_size)
 
