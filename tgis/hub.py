@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tgis.config.checkpoint_quant import AUTOGPTQ_CONFIG, declared_quantization
 from tgis.errors import HubError, ModelNotFoundError, TgisError
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ SERVING_FILES = frozenset(
         "merges.txt",
         "chat_template.jinja",
         "chat_template.json",
+        AUTOGPTQ_CONFIG,
     }
 )
 # Root-level files with a weight extension that are not model weights (TGI skips these too).
@@ -117,6 +119,9 @@ def read_model_config(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] |
             hint="point at the directory holding config.json, or download it again",
         )
     config = _read_json_object(path)
+    quantization = declared_quantization(Path(model_dir), config)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     neuron_path = Path(model_dir) / "neuron_config.json"
     return config, _read_json_object(neuron_path) if neuron_path.is_file() else None
 

@@ -18,8 +18,10 @@ only name the rest), so a checkpoint that quantizes some layers and not others l
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tgis.errors import ConfigError
@@ -34,6 +36,21 @@ COMPRESSED_FORMATS = {
     "float-quantized": "fp8 e4m3",
 }
 _FLOAT_CHECKPOINT = "serve the model's float checkpoint with --quantize int8 or int4"
+# AutoGPTQ's own file beside config.json, in checkpoints whose config.json does not declare it.
+AUTOGPTQ_CONFIG = "quantize_config.json"
+
+
+def declared_quantization(model_dir: Path, config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The quantization_config of the checkpoint in `model_dir`: config.json's, or AutoGPTQ's
+    quantize_config.json read as a GPTQ one; None when neither is there."""
+    declared = config.get("quantization_config")
+    if declared is not None:
+        return dict(declared) if isinstance(declared, Mapping) else declared
+    path = model_dir / AUTOGPTQ_CONFIG
+    if not path.is_file():
+        return None
+    autogptq = json.loads(path.read_text())
+    return {"quant_method": "gptq", **autogptq} if isinstance(autogptq, dict) else None
 
 
 @dataclass(frozen=True)

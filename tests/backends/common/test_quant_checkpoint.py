@@ -367,3 +367,24 @@ def test_a_checkpoint_that_stores_nothing_quantized_is_refused(tmp_path: Path) -
         load_quantized(
             directory, AutoConfig.from_pretrained(directory), torch.device("cpu"), torch.float32
         )
+
+
+def test_autogptqs_quantize_config_json_declares_the_checkpoint(tmp_path: Path) -> None:
+    """AutoGPTQ checkpoints may declare their quantization only in quantize_config.json (no
+    quant_method in it): the model's facts and the loader read it as GPTQ."""
+    from tgis.hub import read_model_facts
+
+    written = write_checkpoint(llama(seed=36), tmp_path / "autogptq", "gptq-v1")
+    config_path = written.model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    declared = config.pop("quantization_config")
+    del declared["quant_method"], declared["checkpoint_format"]
+    config_path.write_text(json.dumps(config))
+    (written.model_dir / "quantize_config.json").write_text(json.dumps(declared))
+    facts = read_model_facts(written.model_dir)
+    assert facts.config["quantization_config"]["quant_method"] == "gptq"
+    backend = backend_over(written.model_dir)
+    assert backend.runtime()["quantization"] == "gptq"
+    q_proj = stored(backend.model.get_submodule("model.layers.0.self_attn.q_proj"))
+    assert q_proj is not None
+    assert torch.equal(q_proj.dequantize(), written.dequantized["model.layers.0.self_attn.q_proj"])

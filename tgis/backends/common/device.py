@@ -18,6 +18,7 @@ import torch
 
 from tgis.backends.common.gemm import decode_matmul_seconds
 from tgis.config import DTYPES
+from tgis.config.checkpoint_quant import declared_quantization
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -189,7 +190,9 @@ def load_causal_lm(
     chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
-    if getattr(config, "quantization_config", None) is not None and not seq2seq:
+    declared = declared_quantization(model_dir, config.to_dict())
+    if declared is not None and not seq2seq:
+        config.quantization_config = declared
         # A pre-quantized checkpoint: its projections read as stored, for the paged forward.
         from tgis.backends.common.quant_checkpoint import load_quantized
 

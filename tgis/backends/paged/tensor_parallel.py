@@ -38,7 +38,7 @@ from tgis.backends.common.quant_checkpoint import attach_stored, empty_model, fi
 from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
-from tgis.config.checkpoint_quant import CheckpointQuant
+from tgis.config.checkpoint_quant import CheckpointQuant, declared_quantization
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
 
@@ -171,7 +171,8 @@ def load_shard(
     from transformers.modeling_utils import no_init_weights
 
     config = AutoConfig.from_pretrained(model_dir)
-    scheme = CheckpointQuant.of(config.to_dict())
+    declared = declared_quantization(model_dir, config.to_dict())
+    scheme = CheckpointQuant.of({"quantization_config": declared}) if declared else None
     group = scheme.group_size if scheme is not None else None
     reason = shard_unsupported_reason(config.to_dict(), world, group)
     if reason is not None:
