@@ -24,6 +24,7 @@ from tgis.backends.common.quant import (
     narrow,
     reference,
 )
+from tgis.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -230,3 +231,11 @@ def test_fp8_blocks_fold_into_channel_scales_within_one_rounding() -> None:
     assert channels.scale.shape == (64,)
     assert torch.equal(channels.scale, scale.repeat_interleave(32, dim=0).amax(dim=1))
     torch.testing.assert_close(channels.dequantize(), stored.dequantize(), rtol=0.07, atol=1e-6)
+
+
+def test_fp8_is_refused_on_gpus_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Ampere GPU (8.0) has no float8 matmul: one line naming its capability and the fix,
+    before anything reaches the device."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"compute capability 8.9 or later .* cuda:0 is 8.0"):
+        kernel(Fp8Channels.quantize(_weight()), torch.device("cuda", 0), torch.bfloat16)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from tgis.config.checkpoint_quant import CheckpointQuant
 from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS, ServeConfig
+from tgis.errors import ConfigError
 
 # The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
 # where reading the weight is the cost (decode), not where the matmul's arithmetic is (prefill).
@@ -46,6 +47,8 @@ CUDA_INT8_KERNEL_ROWS = 32
 # The largest finite float8 e4m3 value, and the smallest scale (an all-zero row or token).
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 MIN_SCALE = 1e-12
+# The CUDA compute capability whose tensor cores multiply float8 (torch._scaled_mm).
+FP8_CAPABILITY = (8, 9)
 # CPU kernels' activation dtype (module doc).
 CPU_ACTIVATION_DTYPE = torch.bfloat16
 
@@ -419,6 +422,15 @@ class Fp8Linear(QuantLinear):
     method = "fp8"
 
     def __init__(self, weight: Fp8Channels, device: torch.device, out_dtype: torch.dtype) -> None:
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < FP8_CAPABILITY:
+                raise ConfigError(
+                    f"fp8 weights multiply through torch._scaled_mm on GPUs of compute "
+                    f"capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (Ada, Hopper, "
+                    f"Blackwell); {device} is {major}.{minor}",
+                    "use --quantize int8 or int4 on this GPU, or serve the float checkpoint",
+                )
         self.out_features, self.in_features = weight.shape
         self.out_dtype = out_dtype
         # _scaled_mm takes the weight as the column-major [in, out] operand: a transposed view.
