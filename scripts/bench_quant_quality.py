@@ -30,10 +30,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import stop, wait_ready
+from bench_serve import ROOT, stop, wait_ready
 from train_demo_model import corpus_files, is_validation
 
-ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "tgis" / "assets" / "demo-model"
 CHUNK_TOKENS = 256
 PROMPTS = 20
@@ -50,21 +49,15 @@ def held_out_texts() -> list[str]:
     return [f.read_text(errors="replace") for f in corpus_files() if is_validation(f)]
 
 
-def chunks(texts: list[str], count: int) -> list[str]:
+def chunks(tokenizer: Any, texts: list[str], count: int) -> list[str]:
     """`count` chunks of CHUNK_TOKENS tokens of the held-out text, in file order."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(DEMO)
     ids = [i for text in texts for i in tokenizer(text)["input_ids"]]
     spans = [ids[i : i + CHUNK_TOKENS] for i in range(0, count * CHUNK_TOKENS, CHUNK_TOKENS)]
     return [tokenizer.decode(span) for span in spans if len(span) == CHUNK_TOKENS]
 
 
-def prompts(texts: list[str]) -> list[str]:
+def prompts(tokenizer: Any, texts: list[str]) -> list[str]:
     """The opening PROMPT_TOKENS tokens of the first PROMPTS held-out files that have them."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(DEMO)
     out = []
     for text in texts:
         ids = tokenizer(text)["input_ids"]
@@ -130,8 +123,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
     texts = held_out_texts()
-    spans, starts = chunks(texts, args.chunks), prompts(texts)
+    spans, starts = chunks(tokenizer, texts, args.chunks), prompts(tokenizer, texts)
     results = {}
     for name, flags in METHODS:
         log = args.workdir / f"{name.split()[0]}.log"

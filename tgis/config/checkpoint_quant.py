@@ -53,6 +53,12 @@ def declared_quantization(model_dir: Path, config: Mapping[str, Any]) -> dict[st
     return {"quant_method": "gptq", **autogptq} if isinstance(autogptq, dict) else None
 
 
+def checkpoint_scheme(model_dir: Path, config: Mapping[str, Any]) -> CheckpointQuant | None:
+    """The quantization the checkpoint in `model_dir` (its config.json `config`) declares."""
+    declared = declared_quantization(model_dir, config)
+    return None if declared is None else CheckpointQuant.of({"quantization_config": declared})
+
+
 @dataclass(frozen=True)
 class CheckpointQuant:
     """A checkpoint's quantization as tgis loads it (module doc)."""

@@ -36,7 +36,7 @@ from tgis.backends.common.quant import (
     Int4Linear,
     Int8Channels,
 )
-from tgis.backends.common.quant_checkpoint import AWQ_ORDER, load_quantized, stored
+from tgis.backends.common.quant_checkpoint import AWQ_ORDER, stored
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.backend import PackedItem
 from tgis.errors import ConfigError
@@ -361,12 +361,8 @@ def test_a_checkpoint_that_stores_nothing_quantized_is_refused(tmp_path: Path) -
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = FORMATS["gptq-v2"][0]
     (directory / "config.json").write_text(json.dumps(config))
-    from transformers import AutoConfig
-
     with pytest.raises(ConfigError, match="no projection of the checkpoint is stored quantized"):
-        load_quantized(
-            directory, AutoConfig.from_pretrained(directory), torch.device("cpu"), torch.float32
-        )
+        backend_over(directory)
 
 
 def test_autogptqs_quantize_config_json_declares_the_checkpoint(tmp_path: Path) -> None:

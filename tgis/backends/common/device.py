@@ -18,7 +18,7 @@ import torch
 
 from tgis.backends.common.gemm import decode_matmul_seconds
 from tgis.config import DTYPES
-from tgis.config.checkpoint_quant import declared_quantization
+from tgis.config.checkpoint_quant import checkpoint_scheme
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -190,13 +190,12 @@ def load_causal_lm(
     chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
     if dtype is not None and chosen != getattr(torch, dtype):
         logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
-    declared = declared_quantization(model_dir, config.to_dict())
-    if declared is not None and not seq2seq:
-        config.quantization_config = declared
+    scheme = None if seq2seq else checkpoint_scheme(model_dir, config.to_dict())
+    if scheme is not None:
         # A pre-quantized checkpoint: its projections read as stored, for the paged forward.
         from tgis.backends.common.quant_checkpoint import load_quantized
 
-        return load_quantized(model_dir, config, device, chosen)
+        return load_quantized(model_dir, config, device, chosen, scheme)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=chosen)
     return model.to(device).eval()

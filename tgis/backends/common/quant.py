@@ -228,9 +228,9 @@ class Fp8Blocks:
         blocks: the values of the other blocks are rounded to e4m3 once more (float8 keeps its
         relative precision down to 2**-6 of the range, so the loss is one more rounding).
         torch's block-scaled GEMM takes the activations in blocks too, and only on Hopper."""
-        scale = self.scale.float().repeat_interleave(self.block[0], dim=0)[: self.q.shape[0]]
-        channel = scale.amax(dim=1).clamp(min=MIN_SCALE)
-        q = (self.dequantize() / channel[:, None]).clamp(-FP8_MAX, FP8_MAX)
+        scales = self.scales()
+        channel = scales.amax(dim=1).clamp(min=MIN_SCALE)
+        q = (self.q.float() * scales / channel[:, None]).clamp(-FP8_MAX, FP8_MAX)
         return Fp8Channels(q.to(torch.float8_e4m3fn), channel)
 
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +96,21 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 class Checkpoint:
-    """A checkpoint's safetensors files, opened as their tensors are read."""
+    """A checkpoint's safetensors files, opened as their tensors are read (a context manager:
+    the files close on exit)."""
 
     def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
         self.files = weight_files(model_dir)
         self._opened: dict[Path, Any] = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._opened.values():
+            handle.__exit__(None, None, None)
+        self._opened.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -121,20 +130,6 @@ class Checkpoint:
     def view(self, name: str) -> Any:
         """A lazy slice of the tensor (safetensors' get_slice)."""
         return self._handle(name).get_slice(name)
-
-    def close(self) -> None:
-        for handle in self._opened.values():
-            handle.__exit__(None, None, None)
-        self._opened.clear()
-
-
-@contextmanager
-def opened(model_dir: Path) -> Iterator[Checkpoint]:
-    checkpoint = Checkpoint(model_dir)
-    try:
-        yield checkpoint
-    finally:
-        checkpoint.close()
 
 
 # --- the formats -----------------------------------------------------------------------------
@@ -344,30 +339,46 @@ def empty_model(config: Any, dtype: torch.dtype, device: torch.device) -> nn.Mod
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_quantized(
-    model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype
-) -> nn.Module:
-    """The pre-quantized causal LM in `model_dir` (config.json's quantization_config read into
-    the scheme) on `device`: float tensors in `dtype`, quantized projections as stored."""
-    scheme = CheckpointQuant.of(config.to_dict())
-    assert scheme is not None
-    del config.quantization_config
-    model = empty_model(config, dtype, device)
-    with opened(model_dir) as checkpoint:
-        quantized = attach_stored(model, checkpoint, scheme)
-        state: dict[str, torch.Tensor] = {}
-        for name, target in model.state_dict().items():
-            if name in quantized:
-                continue
-            source = name
-            if source not in checkpoint and name == "lm_head.weight" and config.tie_word_embeddings:
-                source = "model.embed_tokens.weight"
-            if source not in checkpoint:
-                continue
-            state[name] = checkpoint.tensor(source).to(device=device, dtype=target.dtype)
-    missing = [n for n, p in model.named_parameters() if n not in state and n not in quantized]
+def float_state(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    quantized: set[str],
+    read: Callable[[str, str, torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """`model`'s float tensors from `checkpoint`: `read(name, source, target)` for each entry
+    of its state but the `quantized` ones (a tied lm_head read from the embeddings); a
+    ConfigError naming the parameters the checkpoint lacks."""
+    tied = bool(model.config.tie_word_embeddings)
+    state: dict[str, torch.Tensor] = {}
+    for name, target in model.state_dict().items():
+        if name in quantized:
+            continue
+        source = name
+        if source not in checkpoint and name == "lm_head.weight" and tied:
+            source = "model.embed_tokens.weight"
+        if source in checkpoint:  # buffers (rotary tables) are built by the model itself
+            state[name] = read(name, source, target)
+    missing = [n for n, _ in model.named_parameters() if n not in state and n not in quantized]
     if missing:
-        raise ConfigError(f"{model_dir}: the weights lack {missing[:3]}", "check the checkpoint")
+        raise ConfigError(
+            f"{checkpoint.model_dir}: the weights lack {missing[:3]}", "check the checkpoint"
+        )
+    return state
+
+
+def load_quantized(
+    model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype, scheme: CheckpointQuant
+) -> nn.Module:
+    """The causal LM in `model_dir`, pre-quantized as `scheme` says, on `device`: float tensors
+    in `dtype`, quantized projections as stored."""
+    model = empty_model(config, dtype, device)
+    with Checkpoint(model_dir) as checkpoint:
+        quantized = attach_stored(model, checkpoint, scheme)
+
+        def read(name: str, source: str, target: torch.Tensor) -> torch.Tensor:
+            return checkpoint.tensor(source).to(device=device, dtype=target.dtype)
+
+        state = float_state(model, checkpoint, quantized, read)
     return finish(model, state, quantized, scheme)
 
 

@@ -269,12 +269,13 @@ class DecoderWeights:
         weight: Weight
         if self.packed:
             weight = pack(head.weight)
-        elif (canon := stored(head)) is not None or (
-            self.quantization is not None and (canon := self.quantization.head(head.weight))
-        ):
-            weight = kernel(canon, self.device, self.dtype)
         else:
-            return head.weight
+            canon = stored(head)
+            if canon is None and self.quantization is not None:
+                canon = self.quantization.head(head.weight)
+            if canon is None:
+                return head.weight
+            weight = kernel(canon, self.device, self.dtype)
         if head.weight is not model.get_input_embeddings().weight:
             head.weight = released(head.weight)
         return weight

@@ -34,11 +34,17 @@ import torch
 import torch.distributed as dist
 
 from tgis.backends.common.quant import Quantization
-from tgis.backends.common.quant_checkpoint import attach_stored, empty_model, finish, opened
+from tgis.backends.common.quant_checkpoint import (
+    Checkpoint,
+    attach_stored,
+    empty_model,
+    finish,
+    float_state,
+)
 from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
-from tgis.config.checkpoint_quant import CheckpointQuant, declared_quantization
+from tgis.config.checkpoint_quant import checkpoint_scheme
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.errors import ConfigError
 
@@ -171,62 +177,46 @@ def load_shard(
     from transformers.modeling_utils import no_init_weights
 
     config = AutoConfig.from_pretrained(model_dir)
-    declared = declared_quantization(model_dir, config.to_dict())
-    scheme = CheckpointQuant.of({"quantization_config": declared}) if declared else None
+    scheme = checkpoint_scheme(model_dir, config.to_dict())
     group = scheme.group_size if scheme is not None else None
     reason = shard_unsupported_reason(config.to_dict(), world, group)
     if reason is not None:
         raise ConfigError(f"--num-shard {world}: {reason}", "pick one of the values named")
     local = local_config(config, world)
     if scheme is not None:
-        if hasattr(local, "quantization_config"):
-            del local.quantization_config
         model = empty_model(local, dtype, device)
     else:
         with no_init_weights(), torch.device(device):
             model = AutoModelForCausalLM.from_config(local, dtype=dtype)
-    wanted = model.state_dict()
-    state: dict[str, torch.Tensor] = {}
-    with opened(model_dir) as checkpoint:
-        quantized: set[str] = set()
-        if scheme is not None:
-            quantized = attach_stored(
-                model, checkpoint, scheme, lambda name: _slice_of(name, config, rank, world)
-            )
-        for name, target in wanted.items():
-            source = name
-            if name in quantized:
-                continue
-            if source not in checkpoint and name == "lm_head.weight" and config.tie_word_embeddings:
-                source = "model.embed_tokens.weight"
-            if source not in checkpoint:
-                continue  # buffers (rotary tables) are built by the model itself
-            part = _slice_of(source, config, rank, world)
-            view = checkpoint.view(source)
-            if part is None:
-                tensor = view[:]
-            else:
-                dim, ranges = part
-                pieces = [view[a:b] if dim == 0 else view[:, a:b] for a, b in ranges]
-                tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-            if source in ("model.embed_tokens.weight", "lm_head.weight"):
-                padded = torch.zeros(target.shape, dtype=tensor.dtype)
-                padded[: tensor.shape[0]] = tensor
-                tensor = padded
-            if name.endswith(("o_proj.bias", "down_proj.bias")) and rank != 0:
-                tensor = torch.zeros_like(tensor)  # row-parallel biases: added once
-            state[name] = tensor.to(device=device, dtype=target.dtype)
-    missing = [
-        n for n in wanted if n not in state and n not in quantized and not n.endswith("inv_freq")
-    ]
-    if missing:
-        raise ConfigError(f"{model_dir}: the weights lack {missing[:3]}", "check the checkpoint")
-    if scheme is not None:
-        return finish(model, state, quantized, scheme), TensorParallel(
-            rank, world, config.vocab_size
+
+    def read(name: str, source: str, target: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `source`, the vocabulary padded, a row-parallel bias once."""
+        part = _slice_of(source, config, rank, world)
+        view = checkpoint.view(source)
+        if part is None:
+            tensor = view[:]
+        else:
+            dim, ranges = part
+            pieces = [view[a:b] if dim == 0 else view[:, a:b] for a, b in ranges]
+            tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        if source in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = torch.zeros(target.shape, dtype=tensor.dtype)
+            padded[: tensor.shape[0]] = tensor
+            tensor = padded
+        if name.endswith(("o_proj.bias", "down_proj.bias")) and rank != 0:
+            tensor = torch.zeros_like(tensor)  # row-parallel biases: added once
+        return tensor.to(device=device, dtype=target.dtype)
+
+    parallel = TensorParallel(rank, world, config.vocab_size)
+    with Checkpoint(model_dir) as checkpoint:
+        if scheme is None:
+            model.load_state_dict(float_state(model, checkpoint, set(), read), strict=False)
+            return model.eval(), parallel
+        quantized = attach_stored(
+            model, checkpoint, scheme, lambda name: _slice_of(name, config, rank, world)
         )
-    model.load_state_dict(state, strict=False)
-    return model.eval(), TensorParallel(rank, world, config.vocab_size)
+        state = float_state(model, checkpoint, quantized, read)
+    return finish(model, state, quantized, scheme), parallel
 
 
 @dataclass(frozen=True)
