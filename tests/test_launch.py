@@ -95,7 +95,8 @@ def test_kv_budget_is_the_smaller_of_flag_and_capacity() -> None:
 
 def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
     """What the start-up log and /info say: the engine, its attention path and why, the
-    decode graphs recorded (none on a CPU), the weights' layout, the KV pool and the dtype."""
+    decode graphs recorded (none on a CPU), the weights' layout, the KV pool (its dtype the
+    model's without --kv-cache-dtype) and the dtype."""
     llama = make_model_dir(tmp_path / "llama", "llama")
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
     paged = load_backend(make_config(max_batch_total_tokens=512, dtype="float32"), llama)
@@ -116,6 +117,7 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
         "kv_blocks": 512 // paged.block_size,
         "kv_block_size": paged.block_size,
         "kv_tokens": 512,
+        "kv_cache_dtype": "float32",
         "dtype": "float32",
     }
     slot = backend_runtime(load_backend(make_config(max_batch_total_tokens=512), gpt2))

@@ -70,6 +70,7 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
     import torch
 
     from tgis.backends.common.device import load_causal_lm
+    from tgis.backends.common.kv import kv_dtype
     from tgis.backends.models.families import paged_unsupported_reason
     from tgis.backends.paged.backend import paged_kv_bytes_per_token
     from tgis.hub import read_model_facts, resolve_model_dir
@@ -90,7 +91,7 @@ def load_draft_model(config: ServeConfig, tokenizer: Any) -> DraftModel:
             "draft with a model of a family docs/models.md lists for the paged engine",
         )
     model = load_causal_lm(draft_dir, torch.device(config.backend), config.dtype)
-    return DraftModel(model, paged_kv_bytes_per_token(model))
+    return DraftModel(model, paged_kv_bytes_per_token(model, kv_dtype(config.kv_cache_dtype)))
 
 
 def vocabulary_mismatch(model: dict[str, int], draft: dict[str, int]) -> str | None:
@@ -113,6 +114,7 @@ def draft_proposer(
 ) -> Proposer:
     """The proposer drafting from --draft-model: its own paged backend, its cache as many
     tokens as the model's, decoding eagerly."""
+    from tgis.backends.common.kv import kv_dtype
     from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.engine.draft import DraftModelProposer
 
@@ -125,6 +127,7 @@ def draft_proposer(
         kv_tokens=capacity.kv_tokens,
         cuda_graphs=False,
         packed_weights=None,
+        kv_cache_dtype=kv_dtype(config.kv_cache_dtype),
     )
     log.info("drafting with %s (%d-token cache)", config.draft_model, capacity.kv_tokens)
     # Catch-ups in chunks of the draft's prefill step (cpu), else of --max-batch-prefill-tokens.

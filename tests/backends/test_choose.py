@@ -3,6 +3,7 @@ refuses every option that design cannot honour; `load_backend` loads what it cho
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any
@@ -176,11 +177,10 @@ def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:
     assert (config.quantize, config.quantize_group_size) == ("int8", None)
     config, _ = config_of(LLAMA, backend="cuda", quantize="int4", quantize_group_size=128)
     assert (config.quantize, config.quantize_group_size) == ("int4", 128)
+    config, _ = config_of(LLAMA, backend="cpu", quantize="int8", compile=True)
+    assert (config.quantize, config.compile) == ("int8", True)
     cases = {
         "--quantize fp8: fp8 multiplies in float8": {"backend": "cpu", "quantize": "fp8"},
-        "--quantize int4 and --compile true: compiled decode folds plain weights": {
-            "backend": "cpu", "quantize": "int4", "compile": True,
-        },
         "--quantize-group-size 48 is not an int4 group size": {
             "backend": "cpu", "quantize": "int4", "quantize_group_size": 48,
         },
@@ -196,7 +196,8 @@ def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:
         "--quantize eetq is not a tgis method (use --quantize int8, the same method": {
             "backend": "cuda", "quantize": "eetq",
         },
-        "--quantize nf5 is not a quantization method (use one of int8, int4, fp8)": {
+        "--quantize nf5 is not a quantization method (use one of int8, int4, fp8, "
+        "bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4)": {
             "backend": "cpu", "quantize": "nf5",
         },
         "--quantize int8: weights are quantized by the paged engine's forward": {
@@ -207,6 +208,57 @@ def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:
         assert refusal(LLAMA, **flags).startswith(expected), flags
     assert "QUANTIZE=int8: weight quantization runs in the paged engine" in refusal(
         GPT2, {"QUANTIZE": "int8"}, backend="cpu"
+    )
+
+
+def test_bitsandbytes_methods_need_the_package_and_run_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TGI's bitsandbytes values are methods of their own on cpu and cuda; with --compile, or
+    where the package is not installed, they are refused naming the fix."""
+    for method in ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4"):
+        config, _ = config_of(LLAMA, backend="cuda", quantize=method.upper())
+        assert (config.quantize, config.quantize_group_size) == (method, None)
+    assert choose(LLAMA, backend="cpu", quantize="bitsandbytes-nf4").reason == (
+        "the paged forward runs llama over bitsandbytes-nf4 weights"
+    )
+    text = refusal(LLAMA, backend="cpu", quantize="bitsandbytes", compile=True)
+    assert text.startswith("--quantize bitsandbytes and --compile true: bitsandbytes' kernels")
+    assert "--quantize-group-size 64 sets int4's groups" in refusal(
+        LLAMA, backend="cpu", quantize="bitsandbytes-fp4", quantize_group_size=64
+    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
+    )
+    assert refusal(LLAMA, {"QUANTIZE": "bitsandbytes-nf4"}, backend="cpu") == (
+        "QUANTIZE=bitsandbytes-nf4 quantizes through the bitsandbytes package, which is not "
+        "installed (pip install 'tgis[bitsandbytes]', or use --quantize int8 or int4 (torch's "
+        "own kernels))"
+    )
+
+
+def test_kv_cache_dtype_is_checked_against_values_backend_and_engine() -> None:
+    """--kv-cache-dtype (env KV_CACHE_DTYPE): auto is the model's dtype, a float8 name a
+    float8 pool of the paged engine; another name, a static backend or a model the paged
+    engine cannot run is refused naming the setting and the fix."""
+    config, _ = config_of(LLAMA, backend="cpu", kv_cache_dtype="FP8_E4M3FN")
+    assert config.kv_cache_dtype == "fp8_e4m3fn"
+    config, _ = config_of(LLAMA, {"KV_CACHE_DTYPE": "fp8_e5m2"}, backend="cuda")
+    assert config.kv_cache_dtype == "fp8_e5m2"
+    config, _ = config_of(LLAMA, backend="cpu", kv_cache_dtype="auto")
+    assert config.kv_cache_dtype is None
+    assert refusal(LLAMA, backend="cpu", kv_cache_dtype="fp8") == (
+        "--kv-cache-dtype fp8 is not a KV cache dtype (use one of auto, fp8_e4m3fn, fp8_e5m2)"
+    )
+    text = refusal(LLAMA, backend="tpu", kv_cache_dtype="fp8_e4m3fn", max_batch_size=1)
+    assert text.startswith("--kv-cache-dtype fp8_e4m3fn: a float8 KV cache is the paged engine's")
+    assert "drop --kv-cache-dtype (KV_CACHE_DTYPE)" in text
+    assert refusal(GPT2, {"KV_CACHE_DTYPE": "fp8_e4m3fn"}, backend="cpu").startswith(
+        "KV_CACHE_DTYPE=fp8_e4m3fn: a float8 KV cache runs in the paged engine, which cannot "
+        "run gpt2"
     )
 
 
@@ -228,7 +280,8 @@ def test_a_pre_quantized_checkpoint_is_detected_and_checked() -> None:
     assert "gptq checkpoint, 4-bit weights in groups of 128" in text
     assert "drop --quantize (QUANTIZE)" in text
     assert "stored" in refusal(gptq, backend="cpu", quantize_group_size=64)
-    assert "folds plain weights" in refusal(gptq, backend="cpu", compile=True)
+    config, _ = config_of(gptq, backend="cpu", compile=True)
+    assert (config.quantize, config.compile) == ("gptq", True)
     assert "the tpu backend runs its own" in refusal(gptq, backend="tpu", max_batch_size=1)
     fp8 = {**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     assert "a CPU has no fast float8 matmul" in refusal(fp8, backend="cpu")

@@ -49,6 +49,7 @@ PAGED_ONLY = {
     "lora_adapters": "LoRA adapters",
     "lora_adapter_dir": "LoRA adapters",
     "quantize": "weight quantization",
+    "kv_cache_dtype": "a float8 KV cache",
 }
 
 
@@ -210,6 +211,7 @@ def load_backend(
         "compile_cache": Path(config.compile_cache) if config.compile_cache else None,
     }
     if choice.design == "paged":
+        from tgis.backends.common.kv import kv_dtype
         from tgis.backends.common.quant import Quantization
         from tgis.backends.paged.backend import PagedTorchBackend
 
@@ -222,6 +224,7 @@ def load_backend(
             cuda_graphs=config.cuda_graphs,
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
             quantization=Quantization.of(config),
+            kv_cache_dtype=kv_dtype(config.kv_cache_dtype),
         )
     if choice.design == "fallback":
         from tgis.backends.fallback.backend import TorchDynamicBackend

@@ -79,12 +79,14 @@ def load_backend(
     num_shard: int = 1,
     model_impl: str = "auto",
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> Backend | PagedBackend:
     """The backend `tgis serve` would run for `model_dir` (backends/choose.py picks it from the
     same validated config), sized for `max_batch` sequences of the run and warmed up as serve
     warms it (CUDA graphs recorded, or with `compile` decode compiled, here); over `num_shard`
-    tensor-parallel processes when more than 1; `model_impl` and `quantize` as `tgis serve
-    --model-impl` and `--quantize` take them (int4 in its default groups)."""
+    tensor-parallel processes when more than 1; `model_impl`, `quantize` and `kv_cache_dtype`
+    as `tgis serve --model-impl`, `--quantize` and `--kv-cache-dtype` take them (int4 in its
+    default groups)."""
     from tgis.backends.choose import choose_backend
     from tgis.backends.choose import load_backend as load_chosen
     from tgis.backends.registry import detect_backend
@@ -109,6 +111,7 @@ def load_backend(
         master_port=free_port() if num_shard > 1 else None,
         model_impl=model_impl,
         quantize=quantize,
+        kv_cache_dtype=kv_cache_dtype,
     )
     config = build_serve_config(args, facts, {}, detect_backend)
     backend = load_chosen(config, model_dir, choose_backend(config, facts))
@@ -403,6 +406,7 @@ def run_engine(
     num_shard: int = 1,
     model_impl: str = "auto",
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
@@ -420,7 +424,7 @@ def run_engine(
     device = default_device()
     backend = load_backend(
         model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile,
-        num_shard, model_impl, quantize,
+        num_shard, model_impl, quantize, kv_cache_dtype,
     )  # fmt: skip
     bench = EngineBenchmark(
         backend,
@@ -455,6 +459,7 @@ def run_engine(
         "num_shard": num_shard,
         "model_impl": model_impl,
         "quantize": quantize,
+        "kv_cache_dtype": kv_cache_dtype,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

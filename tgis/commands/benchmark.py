@@ -203,7 +203,16 @@ def command(
         typer.Option(
             "--quantize",
             help="--engine: quantize the weights at load, as `tgis serve --quantize` takes it "
-            "(int8, int4, fp8).",
+            "(int8, int4, fp8, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="--engine: the KV cache's dtype, as `tgis serve --kv-cache-dtype` takes it "
+            "(auto, fp8_e4m3fn, fp8_e5m2).",
             rich_help_panel=ENGINE,
         ),
     ] = None,
@@ -289,7 +298,7 @@ def command(
                 )
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
-            dtype, seed, compile, num_shard, model_impl, quantize,
+            dtype, seed, compile, num_shard, model_impl, quantize, kv_cache_dtype,
         )  # fmt: skip
         return
     for given, flag in (
@@ -297,6 +306,7 @@ def command(
         (num_shard != 1, "--num-shard"),
         (model_impl != "auto", "--model-impl"),
         (quantize is not None, "--quantize"),
+        (kv_cache_dtype is not None, "--kv-cache-dtype"),
     ):
         if given:
             from tgis.errors import ConfigError
@@ -381,6 +391,7 @@ def _engine(
     num_shard: int = 1,
     model_impl: str = "auto",
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -405,6 +416,7 @@ def _engine(
         num_shard,
         model_impl,
         quantize,
+        kv_cache_dtype,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

@@ -185,7 +185,9 @@ Quantize = Annotated[
         "quantize",
         DEVICE,
         "cpu/cuda, paged engine: quantize the weights at load: int8 (weight-only, per "
-        "channel), int4 (weight-only, group-wise) or fp8 (CUDA, compute capability 8.9+).",
+        "channel), int4 (weight-only, group-wise), fp8 (CUDA, compute capability 8.9+), "
+        "bitsandbytes (LLM.int8()), bitsandbytes-nf4 or bitsandbytes-fp4 (the bitsandbytes "
+        "extra). Pre-quantized checkpoints are detected without it.",
         "none: the serving dtype",
     ),
 ]
@@ -408,6 +410,17 @@ DefaultIncludeStopSeqs = Annotated[
 ]
 
 
+KvCacheDtype = Annotated[
+    str | None,
+    _opt(
+        "kv_cache_dtype",
+        DEVICE,
+        "cpu/cuda, paged engine: the KV cache's dtype: auto (the model's), fp8_e4m3fn or "
+        "fp8_e5m2 (a byte per value, each rounded on write; attention through plain torch).",
+        "auto",
+    ),
+]
+
 # Every launcher option, in the order --help lists them.
 OPTIONS: dict[str, Any] = {
     "model_id": ModelId,
@@ -422,6 +435,7 @@ OPTIONS: dict[str, Any] = {
     "model_impl": ModelImpl,
     "quantize": Quantize,
     "quantize_group_size": QuantizeGroupSize,
+    "kv_cache_dtype": KvCacheDtype,
     "compile_cache": CompileCache,
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
@@ -483,6 +497,7 @@ WARMUP_OPTIONS = (
     "model_impl",
     "quantize",
     "quantize_group_size",
+    "kv_cache_dtype",
     "compile_cache",
     "compile",
     "cuda_graphs",

@@ -33,6 +33,7 @@ from tgis.config.rules import (
     check_token_limits,
     check_value_ranges,
     derive_dynamic_defaults,
+    kv_cache_dtype,
     lora_settings,
     model_impl,
     quantization,
@@ -106,6 +107,7 @@ def build_serve_config(
     prefill_mode = check_backend_options(backend, values, r)
     impl = model_impl(backend, values, r)
     quantize, group_size, from_checkpoint = quantization(backend, values, r, facts.config)
+    kv_dtype = kv_cache_dtype(backend, values, r)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
     if values["cuda_graphs"] and not warmup_enabled:
         raise ConfigError(
@@ -157,6 +159,7 @@ def build_serve_config(
         quantize=quantize,
         quantize_group_size=group_size,
         quantized_checkpoint=from_checkpoint,
+        kv_cache_dtype=kv_dtype,
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=values["cuda_graphs"],

@@ -7,6 +7,7 @@ tgis.config.static (tpu, neuron) and tgis.config.gaudi.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -18,7 +19,9 @@ from tgis.config.env import DEFAULTS, Sources
 from tgis.config.parse import flag
 from tgis.config.types import (
     ADAPTER_NAME,
+    BITSANDBYTES_METHODS,
     DEFAULT_QUANTIZE_GROUP_SIZE,
+    KV_CACHE_DTYPES,
     MAX_SPECULATE,
     PREFILL_MODES,
     QUANTIZE_GROUP_SIZES,
@@ -312,12 +315,31 @@ def model_impl(backend: str, values: dict[str, Any], r: Sources) -> str:
     return impl
 
 
+def kv_cache_dtype(backend: str, values: dict[str, Any], r: Sources) -> str | None:
+    """--kv-cache-dtype: a float8 pool's name, or None for the model's dtype ("auto")."""
+    given = values["kv_cache_dtype"]
+    if given is None:
+        return None
+    name = given.strip().lower()
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"{r.label('kv_cache_dtype', given)} is not a KV cache dtype",
+            f"use one of {', '.join(KV_CACHE_DTYPES)}",
+        )
+    if name == "auto":
+        return None
+    if backend not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"{r.label('kv_cache_dtype', given)}: a float8 KV cache is the paged engine's pool "
+            f"on the cpu and cuda backends; the {backend} backend keeps its own cache",
+            "drop --kv-cache-dtype (KV_CACHE_DTYPE)",
+        )
+    return name
+
+
 # TGI's --quantize values tgis serves another way: the value -> how.
 QUANTIZE_INSTEAD = {
     "eetq": "use --quantize int8, the same method (int8 weights per output channel)",
-    "bitsandbytes": "use --quantize int8 (int8 weights per output channel)",
-    "bitsandbytes-nf4": "use --quantize int4 (4-bit weights in groups)",
-    "bitsandbytes-fp4": "use --quantize int4 (4-bit weights in groups)",
 }
 # TGI's --quantize values that name formats of pre-quantized checkpoints (config.json's
 # quantization_config.quant_method): detected from the checkpoint, never computed at load.
@@ -353,12 +375,6 @@ def _checkpoint_quantization(
             f"{what}: fp8 weights multiply through torch._scaled_mm on CUDA GPUs of compute "
             "capability 8.9 or later; a CPU has no fast float8 matmul",
             "serve it with --backend cuda, or the float checkpoint with --quantize int8 on a CPU",
-        )
-    if values["compile"]:
-        raise ConfigError(
-            f"{what} and {r.label('compile', 'true')}: compiled decode folds plain weights "
-            "into its graphs; quantized ones run their own kernels",
-            "drop --compile (TGIS_COMPILE)",
         )
     return stored.method, stored.group_size, True
 
@@ -407,17 +423,23 @@ def quantization(
                 else ""
             ),
         )
+    if method in BITSANDBYTES_METHODS:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                f"{label} quantizes through the bitsandbytes package, which is not installed",
+                "pip install 'tgis[bitsandbytes]', or use --quantize int8 or int4 (torch's "
+                "own kernels)",
+            )
+        if values["compile"]:
+            raise ConfigError(
+                f"{label} and {r.label('compile', 'true')}: bitsandbytes' kernels run eagerly",
+                "drop --compile (TGIS_COMPILE), or use --quantize int8 or int4",
+            )
     if method == "fp8" and backend == "cpu":
         raise ConfigError(
             f"{label}: fp8 multiplies in float8 through torch._scaled_mm on CUDA GPUs of compute "
             "capability 8.9 or later (Ada, Hopper, Blackwell); a CPU has no fast float8 matmul",
             "use --quantize int8 or --quantize int4 on a CPU",
-        )
-    if values["compile"]:
-        raise ConfigError(
-            f"{label} and {r.label('compile', 'true')}: compiled decode folds plain weights "
-            "into its graphs; quantized ones run their own kernels",
-            "drop --compile (TGIS_COMPILE), or --quantize",
         )
     if method != "int4":
         if group is not None:

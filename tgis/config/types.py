@@ -18,10 +18,15 @@ BACKENDS = ("auto", "cpu", "cuda", "tpu", "neuron", "gaudi")
 # Backends whose whole batch has one static shape fixed before serving (tgis.config.static).
 STATIC_BACKENDS = ("tpu", "neuron")
 # `--quantize`: methods that quantize a float checkpoint's weights at load (the paged engine,
-# cpu and cuda; fp8 on CUDA only), and int4's group sizes (`--quantize-group-size`).
-QUANTIZE_METHODS = ("int8", "int4", "fp8")
+# cpu and cuda; fp8 on CUDA only; the bitsandbytes ones through that package), and int4's
+# group sizes (`--quantize-group-size`).
+BITSANDBYTES_METHODS = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4")
+QUANTIZE_METHODS = ("int8", "int4", "fp8", *BITSANDBYTES_METHODS)
 QUANTIZE_GROUP_SIZES = (32, 64, 128)
 DEFAULT_QUANTIZE_GROUP_SIZE = 64
+# `--kv-cache-dtype`: the paged engine's KV pool in the model's dtype ("auto") or in float8,
+# each key and value rounded on write (TGI's and vLLM's names).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3fn", "fp8_e5m2")
 # How a static batch prefills (see tgis.backends.static.buckets): recompute every slot, or only new ones.
 # The most draft tokens speculative decoding verifies per step (--speculate).
 MAX_SPECULATE = 16
@@ -60,6 +65,7 @@ class LauncherArgs:
     model_impl: str | None = None
     quantize: str | None = None
     quantize_group_size: int | None = None
+    kv_cache_dtype: str | None = None
     compile_cache: str | None = None
     compile: bool | None = None
     cuda_graphs: bool | None = None
@@ -234,6 +240,9 @@ class ServeConfig:
     quantize: str | None = None
     quantize_group_size: int | None = None
     quantized_checkpoint: bool = False
+    # The paged engine's KV pool: None, the model's dtype; or one of KV_CACHE_DTYPES' float8
+    # names (cpu/cuda, the plain-torch attention path).
+    kv_cache_dtype: str | None = None
     # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
     # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
     compile_cache: str | None = None

@@ -605,6 +605,7 @@ TGI_RESPONSES: dict[str, Any] = {
                 kv_blocks=INT,
                 kv_block_size=INT,
                 kv_tokens=INT,
+                kv_cache_dtype=STR,
                 dtype=STR,
             )
         ),

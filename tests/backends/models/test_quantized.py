@@ -21,8 +21,10 @@ from tests.backends.models.test_families import NEW_FAMILIES, _store, family_mod
 from tests.backends.paged_driver import greedy, paged
 from tests.factories import make_lora_adapter
 from tgis.backends.common.quant import Canonical, Int4Linear, Int8Linear, Quantization, reference
+from tgis.backends.common.quant_bnb import FourBitLinear, LlmInt8Linear
 from tgis.backends.models.moe import MoeMlp
 from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.config.types import BITSANDBYTES_METHODS
 from tgis.engine.backend import PackedItem
 
 NEW = 8
@@ -132,6 +134,36 @@ def test_greedy_tokens_are_the_dequantized_references(
     torch.testing.assert_close(out.prompt[0], prompt_logits, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("method", BITSANDBYTES_METHODS)
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_bitsandbytes_methods_serve_the_dequantized_references_tokens(
+    name: str, method: str
+) -> None:
+    """--quantize bitsandbytes (LLM.int8()), -nf4 and -fp4 through bitsandbytes' own kernels
+    (its CPU ones here): every projection and expert holds the package's weights, the lm_head
+    stays in the model's dtype, and the served tokens and prompt logits are the reference
+    model's, whose projections compute quant_bnb.reference."""
+    model = model_of(name, seed=24)
+    quantization = Quantization(method)
+    reference = quantized_reference(model, quantization)
+    prompt_logits = hf_logits(reference, PROMPTS[1])
+    backend = quantized(model, quantization)
+    layer = backend.path.layers[0]
+    kind = LlmInt8Linear if method == "bitsandbytes" else FourBitLinear
+    assert isinstance(layer.qkv_w, kind) and layer.qkv_w.method == method
+    if isinstance(layer.mlp, MoeMlp):
+        assert layer.mlp.expert_kernels is not None
+        assert all(isinstance(k, kind) for pair in layer.mlp.expert_kernels for k in pair)
+    assert isinstance(backend.path.lm_head, torch.Tensor)
+    assert backend.runtime()["quantization"] == method
+    assert backend.weights.startswith("quantized: bitsandbytes")
+    for prompt, served in zip(PROMPTS, greedy(backend, PROMPTS, NEW), strict=True):
+        check_greedy_choices(reference, prompt, served)
+    out = backend.forward([PackedItem(0, PROMPTS[1], 0, tuple(range(4)), prompt_logits=True)])
+    assert out.prompt[0] is not None
+    torch.testing.assert_close(out.prompt[0], prompt_logits, atol=TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2_moe"])
 def test_the_weights_are_quantized_and_the_floats_released(name: str) -> None:
     model = model_of(name, seed=22)
@@ -200,11 +232,14 @@ def _plus(
     return adapted
 
 
-def test_compile_is_refused_with_quantized_weights() -> None:
+def test_compile_is_refused_with_bitsandbytes_weights() -> None:
+    """torch's kernels fold into compiled graphs (tests/backends/paged/test_compile.py);
+    bitsandbytes' run eagerly, and the backend says so."""
     from tgis.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--compile folds plain weights"):
+    with pytest.raises(ConfigError, match="bitsandbytes' kernels run eagerly"):
         PagedTorchBackend(
             llama(), max_sequences=2, max_sequence_tokens=64, max_prefill_tokens=64,
-            kv_tokens=128, block_size=4, compile=True, quantization=Quantization("int8"),
+            kv_tokens=128, block_size=4, compile=True,
+            quantization=Quantization("bitsandbytes-nf4"),
         )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, VARIANTS, greedy_reference
 from tests.backends.models.test_decoder import (
@@ -24,6 +24,7 @@ from tests.backends.models.test_decoder import (
 )
 from tests.backends.paged_driver import greedy, paged, scheduler_for
 from tests.factories import make_model_dir, tiny_model
+from tgis.backends.common.kv import to_cache
 from tgis.backends.paged.attention import flash_paged_available, step_metadata
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeStep
@@ -417,3 +418,67 @@ def test_ranks_pack_only_where_every_rank_measured_it(monkeypatch: pytest.Monkey
             assert backend.weights == (
                 "plain [out, in] (measured here; another rank measured plain weights faster)"
             )
+
+
+class _RoundingCache(DynamicCache):
+    """HF's cache holding what a float8 pool holds: each new key and value rounded through
+    `dtype` (saturating, as `kv.to_cache` stores them) before anything attends to it."""
+
+    def __init__(self, dtype: torch.dtype, config: Any) -> None:
+        super().__init__(config=config)
+        self.kv_dtype = dtype
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def rounded(x: torch.Tensor) -> torch.Tensor:
+            return to_cache(x, self.kv_dtype).to(x.dtype)
+
+        return super().update(rounded(key_states), rounded(value_states), layer_idx, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_a_float8_pool_gives_generates_tokens_over_rounded_keys_and_values(
+    dtype: torch.dtype,
+) -> None:
+    """--kv-cache-dtype: the pool holds a byte per value (a quarter of float32's bytes per
+    token), attention goes through plain torch saying why, and the greedy tokens, alone,
+    batched and in chunked prompts, are generate()'s over a cache that rounds every key and
+    value as the pool does; the logits of a decode step agree with HF's forward over the same
+    rounding to float32 accumulation."""
+    model = fresh("llama", seed=4)
+    plain = paged(copy.deepcopy(model)).capacity.kv_bytes_per_token
+    backend = PagedTorchBackend(
+        model, max_sequences=4, max_sequence_tokens=64, max_prefill_tokens=64,
+        kv_tokens=128, block_size=4, kv_cache_dtype=dtype,
+    )  # fmt: skip
+    assert backend.path.pool.keys[0].dtype == dtype
+    assert backend.capacity.kv_bytes_per_token * 4 == plain
+    name = str(dtype).removeprefix("torch.")
+    assert backend.runtime()["kv_cache_dtype"] == name
+    assert f"the KV cache is {name}, which flash attention's varlen_attn" in backend.attention
+
+    def reference(prompt: tuple[int, ...]) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=3,
+                past_key_values=_RoundingCache(dtype, model.config),
+            )  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    expected = [reference(p) for p in PROMPTS]
+    assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == expected
+    assert greedy(backend, PROMPTS, NEW) == expected
+    assert greedy(backend, PROMPTS, NEW, scheduler_for(backend, prefill_tokens=5)) == expected
+    prompt = PROMPTS[0]
+    table = tuple(range(8))
+    backend.forward([PackedItem(0, prompt, 0, table)])
+    last = backend.forward([PackedItem(0, (11,), len(prompt), table)]).last[0]
+    with torch.no_grad():
+        hf = model(
+            torch.tensor([(*prompt, 11)]), past_key_values=_RoundingCache(dtype, model.config)
+        ).logits[0, -1]
+    torch.testing.assert_close(last, hf.float(), atol=1e-4, rtol=0)
+    unrounded = hf_logits(model, (*prompt, 11))[-1]
+    assert (last - unrounded).abs().max() > 1e-3  # the rounding shows

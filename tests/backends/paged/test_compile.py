@@ -10,15 +10,24 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.backends.conftest import PROMPTS, greedy_reference
+from tests.backends.models.test_quantized import llama
 from tests.backends.paged.test_backend import NEW, EagerDecodeApi, fresh
 from tests.backends.paged_driver import greedy, scheduler_for
+from tgis.backends.common.quant import Quantization
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.compile import compile_options
 from tgis.engine.backend import PackedItem, Shape
 from tgis.errors import ConfigError
 
 
-def compiled(model: torch.nn.Module, max_sequences: int = 4, blocks: int = 48) -> PagedTorchBackend:
+def compiled(
+    model: torch.nn.Module,
+    max_sequences: int = 4,
+    blocks: int = 48,
+    compile: bool = True,
+    quantization: Quantization | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
+) -> PagedTorchBackend:
     return PagedTorchBackend(
         model,  # type: ignore[arg-type]
         max_sequences=max_sequences,
@@ -26,8 +35,18 @@ def compiled(model: torch.nn.Module, max_sequences: int = 4, blocks: int = 48) -
         max_prefill_tokens=64,
         kv_tokens=blocks * 4,
         block_size=4,
-        compile=True,
+        compile=compile,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles its own backend's graphs from the same code (`CompiledDecode._step`):
+    dynamo's per-code cache of compiled graphs is emptied first, so that earlier tests' graphs
+    do not count against its recompile limit (a serving process compiles one backend)."""
+    torch._dynamo.reset()
 
 
 def unique_graphs() -> int:
@@ -96,6 +115,45 @@ def test_compiled_logits_close_to_eager_and_uncompiled_steps_run_eagerly() -> No
     assert decode.eager_steps == 1
 
 
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"),
+    [
+        pytest.param(Quantization("int8"), None, id="int8"),
+        pytest.param(Quantization("int4", 32), torch.float8_e4m3fn, id="int4-float8-pool"),
+    ],
+)
+def test_compiled_decode_over_quantized_weights_gives_the_eager_kernels_tokens(
+    quantization: Quantization, kv_cache_dtype: torch.dtype | None
+) -> None:
+    """Quantized kernels' tensors fold into the graphs as constants (inductor lowers the
+    weight-only GEMMs into its own): decoding after warmup runs every step through a graph and
+    gives the tokens of the eager forward over the same quantized weights (which
+    tests/backends/models/test_quantized.py holds to the dequantized reference), and the
+    compiled step's logits agree with the eager step's to the kernels' bfloat16 rounding. A
+    float8 pool (--kv-cache-dtype) compiles the same way."""
+    eager = compiled(
+        llama(seed=5), compile=False, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
+    expected = greedy(eager, PROMPTS, NEW)
+    backend = compiled(llama(seed=5), quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    decode = backend.compiled
+    assert decode is not None
+    assert backend.runtime()["quantization"] == quantization.method
+    backend.warmup(4, 16)
+    assert backend.runtime()["compiled_decode"] == ["1", "2-4"]
+    assert greedy(backend, PROMPTS, NEW) == expected
+    assert decode.eager_steps == 0
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]
+    prompts = [PackedItem(i, p, 0, tables[i]) for i, p in enumerate(PROMPTS)]
+    step = [PackedItem(i, (11,), len(p), tables[i]) for i, p in enumerate(PROMPTS)]
+    for runner in (eager, backend):
+        runner.forward(prompts)
+    torch.testing.assert_close(
+        backend.forward(step).last, eager.forward(step).last, atol=2e-2, rtol=0
+    )
+    assert decode.eager_steps == 0
+
+
 def test_compile_is_refused_where_graphs_record_decode() -> None:
     """--compile compiles the plain-torch attention path's decode; where decode graphs are
     recorded (flash attention on CUDA) it is a ConfigError naming the fix."""
@@ -121,7 +179,7 @@ def test_a_pool_sized_from_memory_leaves_room_for_the_compiled_weights(
             model, max_sequences=4, max_sequence_tokens=32, max_prefill_tokens=32,
             memory_fraction=0.5, compile=compile,
         )  # fmt: skip
-        weights = sum(p.nbytes for p in model.parameters())
+        weights = sum(p.nbytes for p in model.parameters())  # tied: counted once
         expected = int(((1 << 26) - (2 * weights if compile else 0)) * 0.5)
         assert backend.capacity.kv_budget_tokens == expected // backend.capacity.kv_bytes_per_token
         return backend.capacity.kv_budget_tokens

@@ -42,3 +42,22 @@ def kv_bytes_per_token(
     name; values `value_head_dim` wide where that differs from the keys' head_dim)."""
     element = dtype.itemsize if isinstance(dtype, torch.dtype) else dtype_bytes(dtype)
     return num_layers * num_kv_heads * (head_dim + (value_head_dim or head_dim)) * element
+
+
+# `--kv-cache-dtype`'s float8 names (tgis.config.types.KV_CACHE_DTYPES) -> torch's dtypes.
+FLOAT8_KV = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a `--kv-cache-dtype` name; None (the model's dtype) for None."""
+    return None if name is None else FLOAT8_KV[name]
+
+
+def to_cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a cache of `dtype` stores them. Into float8 with a scale of 1 (as vLLM's
+    pool without calibrated scales): beyond the format's largest finite value a value
+    saturates to it, where a plain cast would give NaN (e4m3fn has no infinity)."""
+    if dtype in FLOAT8_KV.values():
+        limit = torch.finfo(dtype).max
+        return values.clamp(-limit, limit).to(dtype)
+    return values.to(dtype)

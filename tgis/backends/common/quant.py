@@ -29,7 +29,6 @@ to the model's dtype. Norms, attention and the residual stream stay in the model
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -37,13 +36,22 @@ from typing import Self
 import torch
 import torch.nn.functional as F
 
+from tgis.backends.common import quant_bnb
+from tgis.backends.common.quant_bnb import BNB_METHODS, BnbWeight
+from tgis.backends.common.quant_kernel import QuantLinear
+from tgis.backends.common.quant_kernel import add_bias as _add_bias
+from tgis.backends.common.quant_kernel import rows as _rows
+from tgis.backends.common.quant_kernel import tensor_bytes as _bytes
 from tgis.config.checkpoint_quant import CheckpointQuant
 from tgis.config.types import QUANTIZE_GROUP_SIZES, QUANTIZE_METHODS, ServeConfig
 from tgis.errors import ConfigError
 
-# The widest batch (rows) CUDA's int8 weight-only kernel takes: a dot product per output, fast
+# The widest batch (rows) the int8 weight-only kernel takes: a dot product per output, fast
 # where reading the weight is the cost (decode), not where the matmul's arithmetic is (prefill).
-CUDA_INT8_KERNEL_ROWS = 32
+# Beyond it the weight is dequantized into the model's dtype for the dense GEMM (cuBLAS, MKL):
+# on the 2-core AVX2 CPU the two cross at ~32 rows, and at 256 rows the dense GEMM takes half
+# the kernel's time (docs/quantization.md).
+INT8_KERNEL_ROWS = 32
 # The largest finite float8 e4m3 value, and the smallest scale (an all-zero row or token).
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 MIN_SCALE = 1e-12
@@ -51,36 +59,6 @@ MIN_SCALE = 1e-12
 FP8_CAPABILITY = (8, 9)
 # CPU kernels' activation dtype (module doc).
 CPU_ACTIVATION_DTYPE = torch.bfloat16
-
-
-class QuantLinear(ABC):
-    """A quantized [out, in] weight in one kernel's layout: what `gemm.linear` multiplies by."""
-
-    method: str
-    in_features: int
-    out_features: int
-
-    @abstractmethod
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype."""
-
-    @property
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Bytes the weight holds on its device."""
-
-
-def _bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., in] as the 2-D [rows, in] the kernels take."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return out if bias is None else out + bias
 
 
 # --- canonical forms -----------------------------------------------------------------------
@@ -234,7 +212,7 @@ class Fp8Blocks:
         return Fp8Channels(q.to(torch.float8_e4m3fn), channel)
 
 
-Canonical = Int8Channels | Int4Groups | Fp8Channels
+Canonical = Int8Channels | Int4Groups | Fp8Channels | BnbWeight
 
 # The group sizes torch's int4 kernels take (CPU and CUDA alike).
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
@@ -334,30 +312,41 @@ def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(QuantLinear):
     """int8 weight-only GEMM (module doc's table). On the CPU the kernel reads bfloat16
-    activations and scales; on CUDA the model's dtype."""
+    activations and scales; on CUDA the model's dtype. Beyond INT8_KERNEL_ROWS rows the weight
+    is dequantized into the model's `dtype` and multiplied densely, except inside a compiled
+    decode graph: there inductor lowers the kernel's op into its own GEMM for every batch, and
+    a branch on the batch would guard the graph at the threshold (paged/compile.py)."""
 
     method = "int8"
 
-    def __init__(self, weight: Int8Channels, device: torch.device, act_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weight: Int8Channels,
+        device: torch.device,
+        act_dtype: torch.dtype,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.device = device
         self.act_dtype = act_dtype
+        self.dtype = dtype or act_dtype
         self.q = weight.q.to(device).contiguous()
         # The kernel multiplies by the scale in the activations' dtype: round it once here.
         self.scale = weight.scale.to(device=device, dtype=act_dtype)
+        self.dense_scale = weight.scale.to(device=device, dtype=self.dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = _rows(x).to(self.act_dtype)
-        if self.device.type == "cuda" and rows.shape[0] > CUDA_INT8_KERNEL_ROWS:
-            out = F.linear(rows, self.q.to(self.act_dtype)) * self.scale
+        rows = _rows(x)
+        if rows.shape[0] > INT8_KERNEL_ROWS and not torch.compiler.is_compiling():
+            out = F.linear(rows.to(self.dtype), self.q.to(self.dtype)) * self.dense_scale
         else:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
+            out = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.scale)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return _add_bias(out, bias)
 
     @property
     def nbytes(self) -> int:
-        return _bytes(self.q, self.scale)
+        return _bytes(self.q, self.scale, self.dense_scale)
 
 
 def _inner_k_tiles(cols: int) -> int:
@@ -492,6 +481,8 @@ class Quantization:
         if self.method == "int4":
             assert self.group_size is not None
             return Int4Groups.quantize(weight, self.group_size)
+        if self.method in BNB_METHODS:
+            return quant_bnb.quantize(self.method, weight)
         return Fp8Channels.quantize(weight)
 
     def head(self, weight: torch.Tensor) -> Canonical | None:
@@ -508,16 +499,20 @@ class Quantization:
             return f"int4 weight-only, groups of {self.group_size}; lm_head int8"
         if self.method == "int8":
             return "int8 weight-only, per output channel; lm_head unquantized"
+        if self.method in BNB_METHODS:
+            return quant_bnb.describe(self.method)
         return "fp8 e4m3 weights per output channel, activations per token; lm_head unquantized"
 
 
 def kernel(weight: Canonical, device: torch.device, dtype: torch.dtype) -> QuantLinear:
     """The kernel form of canonical `weight` on `device` for a model computing in `dtype`."""
     if isinstance(weight, Int8Channels):
-        return Int8Linear(weight, device, _int8_activations(device, dtype))
+        return Int8Linear(weight, device, _int8_activations(device, dtype), dtype)
     if isinstance(weight, Int4Groups):
         return Int4Linear(weight, device)
-    return Fp8Linear(weight, device, dtype)
+    if isinstance(weight, Fp8Channels):
+        return Fp8Linear(weight, device, dtype)
+    return quant_bnb.kernel(weight, device)
 
 
 def reference(
@@ -526,10 +521,13 @@ def reference(
     """What `kernel(weight, device, dtype)` computes for x [..., in], in plain float32 torch
     from the canonical values, rounded where the kernel rounds (activations, scales and
     outputs to the dtype it reads and writes): float32 [..., out]. `device`: x's by default."""
+    if not isinstance(weight, Int8Channels | Int4Groups | Fp8Channels):
+        return quant_bnb.reference(weight, x)
     device = device or x.device
     rows = _rows(x)
     if isinstance(weight, Int8Channels):
-        act = _int8_activations(device, dtype)
+        wide = rows.shape[0] > INT8_KERNEL_ROWS
+        act = dtype if wide else _int8_activations(device, dtype)
         w = weight.q.float() * weight.scale.to(act).float()[:, None]
         out = (rows.to(act).float() @ w.t()).to(act)
     elif isinstance(weight, Int4Groups):

@@ -172,9 +172,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _constant(value: object) -> object:
-    """`value` with every tensor inside it (tuples and dataclasses) an `nn.Parameter`."""
+    """`value` with every tensor inside it (tuples, dataclasses and quantized kernels) an
+    `nn.Parameter`."""
     if isinstance(value, torch.Tensor):
         return nn.Parameter(value, requires_grad=False)
+    if isinstance(value, QuantLinear):
+        return value.as_constants()
     if isinstance(value, tuple):
         return tuple(_constant(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -418,10 +421,12 @@ class DecoderWeights:
 
     def as_constants(self) -> DecoderWeights:
         """A shallow copy whose tensors are `nn.Parameter`s over the same storage: what
-        torch.compile's freezing folds into a graph as constants (and packs for its GEMMs)."""
-        if self.packed or self.quantization is not None:
-            kind = "packed for oneDNN" if self.packed else "quantized"
-            raise ValueError(f"compiled graphs fold plain weights; these are {kind}")
+        torch.compile's freezing folds into a graph as constants (and packs for its GEMMs),
+        quantized kernels' tensors included."""
+        if self.packed:
+            raise ValueError(
+                "compiled graphs fold plain or quantized weights; these are packed for oneDNN"
+            )
         frozen = copy.copy(self)
         frozen.layers = [_constant(layer) for layer in self.layers]  # type: ignore[misc]
         frozen.ropes = [_constant(rope) for rope in self.ropes]  # type: ignore[misc]

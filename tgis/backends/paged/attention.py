@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tgis.backends.common.kv import FLOAT8_KV, to_cache
 from tgis.backends.common.masks import additive_mask, causal_mask
 from tgis.engine.transfer import host_to_device, to_device
 
@@ -64,15 +65,20 @@ def write_kv(
     heads_first: bool = False,
 ) -> None:
     """Store new keys/values [tokens, kv_heads, head_dim] at flat slots (block * size +
-    offset) of a pages pool, or of a head-major one (`heads_first`)."""
+    offset) of a pages pool, or of a head-major one (`heads_first`), in the pool's dtype
+    (`kv.to_cache`: a float8 pool saturates)."""
     if heads_first:
         kv_heads, dim = k_cache.shape[0], k_cache.shape[-1]
         for cache, new in ((k_cache, key), (v_cache, value)):
-            heads_major = new.transpose(0, 1).to(cache.dtype)
-            cache.view(kv_heads, -1, dim).index_copy_(1, slot_mapping, heads_major)
+            heads_major = to_cache(new.transpose(0, 1), cache.dtype)
+            # index_copy_ has no float8 kernel: a float8 pool is copied into as its bytes.
+            target = cache.view(kv_heads, -1, dim)
+            if cache.dtype in FLOAT8_KV.values():
+                target, heads_major = target.view(torch.uint8), heads_major.view(torch.uint8)
+            target.index_copy_(1, slot_mapping, heads_major)
         return
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache(key, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache(value, v_cache.dtype)
 
 
 def paged_attention_reference(
@@ -425,13 +431,14 @@ def decode_attention(
     `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the additive
     mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
     attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa` takes
-    it."""
+    it. A float8 pool's blocks are widened to the query's dtype once gathered."""
     rows, heads, dim = query.shape
     kv_heads = k_cache.shape[0]
     block_elems = k_cache.shape[2] * dim
     # [rows, kv_heads, T, dim]: whole blocks, already in attention's layout.
     keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     attended = sdpa(query.view(rows, heads, 1, dim), keys, values, mask, scale, softcap)
     return attended.view(rows, heads, dim)
 
@@ -489,8 +496,12 @@ def attend(
         rows = slice(run.q_start, run.q_end)
         if key is not None and value is not None and run.slots.shape[0] == run.q_end - run.q_start:
             keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            if k_cache.dtype != keys.dtype:  # what the pool holds: float8's rounding
+                keys = to_cache(keys, k_cache.dtype).to(query.dtype)
+                values = to_cache(values, v_cache.dtype).to(query.dtype)
         else:
-            keys, values = keys_flat[:, run.slots], values_flat[:, run.slots]
+            keys = keys_flat[:, run.slots].to(query.dtype)
+            values = values_flat[:, run.slots].to(query.dtype)
         out[rows] = sdpa(
             query[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap
         )[0].transpose(0, 1)

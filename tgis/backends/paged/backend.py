@@ -32,6 +32,7 @@ from tgis.backends.common.device import (
 from tgis.backends.common.gemm import choose_packing
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
+from tgis.backends.common.quant_bnb import BNB_METHODS
 from tgis.backends.common.quant_checkpoint import model_quantization
 from tgis.backends.common.warmup import powers_of_two, run_plan
 from tgis.backends.models.decoder import native_kv_shape
@@ -67,10 +68,11 @@ CPU_PREFILL_STEP_TOKENS = 512
 WARMUP_PROMPT = 8
 
 
-def paged_kv_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes the paged pool holds per token of `model`: every layer's K and V, in its dtype."""
+def paged_kv_bytes_per_token(model: PreTrainedModel, kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes the paged pool holds per token of `model`: every layer's K and V, in `kv_dtype`
+    (None: the model's dtype)."""
     shape = native_kv_shape(model)
-    dtype = next(model.parameters()).dtype
+    dtype = kv_dtype or next(model.parameters()).dtype
     return kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
 
 
@@ -101,6 +103,7 @@ class PagedTorchBackend:
         compile: bool = False,
         packed_weights: bool | None = False,
         quantization: Quantization | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -116,7 +119,8 @@ class PagedTorchBackend:
         over oneDNN-packed weights (common/gemm.py), which moves the model's own to the meta
         device (models/decoder.py); None: where a probe measures them faster on this CPU.
         quantization: the projections quantized at load (common/quant.py), then never
-        packed."""
+        packed. kv_cache_dtype: the pool's dtype where it is not the model's (a float8 one,
+        `--kv-cache-dtype`: attention through plain torch, which widens what it gathers)."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -140,15 +144,21 @@ class PagedTorchBackend:
         self.kv_shape = native_kv_shape(model)
         # Flash attention where it runs and the model's attention allows it.
         self.model_needs = torch_attention_reason(model.config)
+        self.kv_dtype = kv_cache_dtype or self.dtype
+        if kv_cache_dtype is not None and kv_cache_dtype != self.dtype:
+            self.model_needs = (
+                f"the KV cache is {str(kv_cache_dtype).removeprefix('torch.')}, which flash "
+                "attention's varlen_attn does not read"
+            )
         self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
-        per_token = paged_kv_bytes_per_token(model)
+        per_token = paged_kv_bytes_per_token(model, self.kv_dtype)
         # A pre-quantized checkpoint's model carries its own (common/quant_checkpoint.py).
         quantization = quantization or model_quantization(model)
-        if quantization is not None and compile:
+        if compile and quantization is not None and quantization.method in BNB_METHODS:
             raise ConfigError(
-                "--compile folds plain weights into its graphs; quantized ones run their own "
-                "kernels",
-                "drop --compile (TGIS_COMPILE), or --quantize",
+                f"--compile and --quantize {quantization.method}: bitsandbytes' kernels run "
+                "eagerly",
+                "drop --compile (TGIS_COMPILE), or use --quantize int8 or int4",
             )
         packed = quantization is None and self._packing(packed_weights, compile, model)
         # Rope tables and weights first: the pool takes what memory is left.
@@ -176,7 +186,7 @@ class PagedTorchBackend:
                 "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
                 "attention runs",
             )
-        weight_copies = weight_copies_bytes(model) if compile else 0
+        weight_copies = weight_copies_bytes(self.weight_bytes) if compile else 0
         num_blocks = self._size_pool(
             kv_tokens,
             per_token + shared_kv_bytes_per_token,
@@ -234,6 +244,7 @@ class PagedTorchBackend:
             "weights": self.weights,
             "quantization": self.quantization.method if self.quantization else None,
             "weight_bytes": self.weight_bytes,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
 
     def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
@@ -281,6 +292,7 @@ class PagedTorchBackend:
         compile_cache: Path | None = None,
         packed_weights: bool | None = None,
         quantization: Quantization | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
         as `__init__` takes it (the weight layout measured on a CPU by default: nothing else
@@ -301,6 +313,7 @@ class PagedTorchBackend:
             compile=compile,
             packed_weights=packed_weights,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
@@ -311,7 +324,7 @@ class PagedTorchBackend:
         shape = self.kv_shape
         return KVPool.allocate(
             shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
-            self.dtype, self.device_obj, self.flash,
+            self.kv_dtype, self.device_obj, self.flash,
         )  # fmt: skip
 
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:

@@ -79,9 +79,9 @@ paged_decode_attention = torch.ops.tgis.paged_decode_attention.default
 GRAPHS = (1, 2)
 
 
-def weight_copies_bytes(model: torch.nn.Module) -> int:
-    """Memory the compiled graphs' packed copies of `model`'s weights take."""
-    return len(GRAPHS) * sum(p.nbytes for p in model.parameters())
+def weight_copies_bytes(weight_bytes: int) -> int:
+    """Memory the compiled graphs' packed copies of weights of `weight_bytes` take."""
+    return len(GRAPHS) * weight_bytes
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:

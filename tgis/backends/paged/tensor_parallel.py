@@ -235,6 +235,7 @@ class ShardSettings:
     master_port: int
     world: int
     quantization: Quantization | None = None
+    kv_cache_dtype: str | None = None  # --kv-cache-dtype's float8 name (None: the model's)
 
     @staticmethod
     def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
@@ -268,6 +269,7 @@ class ShardSettings:
             master_port=config.master_port,
             world=world,
             quantization=Quantization.of(config),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
 
@@ -294,6 +296,7 @@ def _join(settings: ShardSettings, rank: int) -> torch.device:
 def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
     """This rank's PagedTorchBackend over its slices (in the group already)."""
     from tgis.backends.common.device import resolve_dtype
+    from tgis.backends.common.kv import kv_dtype
     from tgis.backends.paged.backend import PagedTorchBackend
 
     device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
@@ -310,6 +313,7 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         parallel=tp,
         packed_weights=None,
         quantization=settings.quantization,
+        kv_cache_dtype=kv_dtype(settings.kv_cache_dtype),
     )
 
 
