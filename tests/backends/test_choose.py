@@ -222,6 +222,11 @@ def test_bitsandbytes_methods_need_the_package_and_run_eagerly(
     assert choose(LLAMA, backend="cpu", quantize="bitsandbytes-nf4").reason == (
         "the paged forward runs llama over bitsandbytes-nf4 weights"
     )
+    assert "outlier columns on the host" in refusal(
+        LLAMA, backend="cuda", quantize="bitsandbytes", cuda_graphs=True
+    )
+    config, _ = config_of(LLAMA, backend="cuda", quantize="bitsandbytes-nf4", cuda_graphs=True)
+    assert config.cuda_graphs
     text = refusal(LLAMA, backend="cpu", quantize="bitsandbytes", compile=True)
     assert text.startswith("--quantize bitsandbytes and --compile true: bitsandbytes' kernels")
     assert "--quantize-group-size 64 sets int4's groups" in refusal(
@@ -250,8 +255,16 @@ def test_kv_cache_dtype_is_checked_against_values_backend_and_engine() -> None:
     assert config.kv_cache_dtype == "fp8_e5m2"
     config, _ = config_of(LLAMA, backend="cpu", kv_cache_dtype="auto")
     assert config.kv_cache_dtype is None
-    assert refusal(LLAMA, backend="cpu", kv_cache_dtype="fp8") == (
-        "--kv-cache-dtype fp8 is not a KV cache dtype (use one of auto, fp8_e4m3fn, fp8_e5m2)"
+    config, _ = config_of(LLAMA, backend="cuda", kv_cache_dtype="fp8")  # vLLM's names
+    assert config.kv_cache_dtype == "fp8_e4m3fn"
+    config, _ = config_of(LLAMA, backend="cuda", kv_cache_dtype="fp8_e4m3")
+    assert config.kv_cache_dtype == "fp8_e4m3fn"
+    assert refusal(LLAMA, backend="cpu", kv_cache_dtype="int8") == (
+        "--kv-cache-dtype int8 is not a KV cache dtype "
+        "(use one of auto, fp8_e4m3fn, fp8_e5m2 (vLLM's fp8 and fp8_e4m3 name fp8_e4m3fn))"
+    )
+    assert "decode graphs are recorded over flash attention" in refusal(
+        LLAMA, backend="cuda", kv_cache_dtype="fp8_e5m2", cuda_graphs=True
     )
     text = refusal(LLAMA, backend="tpu", kv_cache_dtype="fp8_e4m3fn", max_batch_size=1)
     assert text.startswith("--kv-cache-dtype fp8_e4m3fn: a float8 KV cache is the paged engine's")

@@ -21,6 +21,7 @@ from tgis.config.types import (
     ADAPTER_NAME,
     BITSANDBYTES_METHODS,
     DEFAULT_QUANTIZE_GROUP_SIZE,
+    KV_CACHE_ALIASES,
     KV_CACHE_DTYPES,
     MAX_SPECULATE,
     PREFILL_MODES,
@@ -321,13 +322,21 @@ def kv_cache_dtype(backend: str, values: dict[str, Any], r: Sources) -> str | No
     if given is None:
         return None
     name = given.strip().lower()
+    name = KV_CACHE_ALIASES.get(name, name)
     if name not in KV_CACHE_DTYPES:
         raise ConfigError(
             f"{r.label('kv_cache_dtype', given)} is not a KV cache dtype",
-            f"use one of {', '.join(KV_CACHE_DTYPES)}",
+            f"use one of {', '.join(KV_CACHE_DTYPES)} (vLLM's fp8 and fp8_e4m3 name fp8_e4m3fn)",
         )
     if name == "auto":
         return None
+    if values["cuda_graphs"]:
+        raise ConfigError(
+            f"{r.label('kv_cache_dtype', given)} and {r.label('cuda_graphs', 'true')}: a float8 "
+            "pool is read by the plain-torch attention path, and decode graphs are recorded "
+            "over flash attention",
+            "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or --kv-cache-dtype (KV_CACHE_DTYPE)",
+        )
     if backend not in ("cpu", "cuda"):
         raise ConfigError(
             f"{r.label('kv_cache_dtype', given)}: a float8 KV cache is the paged engine's pool "
@@ -434,6 +443,13 @@ def quantization(
             raise ConfigError(
                 f"{label} and {r.label('compile', 'true')}: bitsandbytes' kernels run eagerly",
                 "drop --compile (TGIS_COMPILE), or use --quantize int8 or int4",
+            )
+        if method == "bitsandbytes" and values["cuda_graphs"]:
+            raise ConfigError(
+                f"{label} and {r.label('cuda_graphs', 'true')}: LLM.int8()'s kernel finds each "
+                "step's outlier columns on the host, which a graph cannot record",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or use --quantize bitsandbytes-nf4, "
+                "int8 or int4",
             )
     if method == "fp8" and backend == "cpu":
         raise ConfigError(

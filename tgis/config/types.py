@@ -25,8 +25,9 @@ QUANTIZE_METHODS = ("int8", "int4", "fp8", *BITSANDBYTES_METHODS)
 QUANTIZE_GROUP_SIZES = (32, 64, 128)
 DEFAULT_QUANTIZE_GROUP_SIZE = 64
 # `--kv-cache-dtype`: the paged engine's KV pool in the model's dtype ("auto") or in float8,
-# each key and value rounded on write (TGI's and vLLM's names).
+# each key and value rounded on write (TGI's names; vLLM's `fp8` and `fp8_e4m3` name e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3fn", "fp8_e5m2")
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3fn", "fp8_e4m3": "fp8_e4m3fn"}
 # How a static batch prefills (see tgis.backends.static.buckets): recompute every slot, or only new ones.
 # The most draft tokens speculative decoding verifies per step (--speculate).
 MAX_SPECULATE = 16

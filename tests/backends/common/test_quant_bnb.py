@@ -60,6 +60,7 @@ def test_llm_int8_multiplies_outlier_columns_in_float16() -> None:
     weight, x = weight_and_inputs(1)
     x = x.reshape(-1, 128)
     x[0, 7] = 4 * LLM_INT8_THRESHOLD
+    x[1, 7] = 0.9 * LLM_INT8_THRESHOLD  # row 1's absmax, in the outlier column: it sets the scale
     canon = LlmInt8Weight.quantize(weight)
     out = kernel(canon, CPU, torch.float32)(x)
     torch.testing.assert_close(out, reference(canon, x, torch.float32), atol=4e-3, rtol=0)

@@ -232,6 +232,25 @@ def _plus(
     return adapted
 
 
+def test_llm_int8_decodes_without_graphs_and_refuses_to_record_them() -> None:
+    """LLM.int8()'s kernel reads its outlier columns on the host: where decode graphs would be
+    recorded they are not (and asking for them is a ConfigError); nf4's kernel records."""
+    from tests.backends.paged.test_backend import EagerDecodeApi
+    from tgis.errors import ConfigError
+
+    def backend(method: str, cuda_graphs: bool | None = None) -> PagedTorchBackend:
+        return PagedTorchBackend(
+            llama(), max_sequences=2, max_sequence_tokens=64, max_prefill_tokens=64,
+            kv_tokens=128, block_size=4, graph_api=EagerDecodeApi(), cuda_graphs=cuda_graphs,
+            quantization=Quantization(method),
+        )  # fmt: skip
+
+    assert backend("bitsandbytes").graphs is None
+    assert backend("bitsandbytes-nf4").graphs is not None
+    with pytest.raises(ConfigError, match="outlier columns on the host"):
+        backend("bitsandbytes", cuda_graphs=True)
+
+
 def test_compile_is_refused_with_bitsandbytes_weights() -> None:
     """torch's kernels fold into compiled graphs (tests/backends/paged/test_compile.py);
     bitsandbytes' run eagerly, and the backend says so."""

@@ -52,6 +52,8 @@ from tgis.errors import ConfigError
 # on the 2-core AVX2 CPU the two cross at ~32 rows, and at 256 rows the dense GEMM takes half
 # the kernel's time (docs/quantization.md).
 INT8_KERNEL_ROWS = 32
+# The most a dequantized slice of an int8 weight takes at once on that dense path.
+DENSE_SLICE_BYTES = 64 << 20
 # The largest finite float8 e4m3 value, and the smallest scale (an all-zero row or token).
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 MIN_SCALE = 1e-12
@@ -337,12 +339,25 @@ class Int8Linear(QuantLinear):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = _rows(x)
-        if rows.shape[0] > INT8_KERNEL_ROWS and not torch.compiler.is_compiling():
-            out = F.linear(rows.to(self.dtype), self.q.to(self.dtype)) * self.dense_scale
+        # is_compiling first: a shape test traced in a graph would guard it on the batch.
+        if not torch.compiler.is_compiling() and rows.shape[0] > INT8_KERNEL_ROWS:
+            out = self._dense(rows.to(self.dtype))
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(self.act_dtype), self.q, self.scale)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return _add_bias(out, bias)
+
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows @ the dequantized weight, a slice of output channels at a time so that the
+        dequantized copy stays under DENSE_SLICE_BYTES (a vocabulary's int8 lm_head)."""
+        per_channel = self.in_features * rows.element_size()
+        width = max(1, DENSE_SLICE_BYTES // per_channel)
+        parts = [
+            F.linear(rows, self.q[start : start + width].to(rows.dtype))
+            * self.dense_scale[start : start + width]
+            for start in range(0, self.out_features, width)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     @property
     def nbytes(self) -> int:

@@ -183,16 +183,19 @@ def reference(weight: BnbWeight, x: torch.Tensor) -> torch.Tensor:
     """What `kernel(weight, device)` computes for x [..., in], in plain float32 torch,
     rounded where bitsandbytes rounds: float32 [..., out].
 
-    LLM.int8(): the input columns holding a value of magnitude >= the threshold multiply the
-    dequantized weight in float16; the rest, zeroed there, is quantized per row to int8
-    (absmax at 127) and multiplied exactly in integers, then scaled back."""
+    LLM.int8(): the values of magnitude >= the threshold (outliers) are set aside, each row
+    of the rest quantized to int8 (its absmax at 127) with the outliers' columns then zeroed,
+    and multiplied exactly in integers, then scaled back; the outliers' columns, whole,
+    multiply the dequantized weight in float16."""
     inputs = rows(x)
     if isinstance(weight, LlmInt8Weight):
         a = inputs.to(torch.float16).float()
-        outliers = (a.abs() >= LLM_INT8_THRESHOLD).any(dim=0)
-        inliers = a.masked_fill(outliers[None, :], 0.0)
-        row_max = inliers.abs().amax(dim=1, keepdim=True)
-        qa = torch.round(inliers * (127.0 / row_max.clamp(min=1e-30)))
+        large = a.abs() >= LLM_INT8_THRESHOLD
+        outliers = large.any(dim=0)
+        rest = a.masked_fill(large, 0.0)
+        row_max = rest.abs().amax(dim=1, keepdim=True)
+        qa = torch.round(rest * (127.0 / row_max.clamp(min=1e-30)))
+        qa = qa.masked_fill(outliers[None, :], 0.0)
         exact = qa @ weight.cb.float().t()
         out = exact * row_max * weight.scb.float()[None, :] / (127.0 * 127.0)
         if outliers.any():

@@ -330,6 +330,15 @@ class PagedTorchBackend:
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
         """Whether decode runs through recorded graphs (see __init__)."""
         possible = api is not None or self.flash
+        if self.quantization is not None and self.quantization.method == "bitsandbytes":
+            if requested:
+                raise ConfigError(
+                    "--cuda-graphs and --quantize bitsandbytes: LLM.int8()'s kernel finds "
+                    "each step's outlier columns on the host, which a graph cannot record",
+                    "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or use --quantize "
+                    "bitsandbytes-nf4, int8 or int4",
+                )
+            possible = False
         if requested and not possible:
             raise ConfigError(
                 "--cuda-graphs needs flash attention over the paged cache (CUDA, torch >= "
