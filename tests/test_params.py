@@ -63,6 +63,19 @@ def error(params: GenerateParameters, input_length: int = 3, **kw: object) -> st
         ),
         (P(time_limit_ms=0), "`time_limit_ms` must be > 0 and <= 2147483647. Given: 0"),
         (P(seed=-1), "`seed` must be >= 0 and <= 18446744073709551615. Given: -1"),
+        (
+            P(logit_bias=((3, 100.5),)),
+            "`logit_bias` values must be >= -100 and <= 100. Given: 100.5 for token 3",
+        ),
+        (
+            P(logit_bias=((3, float("nan")),)),
+            "`logit_bias` values must be >= -100 and <= 100. Given: nan for token 3",
+        ),
+        (P(logit_bias=((-1, 1.0),)), "`logit_bias` token ids must be >= 0. Given: -1"),
+        (
+            P(logit_bias=tuple((i, 1.0) for i in range(1025))),
+            "`logit_bias` supports up to 1024 tokens. Given: 1025",
+        ),
     ],
 )
 def test_each_violation_has_tgis_message(params: GenerateParameters, message: str) -> None:

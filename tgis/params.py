@@ -91,6 +91,9 @@ class GenerateParameters:
     # start_index tokens are generated, the EOS logits grow by |logit| * (decay_factor ^
     # (generated - start_index) - 1), as HF's ExponentialDecayLengthPenalty does.
     length_penalty: tuple[int, float] | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits before every other
+    # processor (+-100 bans or forces a token in practice).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Stopping.
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
@@ -190,6 +193,9 @@ def _check_best_of(params: GenerateParameters, limits: RequestLimits) -> int:
 MIN_POSITIVE = 1e-4
 # The longest time limit a request may set (24 days), well within every clock's range.
 MAX_TIME_LIMIT_MS = 2**31 - 1
+# OpenAI's `logit_bias`: each bias within +-100 (OpenAI's range), and at most this many tokens.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 # The largest temperature or repetition penalty: beyond it the distribution is already uniform
@@ -231,6 +237,20 @@ def _check_sampling(params: GenerateParameters) -> None:
     _check_small("typical_p", params.typical_p)
     if params.top_k is not None and params.top_k <= 0:
         raise _fail("`top_k` must be strictly positive")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise _fail(
+            f"`logit_bias` supports up to {MAX_LOGIT_BIAS_TOKENS} tokens. "
+            f"Given: {len(params.logit_bias)}"
+        )
+    for token, bias in params.logit_bias:
+        if token < 0:
+            raise _fail(f"`logit_bias` token ids must be >= 0. Given: {token}")
+        # `not (|x| <= limit)` so that NaN is refused too.
+        if not abs(bias) <= MAX_LOGIT_BIAS:
+            raise _fail(
+                f"`logit_bias` values must be >= -{MAX_LOGIT_BIAS:g} and <= "
+                f"{MAX_LOGIT_BIAS:g}. Given: {bias} for token {token}"
+            )
     if params.length_penalty is not None:
         start_index, decay_factor = params.length_penalty
         if start_index < 0:

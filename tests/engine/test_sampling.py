@@ -366,3 +366,36 @@ def test_length_penalty_grows_the_eos_logits_as_huggingface_does() -> None:
     assert scores[0, EOS] > logits[0, EOS] and scores[1, EOS] > logits[1, EOS]
     untouched = SamplingBatch([SamplingRow(P(length_penalty=(5, 2.0)), [1])], [EOS])
     assert torch.equal(untouched.process(logits[:1]), logits[:1])  # before start_index
+
+
+def test_logit_bias_is_added_to_the_raw_logits_before_every_other_processor() -> None:
+    """OpenAI's logit_bias: the bias joins the raw logit first (so temperature divides the
+    biased logit, and the repetition penalty sees it), per row; +100 forces a token and -100
+    bans the argmax for greedy rows; a row without it is untouched; ids past the logits'
+    vocabulary are ignored."""
+    logits = logits_for(9, rows=3)
+    best = logits.argmax(-1)
+    rows = [
+        SamplingRow(P(logit_bias=((5, 100.0), (VOCAB + 3, 50.0))), [1]),
+        SamplingRow(P(logit_bias=((int(best[1]), -100.0),)), [1]),
+        SamplingRow(P(), [1]),
+    ]
+    out = SamplingBatch(rows).choose(logits)
+    assert out.token_ids[0] == 5
+    assert out.token_ids[1] != int(best[1])
+    assert out.token_ids[2] == int(best[2])
+    biased = logits[0].clone()
+    biased[5] += 100.0
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(biased, -1)[5].item(), abs=1e-5)
+    scaled = SamplingBatch([SamplingRow(P(temperature=2.0, logit_bias=((7, 3.0),)), [1])])
+    expected = logits[:1].clone()
+    expected[0, 7] += 3.0
+    torch.testing.assert_close(scaled.process(logits[:1]), expected / 2.0)
+    penalised = SamplingBatch(
+        [SamplingRow(P(repetition_penalty=2.0, logit_bias=((7, -4.0),)), [7])]
+    )
+    value = float(logits[0, 7]) - 4.0  # biased first, then penalised by its sign
+    assert penalised.process(logits[:1])[0, 7].item() == pytest.approx(
+        value * 2.0 if value < 0 else value / 2.0
+    )
+    assert torch.equal(logits, logits_for(9, rows=3))  # never modified in place

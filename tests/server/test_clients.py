@@ -98,6 +98,10 @@ def test_openai_client_with_an_api_key(
             model="tiny-llama", prompt=PROMPT, max_tokens=4, logprobs=1
         )
         assert completion.choices[0].text == expected_text(engine, 4)
+        client.completions.create(
+            model="tiny-llama", prompt=PROMPT, max_tokens=2, logit_bias={"9": 50, "4": -100}
+        )
+        assert engine.requests[-1].params.logit_bias == ((9, 50.0), (4, -100.0))
         assert completion.usage.completion_tokens == 4
         assert len(completion.choices[0].logprobs.tokens) == 4
         stream = client.completions.create(

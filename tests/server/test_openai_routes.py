@@ -215,6 +215,28 @@ def test_unsupported_features_are_refused(client: TestClient) -> None:
     assert "`messages` must be a non-empty array" in error["error"]["message"]
 
 
+def test_logit_bias_reaches_the_engine_and_bad_values_are_named(
+    client: TestClient, engine: FakeEngine
+) -> None:
+    """logit_bias (token id -> -100..100) on both routes reaches the engine's parameters;
+    a key that is not a token id, a value out of range or a token past the vocabulary is a
+    422 naming the field."""
+    post(client, "/v1/chat/completions", 200, messages=MESSAGES, logit_bias={"5": 100, "7": -3.5})
+    assert engine.requests[-1].params.logit_bias == ((5, 100.0), (7, -3.5))
+    post(client, "/v1/completions", 200, prompt=PROMPT, logit_bias={"11": -100})
+    assert engine.requests[-1].params.logit_bias == ((11, -100.0),)
+    post(client, "/v1/completions", 200, prompt=PROMPT, logit_bias={})
+    assert engine.requests[-1].params.logit_bias == ()
+    for bias, message in (
+        ({"x": 1}, "logit_bias"),
+        ({"5": 101}, "logit_bias"),
+        ({"5": "high"}, "logit_bias"),
+        ({"999999": 1}, "logit_bias"),
+    ):
+        error = post(client, "/v1/chat/completions", 422, messages=MESSAGES, logit_bias=bias)
+        assert message in error["error"]["message"], (bias, error)
+
+
 def test_openai_errors_keep_status_codes(client: TestClient, engine: FakeEngine) -> None:
     engine.overloaded = True
     error = post(client, "/v1/chat/completions", 429, messages=MESSAGES)

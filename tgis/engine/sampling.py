@@ -4,7 +4,8 @@ Per-request options become one per-row parameter table uploaded at each step, so
 adds and drops rows freely between steps. A row's result never depends on the other rows of
 the batch.
 
-Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor):
+Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor), after
+OpenAI's `logit_bias` (added to the raw logits before anything else, as OpenAI and vLLM do):
 min_new_tokens EOS mask -> repetition_penalty -> frequency/presence penalties -> length
 penalty (TGIS; HF's ExponentialDecayLengthPenalty over generated tokens) -> temperature ->
 top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
@@ -287,6 +288,8 @@ class SamplingBatch:
         vocab, device = scores.shape[-1], scores.device
         rows = self.rows
         table = to_device([r.params_row(vocab) for r in rows], torch.float32, device)
+        if any(r.params.logit_bias for r in rows):
+            scores = _logit_bias(scores, [r.params.logit_bias for r in rows])
 
         def column(index: int) -> torch.Tensor:
             return table[:, index : index + 1]  # [B, 1]
@@ -444,6 +447,21 @@ def _length_penalty(scores: torch.Tensor, eos: torch.Tensor, boost: torch.Tensor
     out = scores.clone()
     out[:, eos] = torch.where(torch.isfinite(logits) & (boost > 0), grown, logits)
     return out
+
+
+def _logit_bias(
+    scores: torch.Tensor, biases: Sequence[tuple[tuple[int, float], ...]]
+) -> torch.Tensor:
+    """scores [B, V] with each row's (token, bias) pairs added (a new tensor; token ids past
+    the model's vocabulary, which the tokenizer's may be short of, are never biased)."""
+    vocab = scores.shape[-1]
+    pairs = [(i, t, b) for i, row in enumerate(biases) for t, b in row if t < vocab]
+    if not pairs:
+        return scores
+    rows, tokens, values = zip(*pairs, strict=True)
+    index = to_device([list(rows), list(tokens)], torch.long, scores.device)
+    bias = to_device(list(values), torch.float32, scores.device)
+    return scores.index_put((index[0], index[1]), bias, accumulate=True)
 
 
 def _repetition(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

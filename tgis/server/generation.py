@@ -212,6 +212,12 @@ class Pipeline:
                     f"token id {outside[0]} is outside the vocabulary (size {vocab})"
                 )
             text = await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
+        biased = [t for t, _ in params.logit_bias if t >= len(self.tokenizer)]
+        if biased:
+            raise InputValidationError(
+                f"`logit_bias` token id {biased[0]} is outside the vocabulary (size "
+                f"{len(self.tokenizer)})"
+            )
         self.metrics.raw_input(len(ids))
         # validate takes the length before truncation (it checks `truncate` itself) and
         # returns the parameters normalized, with max_new_tokens filled in.

@@ -68,8 +68,7 @@ def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, A
     for key in ("frequency_penalty", "presence_penalty"):
         value = f.number(key)
         values[key] = None if value == 0.0 else value
-    if f.has("logit_bias") and f.data["logit_bias"] != {}:
-        raise invalid("`logit_bias` is not supported by this server")
+    values["logit_bias"] = _logit_bias(f)
     n = f.integer("n", unsigned=True)
     n = 1 if n is None else n
     if n < 1:
@@ -84,6 +83,23 @@ def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, A
         values["best_of"] = n
     values["n"] = n
     return values
+
+
+def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases."""
+    given = f.data.get("logit_bias")
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise invalid("`logit_bias` must be an object of token ids to numbers")
+    pairs = []
+    for key, value in given.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"`logit_bias` keys must be token ids (digits). Given: {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(f"`logit_bias` values must be numbers. Given: {value!r} for {key}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs) or None
 
 
 def _stream_options(f: Fields) -> tuple[bool, bool]:

@@ -13,7 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tgis.params import MAX_FACTOR, MAX_SEED, MAX_TIME_LIMIT_MS, MIN_POSITIVE, RequestLimits
+from tgis.params import (
+    MAX_FACTOR,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_SEED,
+    MAX_TIME_LIMIT_MS,
+    MIN_POSITIVE,
+    RequestLimits,
+)
 from tgis.server.tool_calls import NAME_PATTERN
 
 # The widest integer a field takes where no other limit applies (a signed 64-bit value).
@@ -215,6 +223,26 @@ _ADAPTER_ID = (
 )
 
 
+def decimal_below(n: int) -> str:
+    """A regex of the decimal integers 0 .. n-1 (no leading zeros): the token ids a JSON
+    object's keys may name (`logit_bias`)."""
+    top = str(n - 1)
+    options = ["0"] if n > 0 else []
+    for length in range(1, len(top)):
+        options.append("[1-9]" + (f"[0-9]{{{length - 1}}}" if length > 1 else ""))
+    if n > 10:
+        for i, digit in enumerate(top):
+            low = 1 if i == 0 else 0
+            if int(digit) > low:
+                rest = len(top) - i - 1
+                tail = f"[0-9]{{{rest}}}" if rest else ""
+                options.append(f"{top[:i]}[{low}-{int(digit) - 1}]{tail}")
+        options.append(top)
+    elif n > 1:
+        options.append(f"[1-{n - 1}]")
+    return "^(" + "|".join(dict.fromkeys(options)) + ")$"
+
+
 @dataclass(frozen=True)
 class AdapterChoice:
     """What `adapter_id` may be: the adapters named at start-up, and whether a directory
@@ -413,7 +441,18 @@ class RequestSchemas:
             "repetition_penalty": null(FACTOR),
             "min_tokens": null(integer(0, self.max_new_tokens)),
             "ignore_eos": null(BOOL),
-            "logit_bias": null({"type": "object", "maxProperties": 0}),
+            "logit_bias": null(
+                {
+                    "type": "object",
+                    "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                    "propertyNames": {"pattern": decimal_below(self.vocab_size)},
+                    "additionalProperties": {
+                        "type": "number",
+                        "minimum": -MAX_LOGIT_BIAS,
+                        "maximum": MAX_LOGIT_BIAS,
+                    },
+                }
+            ),
             "prefix_id": self._prefix_id(),
         }
 
