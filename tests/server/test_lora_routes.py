@@ -103,12 +103,13 @@ def test_every_api_selects_the_adapter(
         assert answer.status_code == 200, answer.text
         assert answer.json()["generated_text"] == texts[adapter or None]
     client = OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
-    for model in (NAMED, ON_DEMAND, model_id):
+    for model in (NAMED, ON_DEMAND, model_id, "tgi"):  # "tgi": TGI's name of the base model
         completion = client.completions.create(
             model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0
         )
-        assert completion.choices[0].text == texts[None if model == model_id else model]
-        assert completion.model == model
+        base = model in (model_id, "tgi")
+        assert completion.choices[0].text == texts[None if base else model]
+        assert completion.model == (model_id if base else model)
     for adapter in (ON_DEMAND, None):
         assert grpc_generate(grpc_port, adapter).responses[0].text == texts[adapter]
 

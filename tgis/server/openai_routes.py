@@ -66,12 +66,19 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": cards})
 
 
+# The name TGI's documentation gives clients for the served model (`model: "tgi"`).
+BASE_MODEL_NAME = "tgi"
+
+
 def adapter_of(pipeline: Pipeline, model_id: str, model: str | None) -> str | None:
-    """The LoRA adapter OpenAI's `model` selects: None for the served model (its id, or any
-    name on a server without adapters, as TGI ignores it); a 422 for a name that is neither
-    the model nor an adapter on a server with adapters."""
+    """The LoRA adapter OpenAI's `model` selects: None for the served model (its id, "tgi" as
+    TGI's docs tell clients to send unless an adapter is named so, or any name on a server
+    without adapters, as TGI ignores it); a 422 for a name that is neither the model nor an
+    adapter on a server with adapters."""
     adapters = pipeline.adapters
     if adapters is None or model is None or model in ("", model_id):
+        return None
+    if model == BASE_MODEL_NAME and model not in adapters.named:
         return None
     if model in adapters.named or adapters.directory is not None:
         return model
