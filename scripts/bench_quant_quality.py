@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import ROOT, stop, wait_ready
 from train_demo_model import corpus_files, is_validation
+
+from tgis.benchmark.engine_mode import free_port
 
 DEMO = ROOT / "tgis" / "assets" / "demo-model"
 CHUNK_TOKENS = 256
@@ -66,12 +67,6 @@ def prompts(tokenizer: Any, texts: list[str]) -> list[str]:
         if len(out) == PROMPTS:
             break
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(flags: list[str], texts: list[str], starts: list[str], log: Path) -> dict[str, Any]:

@@ -536,7 +536,7 @@ def reference(
     """What `kernel(weight, device, dtype)` computes for x [..., in], in plain float32 torch
     from the canonical values, rounded where the kernel rounds (activations, scales and
     outputs to the dtype it reads and writes): float32 [..., out]. `device`: x's by default."""
-    if not isinstance(weight, Int8Channels | Int4Groups | Fp8Channels):
+    if isinstance(weight, quant_bnb.LlmInt8Weight | quant_bnb.FourBitWeight):
         return quant_bnb.reference(weight, x)
     device = device or x.device
     rows = _rows(x)
