@@ -21,7 +21,7 @@ CHARS_PER_TOKEN = 32
 MAX_SEED = 2**64 - 1
 
 
-GrammarKind = Literal["json", "regex", "lark"]
+GrammarKind = Literal["json", "regex", "lark", "llguidance"]
 # JSON without free whitespace between tokens: a model cannot loop on spaces or newlines.
 # (A Lark grammar's `%json` schemas say so in their own "x-guidance" key.)
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -50,6 +50,12 @@ class GrammarSpec:
     def lark(cls, grammar: str, source: str = "grammar") -> GrammarSpec:
         return cls("lark", grammar, source)
 
+    @classmethod
+    def llguidance(cls, grammar: str, source: str = "grammar") -> GrammarSpec:
+        """llguidance's own grammar text (a set of named grammars that refer to each other:
+        what a chat route composes from a reasoning block and a request's grammar)."""
+        return cls("llguidance", grammar, source)
+
     def grammar(self) -> str:
         """llguidance's grammar text."""
         import llguidance as llg
@@ -58,6 +64,8 @@ class GrammarSpec:
             return llg.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
         if self.kind == "lark":
             return llg.LLMatcher.grammar_from_lark(self.value)
+        if self.kind == "llguidance":
+            return self.value
         return llg.LLMatcher.grammar_from_regex(self.value)
 
     def problem(self) -> str | None:
@@ -111,6 +119,9 @@ class GenerateParameters:
     top_n_tokens: int | None = None
     best_of: int | None = None
     skip_special_tokens: bool = True
+    # Special tokens whose text stays in the output although skip_special_tokens is on: the
+    # markers a chat route parses (a reasoning block's, a model's own tool-call tokens).
+    kept_special_ids: tuple[int, ...] = ()
     # Output constrained to a JSON schema or a regex (TGI's `grammar`, OpenAI's response_format).
     grammar: GrammarSpec | None = None
 

@@ -16,7 +16,7 @@ from openai.lib.streaming._deltas import accumulate_delta
 from transformers import AutoTokenizer
 
 from tgis.server.http_errors import ApiError
-from tgis.server.openai_routes import render_chat
+from tgis.server.chat import ChatFormat, render_chat
 from tgis.server.schemas import Fields
 from tgis.server.tool_calls import (
     ToolCallScanner,
@@ -280,10 +280,12 @@ class Tok:
 
 def test_render_chat_passes_tools_to_a_template_that_uses_them() -> None:
     choice = tools_of(tools=TOOLS)
-    text = render_chat(Tok(TOOL_TEMPLATE), CONVERSATION, choice)
+    tok = Tok(TOOL_TEMPLATE)
+    text = render_chat(tok, ChatFormat.of(tok), CONVERSATION, choice)
     assert text.startswith("<tools>[")
     assert "get_weather" in text.split("</tools>")[0]
     assert "<call>get_weather:Paris</call>" in text
-    plain = render_chat(Tok(PLAIN_TEMPLATE), CONVERSATION, choice)
+    tok = Tok(PLAIN_TEMPLATE)
+    plain = render_chat(tok, ChatFormat.of(tok), CONVERSATION, choice)
     assert "<tools>" not in plain and "Tools:\n" in plain
     assert '[{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}]' in plain

@@ -31,8 +31,21 @@ _REPLACEMENT = "\ufffd"
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
-    """The tokenizer's special token ids (TGI's `special` flag; skipped by skip_special_tokens)."""
-    return frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+    """The tokenizer's special token ids (TGI's `special` flag; skipped by skip_special_tokens):
+    its named special tokens and every added token marked special. Read once per tokenizer
+    and vocabulary size."""
+    try:
+        return _special_ids(tokenizer, len(tokenizer))
+    except TypeError:  # a tokenizer without a size, or one that cannot be hashed
+        return _special_ids.__wrapped__(tokenizer, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _special_ids(tokenizer: Any, size: int) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
 
 
 Decode = Callable[[list[int], bool], str]
@@ -85,7 +98,8 @@ def token_texts(tokenizer: Any, ids: Iterable[int], decode: Decode | None = None
 
 class IncrementalDetokenizer:
     """Turns one id at a time into the text it adds. With skip_special_tokens, special ids
-    add nothing and never enter the decode window."""
+    add nothing and never enter the decode window, except the `kept` ones: their text stays
+    (the window, free of the others, is then decoded with special tokens kept)."""
 
     def __init__(
         self,
@@ -93,12 +107,14 @@ class IncrementalDetokenizer:
         context_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
         decode: Decode | None = None,
+        kept: Iterable[int] = (),
     ) -> None:
         """decode: `decoder(tokenizer)`, when the caller made it already."""
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        kept = frozenset(kept)
+        self.skip_special_tokens = skip_special_tokens and not kept
         self._decode_ids = decode or decoder(tokenizer)
-        self._special = special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._special = special_ids(tokenizer) - kept if skip_special_tokens else frozenset()
         ctx = [i for i in context_ids if i not in self._special][-CONTEXT_WINDOW:]
         self._ids: list[int] = ctx
         self._prefix = 0  # window start: already-emitted ids kept only as decode context
@@ -176,7 +192,7 @@ class TextStream:
         self.stops = StopSequences(params.stop)
         decode = decoder(tokenizer)
         self._visible = IncrementalDetokenizer(
-            tokenizer, prompt_ids, params.skip_special_tokens, decode
+            tokenizer, prompt_ids, params.skip_special_tokens, decode, params.kept_special_ids
         )
         # TGI's token.text is the incremental text with special tokens kept.
         self._raw = (

@@ -27,6 +27,7 @@ from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
 from tgis.server import openai_routes, tgi_routes
+from tgis.server.chat import ChatFormat
 from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
 from tgis.server.http_errors import UNAUTHORIZED, ApiError, classify, error_response, tgi_body
@@ -173,5 +174,6 @@ def create_app(
         pipeline=pipeline,
         lifecycle=lifecycle,
         contract=RequestContract(schemas),
+        chat=ChatFormat.of(tokenizer),
     )
     return app

@@ -115,6 +115,14 @@ def chat_choice(
     }
 
 
+def chat_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A chat output delta as OpenAI's chunk writes it: reasoning under both of its names
+    (`reasoning_content`, as SGLang and llama.cpp write it, and vLLM's `reasoning`)."""
+    if "reasoning" in delta:
+        return {"reasoning_content": delta["reasoning"], "reasoning": delta["reasoning"]}
+    return delta
+
+
 def chat_delta_choice(
     index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:

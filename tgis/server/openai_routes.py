@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tgis.server.chat import ChatPlan, plan_chat, render_chat
 from tgis.server.generation import EventStream, Pipeline, Prepared, SequenceResult
 from tgis.server.http_errors import ApiError, classify, error_response, invalid
 from tgis.server.openai_json import (
@@ -32,12 +33,6 @@ from tgis.server.openai_stream import stream_response
 from tgis.server.schemas import read_json
 from tgis.server.sse import ClientDisconnected, unless_disconnected
 from tgis.server.state import ServerState, get_state
-from tgis.server.tool_calls import (
-    ToolCallScanner,
-    ToolChoice,
-    prompt_messages,
-    template_takes_tools,
-)
 
 
 async def completions(request: Request) -> Response:
@@ -104,11 +99,18 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     kind = "stream" if req.stream else ("batch" if len(req.prompts) > 1 else "single")
     state.metrics.request_received(kind, inputs=max(len(req.prompts), 1))
     streams: list[EventStream] = []
+    plan: ChatPlan | None = None
     try:
+        params = req.params
         if chat:
             text = await anyio.to_thread.run_sync(
-                render_chat, state.tokenizer, req.messages, req.tools
+                render_chat, state.tokenizer, state.chat, req.messages, req.tools,
+                req.template_kwargs,
+            )  # fmt: skip
+            plan = plan_chat(
+                state.chat, state.tokenizer, text, params, req.tools, req.include_reasoning
             )
+            params = plan.params
             # The template writes the special tokens (BOS) itself.
             inputs: list[tuple[str | Sequence[int], bool]] = [(text, False)]
         else:
@@ -120,7 +122,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
             prepared.append(
                 await state.pipeline.prepare(
                     prompt,
-                    req.params,
+                    params,
                     arrival=arrival,
                     stream=False,
                     add_special_tokens=add_special,
@@ -136,7 +138,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
             prepared[0].request.request_id, chat, req.stream, state.info, adapter_id
         )
         if req.stream:
-            return stream_response(state, req, prepared, streams, envelope, chat, kind)
+            return stream_response(state, req, prepared, streams, envelope, plan, kind)
         results = [
             await unless_disconnected(request.receive, partial(state.pipeline.collect, s, req.n))
             for s in streams
@@ -150,34 +152,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
         error = classify(exc)
         state.metrics.request_failed(error.error_type)
         return error_response(error, openai=True)
-    return JSONResponse(_response(state, req, prepared, results, envelope, chat, kind))
-
-
-def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: ToolChoice | None = None
-) -> str:
-    """The prompt the tokenizer's chat template makes of `messages` and the tools the model
-    may call (tgis.server.tool_calls), 422 without a template."""
-    from jinja2 import TemplateError
-
-    template = getattr(tokenizer, "chat_template", None)
-    if template is None:
-        raise invalid(
-            "the model's tokenizer has no chat template, so /v1/chat/completions cannot "
-            "build a prompt: use /v1/completions or /generate with a plain prompt"
-        )
-    takes_tools = template_takes_tools(template)
-    extra = {"tools": tools.definitions()} if tools is not None and takes_tools else {}
-    try:
-        text = tokenizer.apply_chat_template(
-            prompt_messages(list(messages), tools, takes_tools),
-            tokenize=False,
-            add_generation_prompt=True,
-            **extra,
-        )
-    except TemplateError as exc:
-        raise invalid(f"the chat template failed on these messages: {exc}") from None
-    return str(text)
+    return JSONResponse(_response(state, req, prepared, results, envelope, plan, kind))
 
 
 async def _start_all(pipeline: Pipeline, prepared: Sequence[Prepared]) -> list[EventStream]:
@@ -212,7 +187,7 @@ def _response(
     prepared: Sequence[Prepared],
     results: Sequence[Sequence[SequenceResult]],
     envelope: Envelope,
-    chat: bool,
+    plan: ChatPlan | None,
     kind: str,
 ) -> dict[str, Any]:
     choices = []
@@ -225,16 +200,14 @@ def _response(
             index = job * req.n + result.index
             reason = c.finish_reason.openai()
             tokens, tops = list(result.details_tokens), list(result.details_top_tokens)
-            if chat:
+            if plan is not None:
                 logprobs = (
                     None if req.logprobs is None else chat_logprobs(tokens, tops, req.logprobs)
                 )
-                message: dict[str, Any] = {"content": c.generated_text}
-                if req.tools is not None:
-                    output = ToolCallScanner()
-                    output.feed(c.generated_text)
-                    message, reason = output.message(), output.finish_reason(reason)
-                choices.append(chat_choice(index, message, reason, logprobs))
+                output = plan.output().read(c.generated_text)
+                choices.append(
+                    chat_choice(index, output.message(), output.finish_reason(reason), logprobs)
+                )
                 continue
             text = prep.prompt + c.generated_text if req.echo else c.generated_text
             logprobs = None

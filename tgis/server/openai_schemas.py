@@ -12,10 +12,11 @@ Mapping, following TGI's and OpenAI's documented semantics:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tgis.params import GenerateParameters, GrammarSpec
+from tgis.server.chat import RESERVED_TEMPLATE_KWARGS
 from tgis.server.http_errors import invalid
 from tgis.server.info import ModelInfo
 from tgis.server.schemas import Fields
@@ -45,6 +46,10 @@ class OpenAIRequest:
     tools: ToolChoice | None = None
     # `model` as sent: the served model, or one of its LoRA adapters.
     model: str | None = None
+    # Chat: extra variables of the chat template (`chat_template_kwargs`, `reasoning_effort`).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Chat: whether the reasoning is returned (`include_reasoning`; it is parsed out anyway).
+    include_reasoning: bool = True
 
 
 def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
@@ -208,8 +213,6 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
             '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none"): '
             "both constrain the output"
         )
-    if tools is not None:
-        grammar = tools.grammar()
     max_tokens = f.integer("max_completion_tokens", unsigned=True)
     if max_tokens is None:
         max_tokens = f.integer("max_tokens", unsigned=True)
@@ -237,7 +240,36 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         prefix_id=f.string("prefix_id"),
         tools=tools,
         model=f.string("model"),
+        template_kwargs=template_kwargs(f),
+        include_reasoning=f.boolean("include_reasoning") is not False,
     )
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_kwargs(f: Fields, effort: str | None = None) -> dict[str, Any]:
+    """`chat_template_kwargs` (variables the chat template reads, such as Qwen3's
+    `enable_thinking`) and `reasoning_effort` (given to the template under that name, as
+    gpt-oss's reads it). `effort`: the effort another field of the request named."""
+    given = f.data.get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
+        raise invalid("`chat_template_kwargs` must be an object of template variables")
+    values = dict(given or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(values))
+    if reserved:
+        raise invalid(
+            f"`chat_template_kwargs.{reserved[0]}` is set by the server itself; leave it out "
+            "(send `messages` and `tools` as request fields)"
+        )
+    effort = f.string("reasoning_effort") if effort is None else effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid(
+                f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"
+            )
+        values.setdefault("reasoning_effort", effort)
+    return values
 
 
 def _response_format(f: Fields) -> GrammarSpec | None:

@@ -12,10 +12,12 @@ from typing import Any
 import anyio
 
 from tgis.engine.types import TokenEvent
+from tgis.server.chat import ChatOutput, ChatPlan
 from tgis.server.generation import EventStream, Prepared
 from tgis.server.http_errors import ApiError, classify, openai_body
 from tgis.server.openai_json import (
     Envelope,
+    chat_delta,
     chat_delta_choice,
     chat_logprobs,
     completion_choice,
@@ -26,7 +28,6 @@ from tgis.server.openai_json import (
 from tgis.server.openai_schemas import OpenAIRequest
 from tgis.server.sse import Emit, EventStreamResponse
 from tgis.server.state import ServerState
-from tgis.server.tool_calls import ToolCallScanner
 
 
 def stream_response(
@@ -35,10 +36,12 @@ def stream_response(
     prepared: Sequence[Prepared],
     streams: Sequence[EventStream],
     envelope: Envelope,
-    chat: bool,
+    plan: ChatPlan | None,
     kind: str,
 ) -> EventStreamResponse:
-    """The event stream of an OpenAI request whose jobs have all started."""
+    """The event stream of an OpenAI request whose jobs have all started (`plan`: a chat
+    request's)."""
+    chat = plan is not None
     extra: dict[str, Any] = {"usage": None} if req.include_usage else {}
     generated = [0]
 
@@ -67,15 +70,14 @@ def stream_response(
                 await emit(sse(data))
 
         async def send_deltas(
-            index: int, output: ToolCallScanner, text: str, finish: str | None, logprobs: Any
+            index: int, output: ChatOutput, text: str, finish: str | None, logprobs: Any
         ) -> None:
-            """A chat event's chunks: its content, or its tool-call deltas when tools may be
-            called; the finish reason and logprobs go with the last."""
-            if req.tools is None:
-                deltas = [{"content": text}] if text else []
-            else:
-                deltas = output.feed(text)
-                finish = None if finish is None else output.finish_reason(finish)
+            """A chat event's chunks: its reasoning, content or tool-call deltas; the finish
+            reason and logprobs go with the last."""
+            deltas = [chat_delta(d) for d in output.feed(text)]
+            if finish is not None:
+                deltas += [chat_delta(d) for d in output.finish()]
+                finish = output.finish_reason(finish)
             if not deltas and (finish or logprobs):
                 deltas = [{}]
             for k, delta in enumerate(deltas):
@@ -86,7 +88,7 @@ def stream_response(
 
         async def run(job: int, prep: Prepared, events: EventStream, group: Any) -> None:
             offsets = dict.fromkeys(range(req.n), len(prep.prompt) if req.echo else 0)
-            outputs = [ToolCallScanner() for _ in range(req.n)]
+            outputs = [plan.output() for _ in range(req.n)] if plan is not None else []
             try:
                 for i in range(req.n):
                     if chat:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from tgis.config import ServeConfig
 from tgis.engine.types import EngineClient
+from tgis.server.chat import ChatFormat
 from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
 from tgis.server.info import ModelInfo
@@ -29,6 +30,8 @@ class ServerState:
     lifecycle: Lifecycle
     # The API's request schemas (the ones /openapi.json publishes), compiled.
     contract: RequestContract
+    # What the tokenizer says about chat: reasoning markers, the tool-call format.
+    chat: ChatFormat
 
 
 def get_state(request: Request) -> ServerState:

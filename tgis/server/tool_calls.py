@@ -33,12 +33,17 @@ from typing import Any, Literal
 
 from tgis.params import JSON_OPTIONS, GrammarSpec
 from tgis.server.http_errors import invalid
+from tgis.server.reasoning import partial_length
 from tgis.server.schemas import Fields
 
 # OpenAI's rule for function names (which also keeps them free of JSON escapes).
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 _NAME = re.compile(NAME_PATTERN)
-_HEADER = re.compile(r'\{"name":"([a-zA-Z0-9_-]{1,64})","arguments":')
+# A call's opening up to its arguments, however its JSON is spaced.
+_HEADERS = {
+    key: re.compile(r'\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"' + key + r'"\s*:\s*')
+    for key in ("arguments", "parameters")
+}
 _TEMPLATE_TOOLS = re.compile(r"\btools\b")
 
 ToolMode = Literal["auto", "required", "named"]
@@ -285,6 +290,33 @@ def parse_message_tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
 # --- the output ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes its calls: each call is a JSON object whose keys are `name` then
+    `key` (its arguments), in one JSON array (`array`) or one after another (`separator`
+    between them), after a `trigger` text when the format has one (optional for some),
+    each wrapped in `trigger` ... `call_end` when the format repeats the trigger."""
+
+    name: str
+    trigger: str | None = None
+    trigger_optional: bool = False
+    key: str = "arguments"
+    array: bool = True
+    separator: str = ""
+    call_end: str = ""
+    # JSON written as Python's json.dumps (and Jinja's tojson) writes it: ", " and ": ".
+    spaced: bool = False
+
+    @property
+    def leads_with_text(self) -> bool:
+        """Whether text may come before the calls (the trigger tells where they start)."""
+        return self.trigger is not None and not self.trigger_optional
+
+
+# tgis's own: a compact JSON array of calls, for templates that have no format of their own.
+COMPACT = ToolFormat("json")
+
+
 @dataclass
 class ToolCall:
     id: str
@@ -303,13 +335,18 @@ class ToolCall:
 class ToolCallScanner:
     """Reads one sequence's output as it is generated. `feed` returns the stream's message
     deltas (`{"content": ...}`, or `{"tool_calls": [...]}` as the `openai` client accumulates
-    them); `calls` are the calls so far, their arguments possibly unfinished."""
+    them); `calls` are the calls so far, their arguments possibly unfinished. Text before the
+    calls (a format with a trigger) is content; so is an output that is no calls at all."""
 
+    format: ToolFormat = COMPACT
     calls: list[ToolCall] = field(default_factory=list)
     text: str = ""
-    # start (nothing yet), text (content), between (in the array of calls), head (a call's
-    # name), arguments, done.
+    # The content before the calls.
+    content: str = ""
+    # start (nothing yet), text (content), between (among the calls), head (a call's name),
+    # arguments.
     state: str = "start"
+    _held: str = ""
     _head: str = ""
     _depth: int = 0
     _in_string: bool = False
@@ -317,13 +354,13 @@ class ToolCallScanner:
 
     @property
     def called(self) -> bool:
-        """Whether the output is calls."""
+        """Whether the output has turned to calls."""
         return self.state not in ("start", "text")
 
     @property
     def complete(self) -> bool:
-        """Whether the array of calls has ended."""
-        return self.state == "done"
+        """Whether a call has ended and no other has begun."""
+        return bool(self.calls) and self.state == "between"
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish_reason: `tool_calls` when the calls ended the output."""
@@ -332,12 +369,23 @@ class ToolCallScanner:
     def message(self) -> dict[str, Any]:
         """The chat message of the output so far (without its role)."""
         if not self.called:
-            return {"content": self.text}
-        return {"content": None, "tool_calls": [call.json() for call in self.calls]}
+            return {"content": self.content + self._held}
+        content = self.content.strip() or None
+        return {"content": content, "tool_calls": [call.json() for call in self.calls]}
+
+    def finish(self) -> list[dict[str, Any]]:
+        """At the end of the output: text held back as the start of a trigger is content."""
+        held, self._held = self._held, ""
+        if not held or self.called:
+            return []
+        self.content += held
+        return [{"content": held}]
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.text += text
         deltas: list[dict[str, Any]] = []
+        if self.state in ("start", "text"):
+            text = self._before_calls(self._held + text, deltas)
         fragment: list[str] = []
 
         def flush() -> None:
@@ -346,23 +394,14 @@ class ToolCallScanner:
                 deltas.append({"tool_calls": [delta]})
                 fragment.clear()
 
-        for i, char in enumerate(text):
-            if self.state == "start":
-                self.state = "between" if char == "[" else "text"
-                if char == "[":
-                    continue
-            if self.state == "text":
-                deltas.append({"content": text[i:]})
-                break
+        for char in text:
             if self.state == "between":
-                # A call opens with `{`; its closing `}` and the commas are skipped.
+                # A call opens with `{`; separators, brackets and markers are skipped.
                 if char == "{":
                     self.state, self._head = "head", char
-                elif char == "]":
-                    self.state = "done"
             elif self.state == "head":
                 self._head += char
-                match = _HEADER.fullmatch(self._head)
+                match = self._header().fullmatch(self._head)
                 if match:
                     call = ToolCall(f"call_{secrets.token_hex(12)}", match.group(1))
                     self.calls.append(call)
@@ -371,6 +410,8 @@ class ToolCallScanner:
                     head["function"]["arguments"] = ""
                     deltas.append({"tool_calls": [head]})
             elif self.state == "arguments":
+                if not self.calls[-1].arguments and char.isspace():
+                    continue
                 self.calls[-1].arguments += char
                 fragment.append(char)
                 if self._ends_arguments(char):
@@ -378,6 +419,51 @@ class ToolCallScanner:
                     self.state = "between"
         flush()
         return deltas
+
+    def _before_calls(self, text: str, deltas: list[dict[str, Any]]) -> str:
+        """Content up to where the calls start; returns the text from there ("" when none
+        yet, and holds back what may still become the trigger)."""
+        fmt = self.format
+        self._held = ""
+        if fmt.leads_with_text:
+            assert fmt.trigger is not None
+            at = text.find(fmt.trigger)
+            if at < 0:
+                keep = partial_length(text, fmt.trigger)
+                shown, self._held = text[: len(text) - keep], text[len(text) - keep :]
+                self._content(shown, deltas)
+                return ""
+            self._content(text[:at], deltas)
+            self.state = "between"
+            return text[at + len(fmt.trigger) :]
+        if self.state == "text":
+            self._content(text, deltas)
+            return ""
+        # No trigger (or an optional one): the output is calls when it opens with them.
+        rest = text.lstrip()
+        opener = "[" if fmt.array else "{"
+        if fmt.trigger is not None and rest.startswith(fmt.trigger):
+            self.state = "between"
+            return rest[len(fmt.trigger) :]
+        if rest.startswith(opener):
+            self.state = "between"
+            return rest
+        if not rest or (fmt.trigger is not None and fmt.trigger.startswith(rest)):
+            self._held = text
+            return ""
+        self.state = "text"
+        self._content(text, deltas)
+        return ""
+
+    def _content(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if text:
+            if self.state == "start":
+                self.state = "text"
+            self.content += text
+            deltas.append({"content": text})
+
+    def _header(self) -> re.Pattern[str]:
+        return _HEADERS[self.format.key]
 
     def _ends_arguments(self, char: str) -> bool:
         """Track the arguments' JSON: True on the character that closes their object."""

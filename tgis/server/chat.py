@@ -1,0 +1,229 @@
+"""A chat turn, whichever API asked for it: the prompt the chat template makes, the grammar
+that holds the answer, and the output read back as reasoning, content and tool calls.
+
+The OpenAI chat route, the Responses route and Anthropic's Messages route all go through here:
+`ChatFormat` is what the model's tokenizer says (once per server), `render_chat` the prompt,
+`plan_chat` the generation parameters of one request, and `ChatOutput` the parser of each of
+its sequences. Deltas are API-neutral: `{"reasoning": text}`, `{"content": text}` and
+`{"tool_calls": [...]}` in the shape the `openai` client accumulates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tgis.params import GenerateParameters
+from tgis.server.http_errors import invalid
+from tgis.server.reasoning import (
+    ReasoningMarkers,
+    ReasoningParser,
+    find_markers,
+    grammar_after_reasoning,
+    kept_ids,
+    opened_in,
+)
+from tgis.server.tool_calls import (
+    COMPACT,
+    ToolCallScanner,
+    ToolChoice,
+    ToolFormat,
+    prompt_messages,
+    template_takes_tools,
+)
+from tgis.server.tool_formats import find_tool_format, tool_grammar
+
+# What apply_chat_template takes itself: not for `chat_template_kwargs` to set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What a model's tokenizer says about chat: its reasoning markers, the format its template
+    writes tool calls in, whether the template renders tools, and the special tokens among
+    those markers (kept in the output for the parsers)."""
+
+    markers: ReasoningMarkers | None
+    tools: ToolFormat
+    takes_tools: bool
+    kept_special_ids: tuple[int, ...]
+
+    @staticmethod
+    def of(tokenizer: Any) -> ChatFormat:
+        markers = find_markers(tokenizer)
+        template = getattr(tokenizer, "chat_template", None)
+        takes_tools = template_takes_tools(template)
+        tools = find_tool_format(tokenizer) if takes_tools else COMPACT
+        texts = [t for t in (tools.trigger, tools.call_end) if t]
+        if markers is not None:
+            texts += [markers.start, markers.end]
+        return ChatFormat(markers, tools, takes_tools, kept_ids(tokenizer, texts))
+
+    def describe(self) -> dict[str, Any]:
+        """For /info: the reasoning markers and the tool-call format in use."""
+        return {
+            "reasoning_markers": None
+            if self.markers is None
+            else [self.markers.start, self.markers.end],
+            "tool_call_format": self.tools.name,
+        }
+
+
+def render_chat(
+    tokenizer: Any,
+    fmt: ChatFormat,
+    messages: Sequence[dict[str, Any]],
+    tools: ToolChoice | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The prompt the tokenizer's chat template makes of `messages`, the tools the model may
+    call and the request's `chat_template_kwargs`; a 422 without a template."""
+    from jinja2 import TemplateError
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise invalid(
+            "the model's tokenizer has no chat template, so a chat request cannot build a "
+            "prompt: use /v1/completions or /generate with a plain prompt"
+        )
+    extra = dict(template_kwargs or {})
+    if tools is not None and fmt.takes_tools:
+        extra["tools"] = tools.definitions()
+    # A model's own call format is described by its template: no instruction is added.
+    instructed = tools if fmt.tools == COMPACT else None
+    try:
+        text = tokenizer.apply_chat_template(
+            prompt_messages(list(messages), instructed, fmt.takes_tools),
+            tokenize=False,
+            add_generation_prompt=True,
+            **extra,
+        )
+    except TemplateError as exc:
+        raise invalid(f"the chat template failed on these messages: {exc}") from None
+    return str(text)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How one chat request's output is held and read."""
+
+    params: GenerateParameters
+    markers: ReasoningMarkers | None
+    # The prompt ends inside a reasoning block.
+    opened: bool
+    tools: ToolChoice | None
+    tool_format: ToolFormat
+    include_reasoning: bool
+
+    def output(self) -> ChatOutput:
+        return ChatOutput(self)
+
+
+def plan_chat(
+    fmt: ChatFormat,
+    tokenizer: Any,
+    prompt: str,
+    params: GenerateParameters,
+    tools: ToolChoice | None,
+    include_reasoning: bool = True,
+) -> ChatPlan:
+    """The parameters of a chat request whose prompt is `prompt`: the tools' grammar in the
+    model's format (else the request's own grammar), after the reasoning block when the model
+    has one; the markers that are special tokens kept in the output."""
+    opened = fmt.markers is not None and opened_in(prompt, fmt.markers)
+    grammar = tool_grammar(tools, fmt.tools, tokenizer) if tools is not None else params.grammar
+    if grammar is not None and fmt.markers is not None:
+        grammar = grammar_after_reasoning(grammar, fmt.markers, opened, tokenizer)
+    params = replace(params, grammar=grammar, kept_special_ids=fmt.kept_special_ids)
+    return ChatPlan(params, fmt.markers, opened, tools, fmt.tools, include_reasoning)
+
+
+class ChatOutput:
+    """One sequence's output as reasoning, content and tool calls, read as it streams."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self.plan = plan
+        markers = plan.markers
+        self.reasoning = None if markers is None else ReasoningParser(markers, plan.opened)
+        self.calls = None if plan.tools is None else ToolCallScanner(plan.tool_format)
+        self.content = ""
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas `text` completes."""
+        if self.reasoning is None:
+            return self._content(text)
+        return self._parts(self.reasoning.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas of the text held back until the end of the output."""
+        deltas = self._parts(self.reasoning.finish()) if self.reasoning is not None else []
+        if self.calls is not None:
+            deltas += self.calls.finish()
+        return deltas
+
+    def read(self, text: str) -> ChatOutput:
+        """Read a whole output at once."""
+        self.feed(text)
+        self.finish()
+        return self
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning so far (None: the output has none, or it is not asked for)."""
+        if self.reasoning is None or not self.plan.include_reasoning:
+            return None
+        return self.reasoning.reasoning
+
+    def message(self) -> dict[str, Any]:
+        """The output as a chat message, without its role: `content` (None when only calls
+        or only reasoning came), `tool_calls` when the model called tools, and both reasoning
+        names (`reasoning_content`, `reasoning`) for a model that has reasoning."""
+        message = self.calls.message() if self.calls is not None else {"content": self.content}
+        if self.reasoning is not None:
+            if not message["content"] and self.reasoning.reasoning:
+                message["content"] = None
+            reasoning = self.reasoning_text
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        return message
+
+    @property
+    def called(self) -> bool:
+        return self.calls is not None and self.calls.called
+
+    def finish_reason(self, reason: str) -> str:
+        """OpenAI's finish_reason: `tool_calls` when calls ended the output."""
+        return reason if self.calls is None else self.calls.finish_reason(reason)
+
+    def _parts(self, parts: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for part, text in parts:
+            if part == "reasoning":
+                if self.plan.include_reasoning:
+                    deltas.append({"reasoning": text})
+            else:
+                deltas += self._content(text)
+        return deltas
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if self.calls is not None:
+            return self.calls.feed(text)
+        self.content += text
+        return [{"content": text}] if text else []
