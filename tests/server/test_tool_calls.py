@@ -15,8 +15,8 @@ import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 from transformers import AutoTokenizer
 
-from tgis.server.http_errors import ApiError
 from tgis.server.chat import ChatFormat, render_chat
+from tgis.server.http_errors import ApiError
 from tgis.server.schemas import Fields
 from tgis.server.tool_calls import (
     ToolCallScanner,

@@ -55,6 +55,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 
+# `reasoning_effort`'s values (OpenAI's), given to the template under that name.
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
 
 @dataclass(frozen=True)
 class ChatFormat:

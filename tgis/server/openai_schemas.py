@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tgis.params import GenerateParameters, GrammarSpec
-from tgis.server.chat import RESERVED_TEMPLATE_KWARGS
+from tgis.server.chat import REASONING_EFFORTS, RESERVED_TEMPLATE_KWARGS
 from tgis.server.http_errors import invalid
 from tgis.server.info import ModelInfo
 from tgis.server.schemas import Fields
@@ -243,9 +243,6 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
         template_kwargs=template_kwargs(f),
         include_reasoning=f.boolean("include_reasoning") is not False,
     )
-
-
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
 
 def template_kwargs(f: Fields, effort: str | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from tgis.params import (
     MIN_POSITIVE,
     RequestLimits,
 )
+from tgis.server.chat import REASONING_EFFORTS, RESERVED_TEMPLATE_KWARGS
 from tgis.server.tool_calls import NAME_PATTERN
 
 # The widest integer a field takes where no other limit applies (a signed 64-bit value).
@@ -264,6 +265,20 @@ class AdapterChoice:
         if self.names:
             return null({"enum": ["", *self.names], "description": _ADAPTER_ID})
         return null({"const": "", "description": "this server has no LoRA adapters"})
+
+
+# The chat template's variables a chat request may set, and whether its reasoning comes back.
+CHAT_TEMPLATE_FIELDS: dict[str, Any] = {
+    "chat_template_kwargs": null(
+        {
+            "type": "object",
+            "description": "variables of the chat template (e.g. Qwen3's enable_thinking)",
+            "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
+        }
+    ),
+    "reasoning_effort": null({"type": "string", "enum": list(REASONING_EFFORTS)}),
+    "include_reasoning": null({**BOOL, "default": True}),
+}
 
 
 @dataclass(frozen=True)
@@ -541,6 +556,7 @@ class RequestSchemas:
             tool_choice=null(TOOL_CHOICE),
             parallel_tool_calls=null(BOOL),
             response_format=null(RESPONSE_FORMAT),
+            **CHAT_TEMPLATE_FIELDS,
             **self._sampling(),
         )
         chat["allOf"] = [
@@ -676,6 +692,11 @@ _TOOL_CALL_DELTA = obj(
     function=obj([], name=STR, arguments=STR),
 )
 
+_REASONING = {
+    "reasoning_content": null({**STR, "description": "the model's reasoning (SGLang's name)"}),
+    "reasoning": null({**STR, "description": "the model's reasoning (vLLM's name)"}),
+}
+
 OPENAI_RESPONSES: dict[str, Any] = {
     "CompletionChoice": obj(
         ["index", "text", "finish_reason"],
@@ -691,7 +712,11 @@ OPENAI_RESPONSES: dict[str, Any] = {
         usage=null(ref("Usage")),  # null in stream chunks before the last
     ),
     "ChatMessage": obj(
-        ["role", "content"], role=STR, content=null(STR), tool_calls=array(_TOOL_CALL)
+        ["role", "content"],
+        role=STR,
+        content=null(STR),
+        tool_calls=array(_TOOL_CALL),
+        **_REASONING,
     ),
     "ChatChoice": obj(
         ["index", "message", "finish_reason"],
@@ -704,7 +729,11 @@ OPENAI_RESPONSES: dict[str, Any] = {
         _ENV_REQUIRED, **_ENVELOPE, choices=array(ref("ChatChoice")), usage=ref("Usage")
     ),
     "ChatDelta": obj(
-        [], role=STR, content=null(STR), tool_calls=array(_TOOL_CALL_DELTA, minItems=1)
+        [],
+        role=STR,
+        content=null(STR),
+        tool_calls=array(_TOOL_CALL_DELTA, minItems=1),
+        **_REASONING,
     ),
     "ChatCompletionChunk": obj(
         _ENV_REQUIRED,
