@@ -64,6 +64,27 @@ def plain_tokenizer() -> Any:
     return tiny_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_model_dir: Any) -> Any:
+    """The demo model's tokenizer (byte-level: any text round-trips)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(demo_model_dir: Any) -> Any:
+    """The demo tokenizer with a Qwen3-style template: a `<think>` block the prompt opens
+    (closed with `enable_thinking: false`) and tools in Hermes's `<tool_call>` format."""
+    from transformers import AutoTokenizer
+
+    from tests.server.test_reasoning_routes import QWEN3_STYLE
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tok.chat_template = QWEN3_STYLE
+    return tok
+
+
 @pytest.fixture
 def config() -> ServeConfig:
     return make_config()

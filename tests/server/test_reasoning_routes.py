@@ -53,13 +53,6 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 SCRIPT = f"{THOUGHT}\n</think>\n\n<tool_call>\n{CALL}\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(demo_model_dir: Path) -> Any:
-    tok = AutoTokenizer.from_pretrained(demo_model_dir)
-    tok.chat_template = QWEN3_STYLE
-    return tok
-
-
 def scripted(tokenizer: Any, script: str) -> FakeEngine:
     engine = FakeEngine(tokenizer, script=script)
     engine.eos_after = len(engine.script_ids)

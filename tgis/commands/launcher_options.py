@@ -328,6 +328,15 @@ MaxRequestBodyBytes = Annotated[
         "Largest request body the HTTP routes read; larger ones are refused with 413.",
     ),
 ]
+MaxStoredResponses = Annotated[
+    int | None,
+    _opt(
+        "max_stored_responses",
+        LIMITS,
+        "Responses of /v1/responses kept for `previous_response_id` (least recently used are "
+        "dropped first; 0 keeps none).",
+    ),
+]
 HeaderTimeoutS = Annotated[
     float | None,
     _opt(
@@ -473,6 +482,7 @@ OPTIONS: dict[str, Any] = {
     "max_loras": MaxLoras,
     "max_lora_rank": MaxLoraRank,
     "max_request_body_bytes": MaxRequestBodyBytes,
+    "max_stored_responses": MaxStoredResponses,
     "header_timeout_s": HeaderTimeoutS,
     "body_timeout_s": BodyTimeoutS,
     "keep_alive_timeout_s": KeepAliveTimeoutS,

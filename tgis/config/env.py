@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "master_addr": "127.0.0.1",
     "master_port": 29500,
     "max_request_body_bytes": 2_000_000,
+    "max_stored_responses": 1000,
     "header_timeout_s": 10.0,
     "body_timeout_s": 60.0,
     "keep_alive_timeout_s": 5.0,

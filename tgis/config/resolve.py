@@ -181,6 +181,9 @@ def build_serve_config(
         master_port=values["master_port"] or DEFAULTS["master_port"],
         max_request_body_bytes=values["max_request_body_bytes"]
         or DEFAULTS["max_request_body_bytes"],
+        max_stored_responses=DEFAULTS["max_stored_responses"]
+        if values["max_stored_responses"] is None
+        else values["max_stored_responses"],
         header_timeout_s=values["header_timeout_s"] or DEFAULTS["header_timeout_s"],
         body_timeout_s=values["body_timeout_s"] or DEFAULTS["body_timeout_s"],
         keep_alive_timeout_s=values["keep_alive_timeout_s"] or DEFAULTS["keep_alive_timeout_s"],

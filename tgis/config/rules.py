@@ -66,7 +66,12 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
                 f"{r.label(name, values[name])} must be >= 1",
                 f"set {flag(name)} to a positive value",
             )
-    for name in ("max_stop_sequences", "max_top_n_tokens", "max_waiting_tokens"):
+    for name in (
+        "max_stop_sequences",
+        "max_top_n_tokens",
+        "max_waiting_tokens",
+        "max_stored_responses",
+    ):
         if values[name] is not None and values[name] < 0:
             raise ConfigError(
                 f"{r.label(name, values[name])} must be >= 0", f"set {flag(name)} to 0 or more"

@@ -80,6 +80,7 @@ class LauncherArgs:
     max_lora_rank: int | None = None
     prefix_store_path: str | None = None
     max_request_body_bytes: int | None = None
+    max_stored_responses: int | None = None
     header_timeout_s: float | None = None
     body_timeout_s: float | None = None
     keep_alive_timeout_s: float | None = None
@@ -285,6 +286,9 @@ class ServeConfig:
     prefix_store_path: str | None = None
     # The largest request body the HTTP routes read (TGI's payload limit); larger is a 413.
     max_request_body_bytes: int = 2_000_000
+    # Responses the /v1/responses route keeps for `previous_response_id` (least recently used
+    # first out); 0 keeps none.
+    max_stored_responses: int = 1000
     # Slow clients (tgis.server.timeouts): seconds a request's headers may take to arrive, then
     # its body; and how long a keep-alive connection may stay idle between requests.
     header_timeout_s: float = 10.0

@@ -26,7 +26,7 @@ from tgis.engine.backend import prompt_logprobs_refusal
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
-from tgis.server import openai_routes, tgi_routes
+from tgis.server import openai_routes, responses_routes, tgi_routes
 from tgis.server.chat import ChatFormat
 from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
@@ -36,6 +36,7 @@ from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
 from tgis.server.metrics import Metrics
 from tgis.server.openapi import docs, docs_asset, openapi_json
 from tgis.server.openapi_schemas import AdapterChoice, RequestSchemas
+from tgis.server.response_store import ResponseStore
 from tgis.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ def create_app(
         no_prompt_logprobs=prompt_logprobs_refusal(
             model_info.backend, model_info.model_kind != "decoder_only", prompt_logprobs
         ),
+        stored_responses=config.max_stored_responses,
     )
     middleware = []
     if cors_origins:
@@ -156,6 +158,7 @@ def create_app(
     routes = [
         *tgi_routes.ROUTES,
         *openai_routes.ROUTES,
+        *responses_routes.ROUTES,
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/docs", docs, methods=["GET"]),
         Route("/docs/assets/{name}", docs_asset, methods=["GET"]),
@@ -175,5 +178,6 @@ def create_app(
         lifecycle=lifecycle,
         contract=RequestContract(schemas),
         chat=ChatFormat.of(tokenizer),
+        responses=ResponseStore(config.max_stored_responses),
     )
     return app

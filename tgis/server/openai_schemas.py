@@ -207,7 +207,7 @@ def parse_chat_request(body: Any, info: ModelInfo) -> OpenAIRequest:
     f = Fields(body)
     messages = _messages(f)
     tools = parse_tools(f)
-    grammar = _response_format(f)
+    grammar = response_format(f)
     if tools is not None and grammar is not None:
         raise invalid(
             '`response_format` cannot be combined with `tools` (unless `tool_choice` is "none"): '
@@ -269,24 +269,25 @@ def template_kwargs(f: Fields, effort: str | None = None) -> dict[str, Any]:
     return values
 
 
-def _response_format(f: Fields) -> GrammarSpec | None:
+def response_format(f: Fields, name: str = "response_format") -> GrammarSpec | None:
     """OpenAI's `response_format`: text (none), json_object (any JSON object) or json_schema
-    (`json_schema.schema`)."""
-    response_format = f.obj("response_format")
-    if response_format is None:
+    (`json_schema.schema`). `name`: the field as the client wrote it (Responses' `text.format`),
+    for messages and the grammar's source."""
+    given = f.obj("response_format")
+    if given is None:
         return None
-    kind = response_format.string("type")
+    kind = given.string("type")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return GrammarSpec.json_schema({"type": "object"}, source="response_format")
+        return GrammarSpec.json_schema({"type": "object"}, source=name)
     if kind == "json_schema":
-        spec = response_format.obj("json_schema")
+        spec = given.obj("json_schema")
         schema = spec.obj("schema") if spec is not None else None
         if schema is None:
-            raise invalid("`response_format.json_schema.schema` is required (a JSON schema)")
-        return GrammarSpec.json_schema(schema.data, source="response_format")
-    raise invalid(f"`response_format.type` must be text, json_object or json_schema, got {kind!r}")
+            raise invalid(f"`{name}.json_schema.schema` is required (a JSON schema)")
+        return GrammarSpec.json_schema(schema.data, source=name)
+    raise invalid(f"`{name}.type` must be text, json_object or json_schema, got {kind!r}")
 
 
 def _messages(f: Fields) -> tuple[dict[str, Any], ...]:

@@ -125,11 +125,54 @@ def _paths() -> dict[str, Any]:
             OPENAI_TAG,
             openai=True,
         ),
+        "/v1/responses": _responses_post(),
+        "/v1/responses/{response_id}": _stored_response(),
         "/v1/models": _get("The served model", _content(ref("ModelList")), OPENAI_TAG),
         "/openapi.json": _get("This document", _content({"type": "object"}), "Documentation"),
         "/docs": _get("Swagger UI", _content({"type": "string"}, "text/html"), "Documentation"),
         "/docs/assets/{name}": _asset_path(),
     }
+
+
+_NOT_STORED = {
+    "404": {
+        "description": "No such stored response (unknown, or dropped: --max-stored-responses)",
+        "content": _content(ref("OpenAIError")),
+    }
+}
+
+
+def _responses_post() -> dict[str, Any]:
+    """POST /v1/responses: a Response, or Responses' stream of typed events."""
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": _JSON,
+                "contentSchema": ref("ResponseStreamEvent"),
+            },
+        },
+    }
+    path = _post(
+        "OpenAI Responses (one chat turn; `previous_response_id` continues a stored one)",
+        "ResponsesRequest",
+        {**_content(ref("Response")), _SSE: {"schema": event}},
+        OPENAI_TAG,
+        openai=True,
+    )
+    path["post"]["responses"].update(_NOT_STORED)
+    return path
+
+
+def _stored_response() -> dict[str, Any]:
+    path = _get("A stored response", _content(ref("Response")), OPENAI_TAG, **_NOT_STORED)
+    path["get"]["parameters"] = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return path
 
 
 def openapi_document(contract: RequestContract) -> dict[str, Any]:

@@ -188,6 +188,27 @@ def _chat_constraints() -> dict[str, Any]:
     }
 
 
+def _constrained_turn(format_field: str) -> dict[str, Any]:
+    """What the Responses and Messages APIs allow of tools and an output format (the field
+    that holds it: `text` with its `format`; None: none): tools to call and no format, or no
+    tools (or tool_choice "none") and any format."""
+    nonempty = {"type": "array", "minItems": 1}
+    no_tools = {"properties": {"tool_choice": NULL, "tools": null(array({}, maxItems=0))}}
+    unused = {
+        "required": ["tools", "tool_choice"],
+        "properties": {"tools": nonempty, "tool_choice": {"enum": ["none"]}},
+    }
+    calls = {"required": ["tools"], "properties": {"tools": nonempty}}
+    free = {
+        "properties": {format_field: null(obj([], format=null(obj([], type={"const": "text"}))))}
+    }
+    return {"anyOf": [no_tools, unused, {"allOf": [calls, free]}]}
+
+
+_TURN_RULE = (
+    '`tool_choice` needs `tools`; `text.format` and `tools` (unless `tool_choice` is "none") '
+    "both constrain the output, so not both"
+)
 _CONSTRAINED_CHAT = _chat_constraints()
 _CONSTRAINED_CHAT_RULE = (
     '`tool_choice` needs `tools`; `response_format` and `tools` (unless `tool_choice` is "none") '
@@ -293,6 +314,8 @@ class RequestSchemas:
     adapters: AdapterChoice = AdapterChoice()
     # Why the server cannot return prompt logprobs (`decoder_input_details`), or None: it can.
     no_prompt_logprobs: str | None = None
+    # Responses /v1/responses keeps (0: none, and `store` must be false).
+    stored_responses: int = 1000
 
     @property
     def max_new_tokens(self) -> int:
@@ -575,9 +598,93 @@ class RequestSchemas:
             "ChatRequest": chat,
         }
 
+    def responses(self) -> dict[str, Any]:
+        """OpenAI's Responses API request (tgis.server.responses_api)."""
+        text_part = obj(
+            ["type", "text"], type={"enum": ["input_text", "output_text", "text"]}, text=STR
+        )
+        content = {"anyOf": [STR, array(text_part)]}
+        message = obj(
+            ["role", "content"],
+            type=null({"const": "message"}),
+            role={"enum": ["user", "assistant", "system", "developer"]},
+            content=content,
+        )
+        call = obj(
+            ["type", "call_id", "name", "arguments"],
+            type={"const": "function_call"},
+            call_id=STR,
+            name=STR,
+            arguments={**STR, "description": "JSON"},
+        )
+        result = obj(
+            ["type", "call_id", "output"],
+            type={"const": "function_call_output"},
+            call_id=STR,
+            output=content,
+        )
+        reasoning = obj(["type"], type={"const": "reasoning"})
+        answered = {"not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}
+        items = array({"anyOf": [message, call, result, reasoning]}, minItems=1)
+        tool = obj(
+            ["type", "name"],
+            type={"const": "function"},
+            name=TOOL["properties"]["function"]["properties"]["name"],
+            description=null(STR),
+            parameters=TOOL["properties"]["function"]["properties"]["parameters"],
+            strict=null(BOOL),
+        )
+        choice = {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                obj(["type", "name"], type={"const": "function"}, name=STR),
+            ],
+            "description": "names one of `tools`",
+        }
+        fmt = {
+            "anyOf": [
+                obj(["type"], type={"enum": ["text", "json_object"]}),
+                obj(
+                    ["type", "schema"],
+                    type={"const": "json_schema"},
+                    name=null(STR),
+                    description=null(STR),
+                    schema=_SCHEMA_VALUE,
+                    strict=null(BOOL),
+                ),
+            ]
+        }
+        request = obj(
+            ["input"],
+            model=null(STR),
+            input={"anyOf": [self._prompt_text(), {**items, "contains": answered}]},
+            instructions=null(STR),
+            tools=null(array(tool)),
+            tool_choice=null(choice),
+            parallel_tool_calls=null(BOOL),
+            text=null(obj([], format=null(fmt))),
+            max_output_tokens=null(integer(1, self.max_new_tokens)),
+            temperature=null({"anyOf": [{"const": 0}, FACTOR], "description": "0: greedy"}),
+            top_p=null({**NUM, "minimum": MIN_POSITIVE, "maximum": 1}),
+            reasoning=null(obj([], effort=null({"enum": list(REASONING_EFFORTS)}), summary=NULL)),
+            stream=null({**BOOL, "default": False}),
+            store=null(BOOL if self.stored_responses else {"const": False}),
+            previous_response_id=null(STR),
+            metadata=null({"type": "object", "maxProperties": 16, "additionalProperties": STR}),
+            user=null(STR),
+            truncation=null({"const": "disabled"}),
+            background=null({"const": False}),
+            conversation=NULL,
+            prompt=NULL,
+            top_logprobs=null({"const": 0}),
+            include=null(array({}, maxItems=0)),
+        )
+        request["allOf"] = [_ruled(_constrained_turn("text"), _TURN_RULE)]
+        return {"ResponsesRequest": request}
+
     def components(self) -> dict[str, Any]:
         """Every request schema, by component name."""
-        return {**self.tgi(), **self.openai()}
+        return {**self.tgi(), **self.openai(), **self.responses()}
 
 
 # --- responses ----------------------------------------------------------------------------
@@ -763,4 +870,79 @@ OPENAI_RESPONSES: dict[str, Any] = {
     ),
 }
 
-RESPONSE_SCHEMAS: dict[str, Any] = {**TGI_RESPONSES, **OPENAI_RESPONSES}
+_ITEM_STATUS = {"enum": ["in_progress", "completed", "incomplete"]}
+_OUTPUT_ITEM = {
+    "anyOf": [
+        obj(
+            ["type", "id", "summary"],
+            type={"const": "reasoning"},
+            id=STR,
+            summary=array({}),
+            content=array(obj(["type", "text"], type={"const": "reasoning_text"}, text=STR)),
+        ),
+        obj(
+            ["type", "id", "status", "role", "content"],
+            type={"const": "message"},
+            id=STR,
+            status=_ITEM_STATUS,
+            role={"const": "assistant"},
+            content=array(
+                obj(
+                    ["type", "text", "annotations"],
+                    type={"const": "output_text"},
+                    text=STR,
+                    annotations=array({}),
+                )
+            ),
+        ),
+        obj(
+            ["type", "id", "call_id", "name", "arguments"],
+            type={"const": "function_call"},
+            id=STR,
+            call_id=STR,
+            name=STR,
+            arguments={**STR, "description": "JSON"},
+            status=_ITEM_STATUS,
+        ),
+    ]
+}
+RESPONSES_API: dict[str, Any] = {
+    "Response": obj(
+        ["id", "object", "created_at", "status", "model", "output", "tools", "tool_choice"],
+        id=STR,
+        object={"const": "response"},
+        created_at=INT,
+        status={"enum": ["in_progress", "completed", "incomplete", "failed"]},
+        model=STR,
+        output=array(_OUTPUT_ITEM),
+        incomplete_details=null(obj(["reason"], reason=STR)),
+        previous_response_id=null(STR),
+        usage=null(
+            obj(
+                ["input_tokens", "output_tokens", "total_tokens"],
+                input_tokens=INT,
+                output_tokens=INT,
+                total_tokens=INT,
+                input_tokens_details=obj([], cached_tokens=INT),
+                output_tokens_details=obj([], reasoning_tokens=INT),
+            )
+        ),
+        tools=array({"type": "object"}),
+        tool_choice={"anyOf": [STR, {"type": "object"}]},
+    ),
+    "ResponseStreamEvent": obj(
+        ["type", "sequence_number"],
+        type={"type": "string", "description": "response.created ... response.completed"},
+        sequence_number=INT,
+        response=ref("Response"),
+        item=_OUTPUT_ITEM,
+        output_index=INT,
+        content_index=INT,
+        item_id=STR,
+        delta=STR,
+        text=STR,
+        arguments=STR,
+    ),
+}
+
+RESPONSE_SCHEMAS: dict[str, Any] = {**TGI_RESPONSES, **OPENAI_RESPONSES, **RESPONSES_API}

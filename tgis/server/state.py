@@ -15,6 +15,7 @@ from tgis.server.generation import Pipeline
 from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle
 from tgis.server.metrics import Metrics
+from tgis.server.response_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ServerState:
     contract: RequestContract
     # What the tokenizer says about chat: reasoning markers, the tool-call format.
     chat: ChatFormat
+    # The responses /v1/responses keeps for previous_response_id.
+    responses: ResponseStore
 
 
 def get_state(request: Request) -> ServerState:

@@ -1,0 +1,228 @@
+"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API over one chat turn.
+
+A stream is Responses' event sequence: response.created, response.in_progress, then for each
+output item output_item.added, its content (content_part.added, output_text.delta ...
+output_text.done, content_part.done; reasoning_text.delta ... done; or
+function_call_arguments.delta ... done) and output_item.done, then response.completed (or
+response.incomplete when max_output_tokens cut it). Each event is `event: TYPE` with its JSON,
+numbered by `sequence_number`. A failure after the start is an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tgis.server.chat_turn import Segment, Segments, Turn, finished_by_length, start_turn
+from tgis.server.http_errors import ApiError, classify, error_response
+from tgis.server.responses_api import (
+    ResponseObject,
+    ResponsesRequest,
+    item_id,
+    item_of,
+    new_id,
+    output_messages,
+    parse_responses_request,
+    response_usage,
+    text_part,
+)
+from tgis.server.schemas import read_json
+from tgis.server.sse import ClientDisconnected, Emit, EventStreamResponse, unless_disconnected
+from tgis.server.state import ServerState, get_state
+
+CONTRACT = "ResponsesRequest"
+
+
+async def create_response(request: Request) -> Response:
+    """POST /v1/responses."""
+    arrival = time.monotonic()
+    state = get_state(request)
+    store = state.responses
+    turn: Turn | None = None
+    try:
+        body = await read_json(request, state.config.max_request_body_bytes)
+        req = parse_responses_request(body, store.size)
+    except ApiError as error:
+        state.metrics.request_received("single")
+        state.metrics.request_failed(error.error_type)
+        return error_response(error, openai=True)
+    kind = "stream" if req.stream else "single"
+    state.metrics.request_received(kind)
+    try:
+        history: tuple[dict[str, Any], ...] = ()
+        if req.previous_response_id is not None:
+            _, history = store.get(req.previous_response_id, "previous_response_id")
+        turn_request = req.turn
+        if history:
+            system = turn_request.messages[: len(turn_request.messages) - len(req.input_messages)]
+            turn_request = replace(turn_request, messages=(*system, *history, *req.input_messages))
+        turn = await start_turn(state, request, turn_request, arrival, (CONTRACT, body))
+        response = ResponseObject(new_id("resp"), turn.adapter or state.info.model_id, req)
+        conversation = (*history, *req.input_messages)
+        if req.stream:
+            return _stream(state, req, turn, response, conversation, kind)
+        results = await unless_disconnected(
+            request.receive,
+            lambda: state.pipeline.collect(turn.events, 1),  # type: ignore[union-attr]
+        )
+    except ClientDisconnected:
+        state.metrics.request_failed("cancelled")
+        if turn is not None:
+            await turn.events.aclose()
+        return Response(status_code=499)
+    except Exception as exc:
+        if turn is not None:
+            await turn.events.aclose()
+        error = classify(exc)
+        state.metrics.request_failed(error.error_type)
+        return error_response(error, openai=True)
+    completion = results[0].completion
+    parts = Segments().read(turn.plan.output(), completion.generated_text)
+    items = [item_of(p, item_id(p), done=True) for p in parts]
+    body_out = _finished(state, response, items, parts, turn, completion)
+    if req.store:
+        store.put(body_out, (*conversation, *output_messages(parts)))
+    state.pipeline.succeeded(kind, turn.prepared, completion)
+    return JSONResponse(body_out)
+
+
+async def get_response(request: Request) -> Response:
+    """GET /v1/responses/{response_id}: a stored response; 404 when not kept."""
+    state = get_state(request)
+    try:
+        body, _ = state.responses.get(request.path_params["response_id"], "response_id")
+    except ApiError as error:
+        return error_response(error, openai=True)
+    return JSONResponse(body)
+
+
+def _finished(
+    state: ServerState,
+    response: ResponseObject,
+    items: list[dict[str, Any]],
+    parts: list[Segment],
+    turn: Turn,
+    completion: Any,
+) -> dict[str, Any]:
+    """The response object once the output is whole."""
+    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
+    reasoning_tokens = len(state.tokenizer.encode(reasoning, add_special_tokens=False))
+    usage = response_usage(
+        turn.prepared.input_length,
+        completion.generated_tokens,
+        min(reasoning_tokens, completion.generated_tokens) if reasoning else 0,
+    )
+    cut = finished_by_length(completion)
+    status, reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
+    return response.body(status, items, usage, reason)
+
+
+def _stream(
+    state: ServerState,
+    req: ResponsesRequest,
+    turn: Turn,
+    response: ResponseObject,
+    conversation: tuple[dict[str, Any], ...],
+    kind: str,
+) -> EventStreamResponse:
+    async def produce(emit: Emit) -> None:
+        number = [0]
+
+        async def send(kind_: str, **data: Any) -> None:
+            payload = {"type": kind_, "sequence_number": number[0], **data}
+            number[0] += 1
+            await emit(f"event: {kind_}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n")
+
+        output = turn.plan.output()
+        segments = Segments()
+        items: list[dict[str, Any]] = []
+        ids: dict[int, str] = {}
+
+        async def act(action: str, segment: Segment, text: str) -> None:
+            where = {"output_index": segment.index}
+            if action == "open":
+                ids[segment.index] = item_id(segment)
+                item = item_of(segment, ids[segment.index], done=False)
+                await send("response.output_item.added", item=item, **where)
+                where["item_id"] = ids[segment.index]
+                if segment.kind == "text":
+                    await send("response.content_part.added", content_index=0,
+                               part=text_part(""), **where)  # fmt: skip
+                elif segment.kind == "reasoning":
+                    part = {"type": "reasoning_text", "text": ""}
+                    await send("response.content_part.added", content_index=0, part=part, **where)
+                return
+            where["item_id"] = ids[segment.index]
+            if action == "delta":
+                if segment.kind == "text":
+                    await send("response.output_text.delta", content_index=0, delta=text,
+                               logprobs=[], **where)  # fmt: skip
+                elif segment.kind == "reasoning":
+                    await send("response.reasoning_text.delta", content_index=0, delta=text,
+                               **where)  # fmt: skip
+                else:
+                    await send("response.function_call_arguments.delta", delta=text, **where)
+                return
+            if segment.kind == "text":
+                await send("response.output_text.done", content_index=0, text=segment.text,
+                           logprobs=[], **where)  # fmt: skip
+                await send("response.content_part.done", content_index=0,
+                           part=text_part(segment.text), **where)  # fmt: skip
+            elif segment.kind == "reasoning":
+                await send("response.reasoning_text.done", content_index=0, text=segment.text,
+                           **where)  # fmt: skip
+                part = {"type": "reasoning_text", "text": segment.text}
+                await send("response.content_part.done", content_index=0, part=part, **where)
+            else:
+                await send("response.function_call_arguments.done", arguments=segment.text,
+                           **where)  # fmt: skip
+            item = item_of(segment, ids[segment.index], done=True)
+            items.append(item)
+            del where["item_id"]
+            await send("response.output_item.done", item=item, **where)
+
+        try:
+            await send("response.created", response=response.body("in_progress", []))
+            await send("response.in_progress", response=response.body("in_progress", []))
+            async for event in turn.events:
+                deltas = output.feed(event.text)
+                if event.completion is not None:
+                    deltas += output.finish()
+                for step in segments.feed(deltas):
+                    await act(*step)
+                if event.completion is not None:
+                    for step in segments.close():
+                        await act(*step)
+                    body = _finished(state, response, items, segments.parts, turn,
+                                     event.completion)  # fmt: skip
+                    if req.store:
+                        state.responses.put(body, (*conversation, *output_messages(segments.parts)))
+                    state.pipeline.succeeded(kind, turn.prepared, event.completion)
+                    done = "response.incomplete" if body["status"] == "incomplete" else None
+                    await send(done or "response.completed", response=body)
+                    return
+            raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
+        except anyio.get_cancelled_exc_class():
+            state.metrics.request_failed("cancelled")
+            raise
+        except Exception as exc:
+            error = classify(exc)
+            state.metrics.request_failed(error.error_type)
+            await send("error", code=error.error_type, message=error.message, param=None)
+        finally:
+            await turn.events.aclose()
+
+    return EventStreamResponse(produce)
+
+
+ROUTES = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+]
