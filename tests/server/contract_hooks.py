@@ -68,19 +68,23 @@ def before_call(ctx: Any, case: Any, **kwargs: Any) -> None:
         if isinstance(parameters.get("grammar"), dict):
             parameters["grammar"] = GRAMMAR
     _usable_tools(body)
+    _short_input(body)
+    fmt = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt["schema"] = {"type": "object"}
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
         response_format["json_schema"] = {"name": "any", "schema": {"type": "object"}}
     _lower(body, "min_tokens", ("max_completion_tokens", "max_tokens"))
 
 
-def _short_message(message: dict[str, Any]) -> None:
+def _short_message(message: dict[str, Any], key: str = "content") -> None:
     """A message's text (a string or text parts) and earlier tool calls, kept short."""
-    content = message.get("content")
+    content = message.get(key)
     if isinstance(content, str):
-        message["content"] = _cut(content)
+        message[key] = _cut(content)
     elif isinstance(content, list):
-        message["content"] = content = content[:PARTS]
+        message[key] = content = content[:PARTS]
         for part in content:
             part["text"] = part["text"][:PART]
     if isinstance(message.get("tool_calls"), list):
@@ -90,17 +94,35 @@ def _short_message(message: dict[str, Any]) -> None:
             call["function"]["arguments"] = "{}"
 
 
+def _short_input(body: dict[str, Any]) -> None:
+    """A Responses `input` (a string, or items), kept short."""
+    value = body.get("input")
+    if isinstance(value, str):
+        body["input"] = _cut(value)
+    elif isinstance(value, list):
+        body["input"] = items = value[:MESSAGES]
+        if all(item.get("type") == "reasoning" for item in items):
+            items.append({"role": "user", "content": "hi"})
+        for item in items:
+            for key in ("content", "output"):
+                if key in item:
+                    _short_message(item, key)
+            if item.get("type") == "function_call":
+                item["name"], item["arguments"] = item["name"][:PART], "{}"
+
+
 def _usable_tools(body: dict[str, Any]) -> None:
+    """Chat tools (`{"function": {...}}`) and Responses tools (flat) alike."""
     tools = body.get("tools")
     if not isinstance(tools, list):
         return
     body["tools"] = tools = tools[:TOOLS]
     for i, tool in enumerate(tools):
-        function = tool["function"]
+        function = tool.get("function", tool)
         function["name"] = f"f{i}"
         function.pop("description", None)
         if function.get("parameters") is not None:
             function["parameters"] = ARGUMENTS
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and tools:
-        choice["function"]["name"] = "f0"
+        choice.get("function", choice)["name"] = "f0"

@@ -170,3 +170,17 @@ def test_bad_fields_are_refused_by_name(
         response = test.post("/v1/responses", json=body)
     assert response.status_code == 422, response.text
     assert message in response.json()["error"]["message"]
+
+
+def test_the_api_key_guards_the_route_and_metrics_count_it(demo_tokenizer: Any) -> None:
+    engine = scripted(demo_tokenizer, "Sunny.")
+    settings = make_config()
+    app = create_app(engine, demo_tokenizer, settings, ModelInfo.from_config(settings), api_key="k")
+    with live_server(app) as (base, _):
+        wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=30, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.responses.create(model="tgi", input="a")
+        right = openai.OpenAI(base_url=f"{base}/v1", api_key="k", timeout=30, max_retries=0)
+        assert right.responses.create(model="tgi", input="a").output_text == "Sunny."
+        metrics = TestClient(app).get("/metrics").text
+    assert 'tgi_request_success{stop_reason="EOS_TOKEN",kind="single"} 1.0' in metrics
