@@ -23,6 +23,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# A Qwen3-style template: a `<think>` block the prompt opens (closed with
+# `enable_thinking: false`) and tools in Hermes's `<tool_call>` format.
+QWEN3_STYLE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools>\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
 
 def make_config(**overrides: Any) -> ServeConfig:
     """A small, valid ServeConfig (what build_serve_config would produce for a tiny model)."""
@@ -77,8 +92,6 @@ def qwen3_tokenizer(demo_model_dir: Any) -> Any:
     """The demo tokenizer with a Qwen3-style template: a `<think>` block the prompt opens
     (closed with `enable_thinking: false`) and tools in Hermes's `<tool_call>` format."""
     from transformers import AutoTokenizer
-
-    from tests.server.test_reasoning_routes import QWEN3_STYLE
 
     tok = AutoTokenizer.from_pretrained(demo_model_dir)
     tok.chat_template = QWEN3_STYLE

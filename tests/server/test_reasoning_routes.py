@@ -21,22 +21,10 @@ from openai.lib.streaming._deltas import accumulate_delta
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
-from tests.server.conftest import demo_app, live_server, make_config
+from tests.server.conftest import QWEN3_STYLE, demo_app, live_server, make_config
 from tests.server.fakes import FakeEngine
 from tgis.server import ModelInfo, create_app
 
-QWEN3_STYLE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
-    "{% endfor %}</tools>\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
-    "{%- endfor %}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -119,8 +107,8 @@ def test_the_stream_sends_reasoning_first_and_adds_up_to_the_message(
         order += [k for k in ("reasoning_content", "tool_calls") if k in delta]
         finish = chunk.choices[0].finish_reason or finish
     assert message["reasoning_content"] == THOUGHT == message["reasoning"]
-    assert order.index("tool_calls") > len([k for k in order if k == "reasoning_content"]) - 1
-    assert "tool_calls" not in order[: order.index("tool_calls")]
+    first_call = order.index("tool_calls")
+    assert first_call > 0 and "reasoning_content" not in order[first_call:]  # reasoning first
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}

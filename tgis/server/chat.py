@@ -81,15 +81,6 @@ class ChatFormat:
             texts += [markers.start, markers.end]
         return ChatFormat(markers, tools, takes_tools, kept_ids(tokenizer, texts))
 
-    def describe(self) -> dict[str, Any]:
-        """For /info: the reasoning markers and the tool-call format in use."""
-        return {
-            "reasoning_markers": None
-            if self.markers is None
-            else [self.markers.start, self.markers.end],
-            "tool_call_format": self.tools.name,
-        }
-
 
 def render_chat(
     tokenizer: Any,
@@ -206,10 +197,6 @@ class ChatOutput:
             reasoning = self.reasoning_text
             message["reasoning_content"] = message["reasoning"] = reasoning
         return message
-
-    @property
-    def called(self) -> bool:
-        return self.calls is not None and self.calls.called
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish_reason: `tool_calls` when calls ended the output."""

@@ -1,10 +1,10 @@
-"""One chat turn of the Responses and Messages routes: render, plan, validate and start one
-sequence, then read its output as segments.
+"""One chat turn of an API that answers in typed parts (the Responses route): render, plan,
+validate and start one sequence, then read its output as segments.
 
-Both APIs answer with a list of typed parts (Responses' output items, Messages' content
-blocks): reasoning, text, and one per tool call, each opened, extended and closed in a stream.
-`Segments` turns the chat output's neutral deltas (tgis.server.chat) into that sequence, so
-each route only writes its own event names.
+Such an API answers with a list of parts (Responses' output items): reasoning, text, and one
+per tool call, each opened, extended and closed in a stream. `Segments` turns the chat output's
+neutral deltas (tgis.server.chat) into that sequence, so the route only writes its own event
+names.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any, Literal
 import anyio.to_thread
 from starlette.requests import Request
 
-from tgis.engine.types import Completion
 from tgis.params import GenerateParameters
 from tgis.server.chat import ChatOutput, ChatPlan, plan_chat, render_chat
 from tgis.server.generation import EventStream, Prepared
@@ -144,8 +143,3 @@ class Segments:
         if self._open is not None:
             out.append(("close", self._open, ""))
             self._open = None
-
-
-def finished_by_length(completion: Completion) -> bool:
-    """Whether the output was cut by the token limit."""
-    return completion.finish_reason.openai() == "length"

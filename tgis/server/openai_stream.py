@@ -14,7 +14,7 @@ import anyio
 from tgis.engine.types import TokenEvent
 from tgis.server.chat import ChatOutput, ChatPlan
 from tgis.server.generation import EventStream, Prepared
-from tgis.server.http_errors import ApiError, classify, openai_body
+from tgis.server.http_errors import ApiError, openai_body
 from tgis.server.openai_json import (
     Envelope,
     chat_delta,
@@ -26,7 +26,7 @@ from tgis.server.openai_json import (
     usage,
 )
 from tgis.server.openai_schemas import OpenAIRequest
-from tgis.server.sse import Emit, EventStreamResponse
+from tgis.server.sse import Emit, EventStreamResponse, stream_failures
 from tgis.server.state import ServerState
 
 
@@ -89,7 +89,13 @@ def stream_response(
         async def run(job: int, prep: Prepared, events: EventStream, group: Any) -> None:
             offsets = dict.fromkeys(range(req.n), len(prep.prompt) if req.echo else 0)
             outputs = [plan.output() for _ in range(req.n)] if plan is not None else []
-            try:
+
+            async def report(error: ApiError) -> None:
+                failed[0] = True
+                await send(openai_body(error))
+                group.cancel_scope.cancel()
+
+            async with stream_failures(state.metrics, report, events):
                 for i in range(req.n):
                     if chat:
                         # The role, once; content null until text comes when tools may be called.
@@ -115,17 +121,6 @@ def stream_response(
                             state.pipeline.succeeded(kind, prep, event.completion)
                             return
                 raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
-            except anyio.get_cancelled_exc_class():
-                state.metrics.request_failed("cancelled")
-                raise
-            except Exception as exc:
-                error = classify(exc)
-                state.metrics.request_failed(error.error_type)
-                failed[0] = True
-                await send(openai_body(error))
-                group.cancel_scope.cancel()
-            finally:
-                await events.aclose()
 
         async with anyio.create_task_group() as group:
             for job, (prep, events) in enumerate(zip(prepared, streams, strict=True)):

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tgis.engine.detokenize import special_ids
 from tgis.engine.stopping import StopSequences
 from tgis.params import GrammarSpec
 
@@ -92,12 +93,11 @@ def opened_in(prompt: str, markers: ReasoningMarkers) -> bool:
 def special_token(tokenizer: Any, text: str) -> int | None:
     """The id of `text` when it is one special token of the tokenizer (its text is skipped
     from outputs unless kept, and grammars must name it as a token)."""
-    from tgis.engine.detokenize import special_ids
-
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab = get_vocab() if get_vocab is not None else {}
-    token = vocab.get(text)
-    return token if token is not None and token in special_ids(tokenizer) else None
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    token = convert(text) if convert is not None else None
+    if not isinstance(token, int) or token not in special_ids(tokenizer):
+        return None  # not one token (the unknown token's id comes back then), or not special
+    return token if tokenizer.convert_ids_to_tokens(token) == text else None
 
 
 def lark_literal(tokenizer: Any, text: str) -> str:
@@ -152,10 +152,6 @@ class ReasoningParser:
         self.content = ""
         self._held = ""  # text not yet classified
         self._leading = True  # at the start of a part: its whitespace is dropped
-
-    @property
-    def in_reasoning(self) -> bool:
-        return self.state == "reasoning"
 
     def feed(self, text: str) -> list[tuple[Part, str]]:
         """The parts `text` completes, in order."""

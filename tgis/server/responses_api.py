@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tgis.params import GenerateParameters
@@ -48,6 +48,22 @@ class ResponsesRequest:
     store: bool
     # Fields echoed in the response object.
     echo: dict[str, Any] = field(default_factory=dict)
+
+    def turn_after(self, history: tuple[dict[str, Any], ...]) -> TurnRequest:
+        """The turn with `history` (the conversation a stored response ends) before this
+        request's input, after its instructions."""
+        if not history:
+            return self.turn
+        messages = _conversation(self.instructions, (*history, *self.input_messages))
+        return replace(self.turn, messages=messages)
+
+
+def _conversation(
+    instructions: str | None, messages: tuple[dict[str, Any], ...]
+) -> tuple[dict[str, Any], ...]:
+    """`messages` after the instructions' system message."""
+    system = ({"role": "system", "content": instructions},) if instructions else ()
+    return (*system, *messages)
 
 
 def new_id(prefix: str) -> str:
@@ -96,9 +112,8 @@ def parse_responses_request(body: Any, store_size: int) -> ResponsesRequest:
         values = metadata.data
         if len(values) > MAX_METADATA_KEYS or not all(isinstance(v, str) for v in values.values()):
             raise invalid(f"`metadata` must be at most {MAX_METADATA_KEYS} strings by key")
-    prefix = [{"role": "system", "content": instructions}] if instructions else []
     turn = TurnRequest(
-        messages=(*prefix, *messages),
+        messages=_conversation(instructions, tuple(messages)),
         params=params,
         tools=tools,
         template_kwargs=template_kwargs(f, effort),

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tgis.server.chat_turn import Segment, Segments, Turn, finished_by_length, start_turn
+from tgis.engine.types import Completion
+from tgis.server.chat_turn import Segment, Segments, Turn, start_turn
 from tgis.server.http_errors import ApiError, classify, error_response
 from tgis.server.responses_api import (
     ResponseObject,
@@ -34,7 +33,13 @@ from tgis.server.responses_api import (
     text_part,
 )
 from tgis.server.schemas import read_json
-from tgis.server.sse import ClientDisconnected, Emit, EventStreamResponse, unless_disconnected
+from tgis.server.sse import (
+    ClientDisconnected,
+    Emit,
+    EventStreamResponse,
+    stream_failures,
+    unless_disconnected,
+)
 from tgis.server.state import ServerState, get_state
 
 CONTRACT = "ResponsesRequest"
@@ -59,11 +64,7 @@ async def create_response(request: Request) -> Response:
         history: tuple[dict[str, Any], ...] = ()
         if req.previous_response_id is not None:
             _, history = store.get(req.previous_response_id, "previous_response_id")
-        turn_request = req.turn
-        if history:
-            system = turn_request.messages[: len(turn_request.messages) - len(req.input_messages)]
-            turn_request = replace(turn_request, messages=(*system, *history, *req.input_messages))
-        turn = await start_turn(state, request, turn_request, arrival, (CONTRACT, body))
+        turn = await start_turn(state, request, req.turn_after(history), arrival, (CONTRACT, body))
         response = ResponseObject(new_id("resp"), turn.adapter or state.info.model_id, req)
         conversation = (*history, *req.input_messages)
         if req.stream:
@@ -86,7 +87,7 @@ async def create_response(request: Request) -> Response:
     completion = results[0].completion
     parts = Segments().read(turn.plan.output(), completion.generated_text)
     items = [item_of(p, item_id(p), done=True) for p in parts]
-    body_out = _finished(state, response, items, parts, turn, completion)
+    body_out = await _finished(state, response, items, parts, turn, completion)
     if req.store:
         store.put(body_out, (*conversation, *output_messages(parts)))
     state.pipeline.succeeded(kind, turn.prepared, completion)
@@ -103,23 +104,26 @@ async def get_response(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _finished(
+async def _finished(
     state: ServerState,
     response: ResponseObject,
     items: list[dict[str, Any]],
     parts: list[Segment],
     turn: Turn,
-    completion: Any,
+    completion: Completion,
 ) -> dict[str, Any]:
-    """The response object once the output is whole."""
+    """The response object once the output is whole (the reasoning's tokens are counted in a
+    worker thread)."""
     reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
-    reasoning_tokens = len(state.tokenizer.encode(reasoning, add_special_tokens=False))
+    reasoning_tokens = (
+        len(await state.pipeline.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    )
     usage = response_usage(
         turn.prepared.input_length,
         completion.generated_tokens,
-        min(reasoning_tokens, completion.generated_tokens) if reasoning else 0,
+        min(reasoning_tokens, completion.generated_tokens),
     )
-    cut = finished_by_length(completion)
+    cut = completion.finish_reason.openai() == "length"
     status, reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
     return response.body(status, items, usage, reason)
 
@@ -188,7 +192,10 @@ def _stream(
             del where["item_id"]
             await send("response.output_item.done", item=item, **where)
 
-        try:
+        async def report(error: ApiError) -> None:
+            await send("error", code=error.error_type, message=error.message, param=None)
+
+        async with stream_failures(state.metrics, report, turn.events):
             await send("response.created", response=response.body("in_progress", []))
             await send("response.in_progress", response=response.body("in_progress", []))
             async for event in turn.events:
@@ -200,8 +207,8 @@ def _stream(
                 if event.completion is not None:
                     for step in segments.close():
                         await act(*step)
-                    body = _finished(state, response, items, segments.parts, turn,
-                                     event.completion)  # fmt: skip
+                    body = await _finished(state, response, items, segments.parts, turn,
+                                           event.completion)  # fmt: skip
                     if req.store:
                         state.responses.put(body, (*conversation, *output_messages(segments.parts)))
                     state.pipeline.succeeded(kind, turn.prepared, event.completion)
@@ -209,15 +216,6 @@ def _stream(
                     await send(done or "response.completed", response=body)
                     return
             raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
-        except anyio.get_cancelled_exc_class():
-            state.metrics.request_failed("cancelled")
-            raise
-        except Exception as exc:
-            error = classify(exc)
-            state.metrics.request_failed(error.error_type)
-            await send("error", code=error.error_type, message=error.message, param=None)
-        finally:
-            await turn.events.aclose()
 
     return EventStreamResponse(produce)
 

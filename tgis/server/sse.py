@@ -8,12 +8,18 @@ request at its next step instead of generating for nobody.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from tgis.server.http_errors import ApiError, classify
+
+if TYPE_CHECKING:
+    from tgis.server.metrics import Metrics
 
 logger = logging.getLogger("tgis.server")
 
@@ -22,6 +28,26 @@ Emit = Callable[[str], Awaitable[None]]
 Producer = Callable[[Emit], Awaitable[None]]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@asynccontextmanager
+async def stream_failures(
+    metrics: Metrics, report: Callable[[ApiError], Awaitable[None]], events: Any
+) -> AsyncIterator[None]:
+    """The body of a started stream: a client that went away counts as `cancelled` (and the
+    cancellation goes on); any other failure is classified, counted and sent by `report`, as
+    the status line is gone, and ends the stream. The engine's `events` are closed either way."""
+    try:
+        yield
+    except anyio.get_cancelled_exc_class():
+        metrics.request_failed("cancelled")
+        raise
+    except Exception as exc:
+        error = classify(exc)
+        metrics.request_failed(error.error_type)
+        await report(error)
+    finally:
+        await events.aclose()
 
 
 class ClientDisconnected(Exception):

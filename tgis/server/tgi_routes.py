@@ -23,7 +23,13 @@ from tgis.server.generation import (
 from tgis.server.http_errors import SHUTTING_DOWN, ApiError, classify, error_response, tgi_body
 from tgis.server.metrics import CONTENT_TYPE
 from tgis.server.schemas import TgiRequest, parse_tgi_request, read_json
-from tgis.server.sse import ClientDisconnected, Emit, EventStreamResponse, unless_disconnected
+from tgis.server.sse import (
+    ClientDisconnected,
+    Emit,
+    EventStreamResponse,
+    stream_failures,
+    unless_disconnected,
+)
 from tgis.server.state import ServerState, get_state
 from tgis.server.tgi_json import generate_response, sse, stream_event
 from tgis.server.tokenize import tokenize_with_offsets
@@ -109,8 +115,11 @@ def _stream_response(
     prefix = req.inputs if prepared.params.return_full_text else ""
 
     async def produce(emit: Emit) -> None:
+        async def report(error: ApiError) -> None:
+            await emit(sse(tgi_body(error)))  # TGI sends errors after the start as an event
+
         index = 0
-        try:
+        async with stream_failures(state.metrics, report, events):
             async for event in events:
                 index += 1
                 body = stream_event(index, event, details=prepared.params.details, prefix=prefix)
@@ -119,16 +128,6 @@ def _stream_response(
                     state.pipeline.succeeded("stream", prepared, event.completion)
                     return
             raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
-        except anyio.get_cancelled_exc_class():
-            state.metrics.request_failed("cancelled")
-            raise
-        except Exception as exc:
-            # The status line is gone: TGI sends errors after the start as an event.
-            error = classify(exc)
-            state.metrics.request_failed(error.error_type)
-            await emit(sse(tgi_body(error)))
-        finally:
-            await events.aclose()
 
     headers = {"x-compute-type": state.info.model_device_type}
     return EventStreamResponse(produce, headers=headers)
