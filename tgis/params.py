@@ -82,6 +82,19 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` tokens inside a reasoning block: once they are spent, the block's end
+    marker (`end_ids`) is the only output allowed until it is written. The block starts where
+    the output does when the prompt opened it (`opened`), else at the start marker's ids
+    (`start_ids`); only the first block counts. Markers are matched by their token ids."""
+
+    tokens: int
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    opened: bool = False
+
+
+@dataclass(frozen=True)
 class GenerateParameters:
     """Everything a client may ask of one generation. Defaults are TGI's."""
 
@@ -124,6 +137,8 @@ class GenerateParameters:
     kept_special_ids: tuple[int, ...] = ()
     # Output constrained to a JSON schema or a regex (TGI's `grammar`, OpenAI's response_format).
     grammar: GrammarSpec | None = None
+    # A cap on the reasoning block's length (Anthropic's `thinking.budget_tokens`).
+    thinking_budget: ThinkingBudget | None = None
 
     @property
     def sampling_warpers(self) -> bool:
@@ -351,6 +366,9 @@ def validate(
             f"Given: {params.min_new_tokens}"
         )
     _check_grammar(params)
+    budget = params.thinking_budget
+    if budget is not None and budget.tokens < 1:
+        raise _fail(f"`thinking.budget_tokens` must be >= 1. Given: {budget.tokens}")
     if params.time_limit_ms is not None and not 0 < params.time_limit_ms <= MAX_TIME_LIMIT_MS:
         raise _fail(
             f"`time_limit_ms` must be > 0 and <= {MAX_TIME_LIMIT_MS}. Given: {params.time_limit_ms}"

@@ -154,12 +154,13 @@ class _Sequence:
         self.tops.append(top)
         text = e.tokenizer.decode(self.ids[: step + 1], skip_special_tokens=p.skip_special_tokens)
         reason = None
+        matched = None
         if token.special and token_id == e.tokenizer.eos_token_id and not p.ignore_eos:
             reason = FinishReason.EOS_TOKEN
         for stop in p.stop:
             at = text.find(stop)
             if at >= 0:
-                reason = FinishReason.STOP_SEQUENCE
+                reason, matched = FinishReason.STOP_SEQUENCE, stop
                 text = text[: at + len(stop)] if p.include_stop_sequence else text[:at]
                 break
         if reason is None and step + 1 >= len(self.ids):
@@ -169,11 +170,11 @@ class _Sequence:
         completion = None
         if reason is not None:
             self.done = True
-            completion = self._completion(reason, text, step + 1, elapsed)
+            completion = self._completion(reason, text, step + 1, elapsed, matched)
         return TokenEvent(token, delta, top, completion, self.index)
 
     def _completion(
-        self, reason: FinishReason, text: str, count: int, elapsed: float
+        self, reason: FinishReason, text: str, count: int, elapsed: float, stop: str | None
     ) -> Completion:
         p, e = self.request.params, self.engine
         prefill: tuple[TokenInfo, ...] = ()
@@ -196,7 +197,7 @@ class _Sequence:
             tokens=tuple(self.tokens) if keep else (),
             top_tokens=tuple(self.tops) if keep and p.top_n_tokens else (),
             timings=Timings(queue=0.001, inference=elapsed, first_token=0.001),
-            stop_sequence=None,
+            stop_sequence=stop,
         )
 
 

@@ -163,10 +163,32 @@ def test_unknown_routes_answer_json(client: TestClient) -> None:
 def test_api_key_guards_generation_routes(make_app: Callable[..., Starlette]) -> None:
     with TestClient(make_app(api_key="s3cret")) as client:
         unauthorized = {"error": "Unauthorized", "error_type": "authentication"}
-        for path in ("/generate", "/generate_stream", "/", "/tokenize", "/v1/completions"):
+        for path in ("/generate", "/generate_stream", "/", "/tokenize"):
             response = client.post(path, json={"inputs": PROMPT, "prompt": PROMPT})
             assert response.status_code == 401, path
             assert response.json() == unauthorized
+        # The /v1/ routes answer in OpenAI's shape, /v1/messages in Anthropic's.
+        response = client.post("/v1/completions", json={"prompt": PROMPT})
+        assert response.status_code == 401
+        assert response.json()["error"]["message"] == "Unauthorized"
+        response = client.post("/v1/messages", json={})
+        assert response.status_code == 401
+        assert response.json() == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": "Unauthorized"},
+        }
+        assert (
+            client.post(
+                "/generate", json={"inputs": PROMPT}, headers={"x-api-key": "s3cret"}
+            ).status_code
+            == 200
+        )
+        assert (
+            client.post(
+                "/generate", json={"inputs": PROMPT}, headers={"x-api-key": "nope"}
+            ).status_code
+            == 401
+        )
         assert client.get("/v1/models").status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert client.post("/generate", json={"inputs": PROMPT}, headers=wrong).status_code == 401

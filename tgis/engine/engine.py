@@ -34,7 +34,7 @@ from tgis.config.types import MAX_SPECULATE
 from tgis.engine.backend import Backend, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.detokenize import special_ids
-from tgis.engine.grammar import GrammarCompiler
+from tgis.engine.grammar import Constraint, GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle, post_step
 from tgis.engine.output import SampledToken, SequenceText
 from tgis.engine.paged_scheduler import PagedScheduler
@@ -44,6 +44,7 @@ from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import NgramProposer, Proposer, Verified
 from tgis.engine.step_runner import PackedSteps, SlotSteps, StepRunner
+from tgis.engine.thinking import ThinkingLimit
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
 
@@ -344,9 +345,11 @@ class Engine:
         placed = prefix is not None and not self.backend.capacity.encoder_decoder
         prompt = [PREFIX_PLACEHOLDER_ID] * (prefix.length if placed and prefix else 0)
         prompt.extend(request.input_ids)
-        constraint = None
+        constraint: Constraint | ThinkingLimit | None = None
         if request.params.grammar is not None:
             constraint = self.grammars.constraint(request.params.grammar)
+        if request.params.thinking_budget is not None:
+            constraint = ThinkingLimit(request.params.thinking_budget, constraint)
         for index in range(handle.candidates):
             seq = SchedSeq(
                 next(self._seq_ids),

@@ -121,17 +121,7 @@ class Constraint:
         first draft token the grammar does not allow: that token is rejected (its score is
         -inf), so nothing after it is scored for use."""
         walker = self.copy()
-        masks: list[KnownMask | None] = []
-        for token in draft:
-            if masks and masks[-1] is None:
-                masks.append(None)
-                continue
-            try:
-                walker.advance(token)
-            except ValueError:
-                masks.append(None)
-                continue
-            masks.append(KnownMask(walker.packed(width)))
+        masks = masks_along(walker, draft, width)
         walker._settle()
         return masks
 
@@ -139,6 +129,31 @@ class Constraint:
     def complete(self) -> bool:
         """The output matches the whole grammar and nothing may follow but EOS."""
         return bool(self._matcher.is_stopped())
+
+
+def masks_along(
+    walker: Any, draft: Sequence[int], width: int, checked: bool = False
+) -> list[KnownMask | None]:
+    """The masks of `walker` (a constraint's copy, moved here) after each token of `draft`;
+    None from the first token it does not take: its `advance` raises ValueError, or with
+    `checked`, the mask before the token does not allow it."""
+    masks: list[KnownMask | None] = []
+    mask = walker.packed(width) if checked else None
+    for token in draft:
+        refused = bool(masks) and masks[-1] is None
+        if not refused and mask is not None:
+            refused = not (int(mask[token // 32]) >> (token % 32)) & 1
+        if not refused:
+            try:
+                walker.advance(token)
+            except ValueError:
+                refused = True
+        if refused:
+            masks.append(None)
+            continue
+        mask = walker.packed(width)
+        masks.append(KnownMask(mask))
+    return masks
 
 
 class KnownMask:

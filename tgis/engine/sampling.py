@@ -46,6 +46,7 @@ from tgis.params import MAX_SEED, GenerateParameters
 
 if TYPE_CHECKING:
     from tgis.engine.grammar import Constraint, KnownMask
+    from tgis.engine.thinking import ThinkingLimit
 
 _NEG_INF = float("-inf")
 # Rows of prompt logits handled at once by prompt_logprobs ([rows, vocab] float32 temporaries).
@@ -143,9 +144,9 @@ class SamplingRow:
         self.top_p = _active(params.top_p, 1.0)
         self.typical_p = _active(params.typical_p, 1.0)
         self.top_n = params.top_n_tokens or 0
-        # The grammar the row's tokens must follow (set by the engine when one is asked; a
-        # row scored ahead has the mask of its position instead).
-        self.constraint: Constraint | KnownMask | None = None
+        # The grammar the row's tokens must follow, or its reasoning budget around it (set by
+        # the engine when one is asked; a row scored ahead has the mask of its position).
+        self.constraint: Constraint | ThinkingLimit | KnownMask | None = None
         self.prompt_len = len(prompt_ids)
         self.generated = 0
         self.penalized = bool(

@@ -36,6 +36,7 @@ import torch
 
 from tgis.engine.grammar import Constraint, KnownMask
 from tgis.engine.sampling import SampleOutput, SamplingBatch, SamplingRow, uniforms
+from tgis.engine.thinking import ThinkingLimit
 from tgis.engine.transfer import to_device
 
 # Longest and shortest n-gram looked up (vLLM's prompt_lookup_max / prompt_lookup_min).
@@ -114,7 +115,7 @@ def verify(
     for i, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
         constraint = row.constraint
         masks: list[KnownMask | None] = [None] * len(draft)
-        if isinstance(constraint, Constraint):
+        if isinstance(constraint, (Constraint, ThinkingLimit)):
             masks = constraint.masks_ahead(draft, stacked.shape[-1])
         for j in range(len(draft) + 1):
             scored.append(row if j == 0 else row.ahead(draft[:j], masks[j - 1]))

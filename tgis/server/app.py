@@ -1,8 +1,9 @@
-"""The Starlette application: TGI's and OpenAI's routes over one EngineClient.
+"""The Starlette application: TGI's, OpenAI's and Anthropic's routes over one EngineClient.
 
 Middleware, outermost first: CORS (when origins are given), API-key check, graceful-shutdown
 gate (tgis.server.lifecycle), then the routes. Errors become TGI's JSON
-(`{"error": ..., "error_type": ...}`) or OpenAI's on /v1/*, never a traceback.
+(`{"error": ..., "error_type": ...}`), OpenAI's on /v1/* or Anthropic's on /v1/messages, never
+a traceback.
 """
 
 from __future__ import annotations
@@ -26,11 +27,19 @@ from tgis.engine.backend import prompt_logprobs_refusal
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
-from tgis.server import openai_routes, responses_routes, tgi_routes
+from tgis.server import anthropic_routes, openai_routes, responses_routes, tgi_routes
 from tgis.server.chat import ChatFormat
 from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
-from tgis.server.http_errors import UNAUTHORIZED, ApiError, classify, error_response, tgi_body
+from tgis.server.http_errors import (
+    UNAUTHORIZED,
+    ApiError,
+    classify,
+    error_body,
+    error_response,
+    error_status,
+    shape_of,
+)
 from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
 from tgis.server.metrics import Metrics
@@ -49,7 +58,8 @@ PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` on generation routes and /v1/*."""
+    """401 unless `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on
+    generation routes and /v1/*, in the route family's error shape."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -57,15 +67,23 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _protected(scope):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            key = headers.get(b"x-api-key")
+            if key is not None:  # Anthropic's header, accepted on every protected route
+                given = b"Bearer " + key
             # Constant-time comparison: the key must not leak through response timing.
             if not hmac.compare_digest(given, self.expected):
-                body = json.dumps(tgi_body(UNAUTHORIZED)).encode()
-                headers = [
+                shape = shape_of(scope["path"])
+                body = json.dumps(error_body(UNAUTHORIZED, shape)).encode()
+                headers_out = [
                     (b"content-type", b"application/json"),
                     (b"www-authenticate", b"Bearer"),
                 ]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                status = error_status(UNAUTHORIZED, shape)
+                await send(
+                    {"type": "http.response.start", "status": status, "headers": headers_out}
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
@@ -85,8 +103,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "Internal server error"
     error_type = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal")
-    openai = request.url.path.startswith("/v1/")
-    response = error_response(ApiError(status, str(detail), error_type), openai=openai)
+    response = error_response(ApiError(status, str(detail), error_type), shape_of(request.url.path))
     if isinstance(exc, HTTPException) and exc.headers:  # a 405's Allow
         response.headers.update(exc.headers)
     return response
@@ -94,7 +111,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     """Anything a route did not handle: a logged 500 "internal", without details."""
-    return error_response(classify(exc), openai=request.url.path.startswith("/v1/"))
+    return error_response(classify(exc), shape_of(request.url.path))
 
 
 def create_app(
@@ -159,6 +176,7 @@ def create_app(
         *tgi_routes.ROUTES,
         *openai_routes.ROUTES,
         *responses_routes.ROUTES,
+        *anthropic_routes.ROUTES,
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/docs", docs, methods=["GET"]),
         Route("/docs/assets/{name}", docs_asset, methods=["GET"]),

@@ -23,6 +23,7 @@ from tgis.server.reasoning import (
     grammar_after_reasoning,
     kept_ids,
     opened_in,
+    thinking_budget,
 )
 from tgis.server.tool_calls import (
     COMPACT,
@@ -88,9 +89,11 @@ def render_chat(
     messages: Sequence[dict[str, Any]],
     tools: ToolChoice | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    prefill: bool = False,
 ) -> str:
     """The prompt the tokenizer's chat template makes of `messages`, the tools the model may
-    call and the request's `chat_template_kwargs`; a 422 without a template."""
+    call and the request's `chat_template_kwargs`; a 422 without a template. `prefill`: the
+    last message is the start of the answer, which the output continues."""
     from jinja2 import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:
@@ -107,7 +110,8 @@ def render_chat(
         text = tokenizer.apply_chat_template(
             prompt_messages(list(messages), instructed, fmt.takes_tools),
             tokenize=False,
-            add_generation_prompt=True,
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
             **extra,
         )
     except TemplateError as exc:
@@ -138,15 +142,21 @@ def plan_chat(
     params: GenerateParameters,
     tools: ToolChoice | None,
     include_reasoning: bool = True,
+    budget: int | None = None,
 ) -> ChatPlan:
     """The parameters of a chat request whose prompt is `prompt`: the tools' grammar in the
     model's format (else the request's own grammar), after the reasoning block when the model
-    has one; the markers that are special tokens kept in the output."""
-    opened = fmt.markers is not None and opened_in(prompt, fmt.markers)
+    has one; the markers that are special tokens kept in the output; at most `budget` tokens
+    of reasoning when it is given (a model without markers writes none)."""
+    markers = fmt.markers
+    opened = markers is not None and opened_in(prompt, markers)
     grammar = tool_grammar(tools, fmt.tools, tokenizer) if tools is not None else params.grammar
-    if grammar is not None and fmt.markers is not None:
-        grammar = grammar_after_reasoning(grammar, fmt.markers, opened, tokenizer)
+    if grammar is not None and markers is not None:
+        grammar = grammar_after_reasoning(grammar, markers, opened, tokenizer)
     params = replace(params, grammar=grammar, kept_special_ids=fmt.kept_special_ids)
+    if budget is not None and markers is not None:
+        held = thinking_budget(tokenizer, markers, opened, budget)
+        params = replace(params, thinking_budget=held)
     return ChatPlan(params, fmt.markers, opened, tools, fmt.tools, include_reasoning)
 
 
@@ -185,6 +195,11 @@ class ChatOutput:
         if self.reasoning is None or not self.plan.include_reasoning:
             return None
         return self.reasoning.reasoning
+
+    @property
+    def thought(self) -> str:
+        """The reasoning parsed out so far, whether or not it is returned."""
+        return (self.reasoning.reasoning or "") if self.reasoning is not None else ""
 
     def message(self) -> dict[str, Any]:
         """The output as a chat message, without its role: `content` (None when only calls

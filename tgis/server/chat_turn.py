@@ -1,26 +1,29 @@
-"""One chat turn of an API that answers in typed parts (the Responses route): render, plan,
+"""One chat turn of an API that answers in typed parts (Responses, Messages): render, plan,
 validate and start one sequence, then read its output as segments.
 
-Such an API answers with a list of parts (Responses' output items): reasoning, text, and one
-per tool call, each opened, extended and closed in a stream. `Segments` turns the chat output's
-neutral deltas (tgis.server.chat) into that sequence, so the route only writes its own event
-names.
+Such an API answers with a list of parts (Responses' output items, Messages' content blocks):
+reasoning, text, and one per tool call, each opened, extended and closed in a stream. `Segments`
+turns the chat output's neutral deltas (tgis.server.chat) into that sequence, so the route only
+writes its own event names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio.to_thread
 from starlette.requests import Request
+from starlette.responses import Response
 
+from tgis.engine.types import Completion
 from tgis.params import GenerateParameters
 from tgis.server.chat import ChatOutput, ChatPlan, plan_chat, render_chat
 from tgis.server.generation import EventStream, Prepared
+from tgis.server.http_errors import ApiError, Shape, classify, error_response
 from tgis.server.openai_routes import adapter_of
-from tgis.server.sse import unless_disconnected
+from tgis.server.sse import ClientDisconnected, unless_disconnected
 from tgis.server.state import ServerState
 from tgis.server.tool_calls import ToolChoice
 
@@ -34,6 +37,12 @@ class TurnRequest:
     tools: ToolChoice | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
+    # The last message starts the answer (Anthropic's prefill): the output continues it.
+    prefill: bool = False
+    # At most this many tokens of reasoning (Anthropic's `thinking.budget_tokens`).
+    thinking_budget: int | None = None
+    # Whether the reasoning is returned (it is parsed out of the answer anyway).
+    include_reasoning: bool = True
 
 
 @dataclass
@@ -56,10 +65,11 @@ async def start_turn(
     """Render the prompt, plan and validate it (then hold the body to its schema,
     `contract`: the component's name and the body), and start it. Raises ApiError,
     InputValidationError, ClientDisconnected or the engine's errors."""
-    text = await anyio.to_thread.run_sync(
-        render_chat, state.tokenizer, state.chat, turn.messages, turn.tools, turn.template_kwargs
-    )
-    plan = plan_chat(state.chat, state.tokenizer, text, turn.params, turn.tools)
+    text = await render_turn(state, turn)
+    plan = plan_chat(
+        state.chat, state.tokenizer, text, turn.params, turn.tools, turn.include_reasoning,
+        turn.thinking_budget,
+    )  # fmt: skip
     adapter = adapter_of(state.pipeline, state.info.model_id, turn.model)
     prepared = await state.pipeline.prepare(
         text, plan.params, arrival=arrival, stream=False, add_special_tokens=False,
@@ -68,6 +78,53 @@ async def start_turn(
     state.contract.check(*contract)
     events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
     return Turn(prepared, plan, events, adapter)
+
+
+async def collect_turn(state: ServerState, request: Request, turn: Turn) -> Completion:
+    """The whole output of a started turn (ClientDisconnected if the client leaves first)."""
+    results = await unless_disconnected(
+        request.receive, lambda: state.pipeline.collect(turn.events, 1)
+    )
+    return results[0].completion
+
+
+def refused(state: ServerState, error: ApiError, shape: Shape) -> Response:
+    """The response to a body refused before it was read whole (counted as a single one)."""
+    state.metrics.request_received("single")
+    state.metrics.request_failed(error.error_type)
+    return error_response(error, shape)
+
+
+async def turn_failed(
+    state: ServerState, turn: Turn | None, exc: Exception, shape: Shape
+) -> Response:
+    """The response to a turn that failed before its answer: 499 for a client that went
+    away (counted as cancelled), else the error in the route's shape; the engine's events are
+    closed either way."""
+    if turn is not None:
+        await turn.events.aclose()
+    if isinstance(exc, ClientDisconnected):
+        state.metrics.request_failed("cancelled")
+        return Response(status_code=499)
+    error = classify(exc)
+    state.metrics.request_failed(error.error_type)
+    return error_response(error, shape)
+
+
+async def render_turn(state: ServerState, turn: TurnRequest) -> str:
+    """The turn's prompt (the chat template runs in a worker thread)."""
+    return await anyio.to_thread.run_sync(
+        render_chat, state.tokenizer, state.chat, turn.messages, turn.tools,
+        turn.template_kwargs, turn.prefill,
+    )  # fmt: skip
+
+
+async def reasoning_tokens(state: ServerState, reasoning: str, generated: int) -> int:
+    """The tokens of an output's reasoning (its text re-tokenized in a worker thread; at most
+    the output's own count)."""
+    if not reasoning:
+        return 0
+    return min(len(await state.pipeline.encode(reasoning, add_special_tokens=False)), generated)
 
 
 SegmentKind = Literal["reasoning", "text", "call"]
@@ -143,3 +200,23 @@ class Segments:
         if self._open is not None:
             out.append(("close", self._open, ""))
             self._open = None
+
+
+async def stream_segments(
+    turn: Turn, act: Callable[[Action, Segment, str], Awaitable[None]]
+) -> tuple[ChatOutput, list[Segment], Completion]:
+    """Read a started turn's events as segments, `act`ing on each step as it comes; then the
+    output, its parts and its completion (a 500 if the events end without one)."""
+    output = turn.plan.output()
+    segments = Segments()
+    async for event in turn.events:
+        deltas = output.feed(event.text)
+        if event.completion is not None:
+            deltas += output.finish()
+        for step in segments.feed(deltas):
+            await act(*step)
+        if event.completion is not None:
+            for step in segments.close():
+                await act(*step)
+            return output, segments.parts, event.completion
+    raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")

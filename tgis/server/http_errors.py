@@ -1,4 +1,5 @@
-"""Every failure the HTTP layer reports, as (status, message, error_type), and its two JSON shapes.
+"""Every failure the HTTP layer reports, as (status, message, error_type), and its JSON shapes
+(TGI's, OpenAI's, Anthropic's).
 
 TGI's messages and error types: validation 422, overloaded 429, generation 424, incomplete
 generation 500. Anything unexpected is a 500 "internal" whose details go to the log only:
@@ -8,7 +9,7 @@ clients never see a traceback.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from starlette.responses import JSONResponse
 
@@ -56,6 +57,31 @@ def classify(exc: BaseException) -> ApiError:
     return INTERNAL
 
 
+Shape = Literal["tgi", "openai", "anthropic"]
+
+# Anthropic's error type of each status; its clients expect 400 where TGI says 422, and 529
+# (overloaded) where the queue is full.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+_ANTHROPIC_STATUS = {422: 400, 429: 529}
+
+
+def shape_of(path: str) -> Shape:
+    """The error shape of a route: Anthropic's on /v1/messages, OpenAI's on the rest of /v1/,
+    TGI's elsewhere."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai" if path.startswith("/v1/") else "tgi"
+
+
 def tgi_body(error: ApiError) -> dict[str, Any]:
     """TGI's error JSON."""
     return {"error": error.message, "error_type": error.error_type}
@@ -73,7 +99,26 @@ def openai_body(error: ApiError) -> dict[str, Any]:
     }
 
 
-def error_response(error: ApiError, openai: bool = False) -> JSONResponse:
-    """The JSON response of an error, in TGI's shape or OpenAI's."""
-    body = openai_body(error) if openai else tgi_body(error)
-    return JSONResponse(body, status_code=error.status)
+def anthropic_body(error: ApiError) -> dict[str, Any]:
+    """Anthropic's error JSON (the anthropic client reads `error.type` and `error.message`)."""
+    status = error_status(error, "anthropic")
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_body(error: ApiError, shape: Shape) -> dict[str, Any]:
+    if shape == "anthropic":
+        return anthropic_body(error)
+    return openai_body(error) if shape == "openai" else tgi_body(error)
+
+
+def error_status(error: ApiError, shape: Shape) -> int:
+    """The HTTP status of an error in a route family's terms."""
+    return (
+        _ANTHROPIC_STATUS.get(error.status, error.status) if shape == "anthropic" else error.status
+    )
+
+
+def error_response(error: ApiError, shape: Shape = "tgi") -> JSONResponse:
+    """The JSON response of an error, in TGI's, OpenAI's or Anthropic's shape."""
+    return JSONResponse(error_body(error, shape), status_code=error_status(error, shape))

@@ -25,14 +25,24 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tgis.config.types import TlsFiles
-from tgis.server.http_errors import SHUTTING_DOWN, openai_body, tgi_body
+from tgis.server.http_errors import SHUTTING_DOWN, Shape, error_body, error_status, shape_of
 from tgis.server.timeouts import timed_h11_protocol
 
 logger = logging.getLogger("tgis.server")
 
 # The routes that start work; everything else (health, info, metrics, docs) stays open.
 GATED_PATHS = frozenset(
-    {"/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions"}
+    {
+        "/",
+        "/generate",
+        "/generate_stream",
+        "/tokenize",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    }
 )
 
 
@@ -90,9 +100,11 @@ class LifecycleMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
             await self.app(scope, receive, send)
             return
-        openai = scope["path"].startswith("/v1/")
+        shape = shape_of(scope["path"])
         if self.lifecycle.draining:
-            await _send_json(send, 503, _shutdown_body(openai))
+            await _send_json(
+                send, error_status(SHUTTING_DOWN, shape), error_body(SHUTTING_DOWN, shape)
+            )
             return
         started = finished = event_stream = False
 
@@ -115,16 +127,21 @@ class LifecycleMiddleware:
         if not cancel_scope.cancelled_caught or finished:
             return
         if not started:
-            await _send_json(send, 503, _shutdown_body(openai))
+            await _send_json(
+                send, error_status(SHUTTING_DOWN, shape), error_body(SHUTTING_DOWN, shape)
+            )
         elif event_stream:
-            data = json.dumps(_shutdown_body(openai))
-            event = f"data: {data}\n\n" if openai else f"data:{data}\n\n"
+            event = _shutdown_event(shape)
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _shutdown_body(openai: bool) -> dict[str, Any]:
-    return openai_body(SHUTTING_DOWN) if openai else tgi_body(SHUTTING_DOWN)
+def _shutdown_event(shape: Shape) -> str:
+    """The event that ends a stream cut by the shutdown, as each family writes errors."""
+    data = json.dumps(error_body(SHUTTING_DOWN, shape))
+    if shape == "anthropic":
+        return f"event: error\ndata: {data}\n\n"
+    return f"data: {data}\n\n" if shape == "openai" else f"data:{data}\n\n"
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

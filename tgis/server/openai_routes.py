@@ -95,7 +95,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     except ApiError as error:
         state.metrics.request_received("single")
         state.metrics.request_failed(error.error_type)
-        return error_response(error, openai=True)
+        return error_response(error, "openai")
     kind = "stream" if req.stream else ("batch" if len(req.prompts) > 1 else "single")
     state.metrics.request_received(kind, inputs=max(len(req.prompts), 1))
     streams: list[EventStream] = []
@@ -151,7 +151,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
         await _close_all(streams)
         error = classify(exc)
         state.metrics.request_failed(error.error_type)
-        return error_response(error, openai=True)
+        return error_response(error, "openai")
     return JSONResponse(_response(state, req, prepared, results, envelope, plan, kind))
 
 

@@ -27,6 +27,7 @@ _JSON = "application/json"
 _SSE = "text/event-stream"
 TGI_TAG = "Text Generation Inference"
 OPENAI_TAG = "OpenAI"
+ANTHROPIC_TAG = "Anthropic"
 
 _ERRORS = {
     "401": ("Missing or wrong API key (when the server has one)", "authentication"),
@@ -127,6 +128,12 @@ def _paths() -> dict[str, Any]:
         ),
         "/v1/responses": _responses_post(),
         "/v1/responses/{response_id}": _stored_response(),
+        "/v1/messages": _messages_post(),
+        "/v1/messages/count_tokens": _anthropic_post(
+            "Anthropic Messages: the prompt's tokens, as /v1/messages would make it",
+            "CountTokensRequest",
+            _content(ref("MessageTokensCount")),
+        ),
         "/v1/models": _get("The served model", _content(ref("ModelList")), OPENAI_TAG),
         "/openapi.json": _get("This document", _content({"type": "object"}), "Documentation"),
         "/docs": _get("Swagger UI", _content({"type": "string"}, "text/html"), "Documentation"),
@@ -142,29 +149,65 @@ _NOT_STORED = {
 }
 
 
-def _responses_post() -> dict[str, Any]:
-    """POST /v1/responses: a Response, or Responses' stream of typed events."""
+def _typed_events(schema: dict[str, Any]) -> dict[str, Any]:
+    """Server-sent events that name their type (`event: TYPE`), whose `data` is `schema`."""
+    data = {"type": "string", "contentMediaType": _JSON, "contentSchema": schema}
     event = {
         "type": "object",
         "required": ["event", "data"],
-        "properties": {
-            "event": {"type": "string"},
-            "data": {
-                "type": "string",
-                "contentMediaType": _JSON,
-                "contentSchema": ref("ResponseStreamEvent"),
-            },
-        },
+        "properties": {"event": {"type": "string"}, "data": data},
     }
+    return {_SSE: {"schema": event}}
+
+
+def _responses_post() -> dict[str, Any]:
+    """POST /v1/responses: a Response, or Responses' stream of typed events."""
     path = _post(
         "OpenAI Responses (one chat turn; `previous_response_id` continues a stored one)",
         "ResponsesRequest",
-        {**_content(ref("Response")), _SSE: {"schema": event}},
+        {**_content(ref("Response")), **_typed_events(ref("ResponseStreamEvent"))},
         OPENAI_TAG,
         openai=True,
     )
     path["post"]["responses"].update(_NOT_STORED)
     return path
+
+
+# Anthropic's statuses: 400 for an invalid request, 529 when the queue is full.
+_ANTHROPIC_ERRORS = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key (when the server has one)",
+    "424": "Generation error",
+    "500": "Incomplete generation or internal error",
+    "503": "Server is shutting down",
+    "529": "Model is overloaded",
+}
+
+
+def _anthropic_post(summary: str, request: str, ok: dict[str, Any]) -> dict[str, Any]:
+    errors = {
+        code: {"description": text, "content": _content(ref("AnthropicError"))}
+        for code, text in _ANTHROPIC_ERRORS.items()
+    }
+    return {
+        "post": {
+            "tags": [ANTHROPIC_TAG],
+            "summary": summary,
+            "requestBody": {"required": True, "content": _content(ref(request))},
+            "responses": {"200": {"description": "OK", "content": ok}, **errors},
+            "security": [{"bearer": []}, {"x-api-key": []}, {}],
+        }
+    }
+
+
+def _messages_post() -> dict[str, Any]:
+    """POST /v1/messages: a Message, or Anthropic's stream of typed events."""
+    events = _typed_events({"anyOf": [ref("MessageStreamEvent"), ref("AnthropicError")]})
+    return _anthropic_post(
+        "Anthropic Messages (one chat turn; `stream` chooses JSON or server-sent events)",
+        "MessagesRequest",
+        {**_content(ref("Message")), **events},
+    )
 
 
 def _stored_response() -> dict[str, Any]:
@@ -187,11 +230,15 @@ def openapi_document(contract: RequestContract) -> dict[str, Any]:
         "tags": [
             {"name": TGI_TAG, "description": "Hugging Face Text Generation Inference API"},
             {"name": OPENAI_TAG, "description": "OpenAI-compatible API"},
+            {"name": ANTHROPIC_TAG, "description": "Anthropic-compatible Messages API"},
         ],
         "paths": _paths(),
         "components": {
             "schemas": contract.components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
     }
 

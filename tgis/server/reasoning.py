@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from tgis.engine.detokenize import special_ids
 from tgis.engine.stopping import StopSequences
-from tgis.params import GrammarSpec
+from tgis.params import GrammarSpec, ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,16 @@ def kept_ids(tokenizer: Any, texts: Iterable[str]) -> tuple[int, ...]:
     return tuple(sorted({i for i in ids if i is not None}))
 
 
+# Whitespace characters a grammar allows after a reasoning marker ("</think>\n\n" is usual).
+SPACE_AFTER_MARKER = 4
+
+
 def grammar_after_reasoning(
     answer: GrammarSpec, markers: ReasoningMarkers, opened: bool, tokenizer: Any
 ) -> GrammarSpec:
     """`answer` after an optional reasoning block (a required one's end when the prompt
-    opened it), with whitespace allowed between the block and the answer."""
+    opened it), with up to SPACE_AFTER_MARKER whitespace characters after each marker (as
+    models write them; unbounded, whitespace could fill the output until its limit)."""
     body = answer.grammar()
     if body.lstrip().startswith("{"):
         grammars = json.loads(body)["grammars"]
@@ -133,12 +138,23 @@ def grammar_after_reasoning(
         f"opening: {start} SPACE?",
         f"thought{lazy}: THOUGHT {end}",
         r"THOUGHT: /(.|\n)*/",
-        r"SPACE: /[ \t\r\n]+/",
+        rf"SPACE: /[ \t\r\n]{{1,{SPACE_AFTER_MARKER}}}/",
     ]
     if opened:
         del lines[1]
     main = {"name": "tgis_reasoning", "lark_grammar": "\n".join(lines) + "\n"}
     return GrammarSpec.llguidance(json.dumps({"grammars": [main, *grammars]}), answer.source)
+
+
+def thinking_budget(
+    tokenizer: Any, markers: ReasoningMarkers, opened: bool, tokens: int
+) -> ThinkingBudget:
+    """At most `tokens` tokens of reasoning, the markers as the tokenizer writes them."""
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return ThinkingBudget(tokens, ids(markers.start), ids(markers.end), opened)
 
 
 class ReasoningParser:

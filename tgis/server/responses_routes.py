@@ -19,8 +19,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tgis.engine.types import Completion
-from tgis.server.chat_turn import Segment, Segments, Turn, start_turn
-from tgis.server.http_errors import ApiError, classify, error_response
+from tgis.server.chat_turn import (
+    Segment,
+    Segments,
+    Turn,
+    collect_turn,
+    reasoning_tokens,
+    refused,
+    start_turn,
+    stream_segments,
+    turn_failed,
+)
+from tgis.server.http_errors import ApiError, error_response
 from tgis.server.responses_api import (
     ResponseObject,
     ResponsesRequest,
@@ -34,11 +44,9 @@ from tgis.server.responses_api import (
 )
 from tgis.server.schemas import read_json
 from tgis.server.sse import (
-    ClientDisconnected,
     Emit,
     EventStreamResponse,
     stream_failures,
-    unless_disconnected,
 )
 from tgis.server.state import ServerState, get_state
 
@@ -55,9 +63,7 @@ async def create_response(request: Request) -> Response:
         body = await read_json(request, state.config.max_request_body_bytes)
         req = parse_responses_request(body, store.size)
     except ApiError as error:
-        state.metrics.request_received("single")
-        state.metrics.request_failed(error.error_type)
-        return error_response(error, openai=True)
+        return refused(state, error, "openai")
     kind = "stream" if req.stream else "single"
     state.metrics.request_received(kind)
     try:
@@ -69,22 +75,9 @@ async def create_response(request: Request) -> Response:
         conversation = (*history, *req.input_messages)
         if req.stream:
             return _stream(state, req, turn, response, conversation, kind)
-        results = await unless_disconnected(
-            request.receive,
-            lambda: state.pipeline.collect(turn.events, 1),  # type: ignore[union-attr]
-        )
-    except ClientDisconnected:
-        state.metrics.request_failed("cancelled")
-        if turn is not None:
-            await turn.events.aclose()
-        return Response(status_code=499)
+        completion = await collect_turn(state, request, turn)
     except Exception as exc:
-        if turn is not None:
-            await turn.events.aclose()
-        error = classify(exc)
-        state.metrics.request_failed(error.error_type)
-        return error_response(error, openai=True)
-    completion = results[0].completion
+        return await turn_failed(state, turn, exc, "openai")
     parts = Segments().read(turn.plan.output(), completion.generated_text)
     items = [item_of(p, item_id(p), done=True) for p in parts]
     body_out = await _finished(state, response, items, parts, turn, completion)
@@ -100,7 +93,7 @@ async def get_response(request: Request) -> Response:
     try:
         body, _ = state.responses.get(request.path_params["response_id"], "response_id")
     except ApiError as error:
-        return error_response(error, openai=True)
+        return error_response(error, "openai")
     return JSONResponse(body)
 
 
@@ -114,14 +107,14 @@ async def _finished(
 ) -> dict[str, Any]:
     """The response object once the output is whole (the reasoning's tokens are counted in a
     worker thread)."""
-    reasoning = "".join(p.text for p in parts if p.kind == "reasoning")
-    reasoning_tokens = (
-        len(await state.pipeline.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-    )
     usage = response_usage(
         turn.prepared.input_length,
         completion.generated_tokens,
-        min(reasoning_tokens, completion.generated_tokens),
+        await reasoning_tokens(
+            state,
+            "".join(p.text for p in parts if p.kind == "reasoning"),
+            completion.generated_tokens,
+        ),
     )
     cut = completion.finish_reason.openai() == "length"
     status, reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
@@ -144,8 +137,6 @@ def _stream(
             number[0] += 1
             await emit(f"event: {kind_}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n")
 
-        output = turn.plan.output()
-        segments = Segments()
         items: list[dict[str, Any]] = []
         ids: dict[int, str] = {}
 
@@ -198,24 +189,13 @@ def _stream(
         async with stream_failures(state.metrics, report, turn.events):
             await send("response.created", response=response.body("in_progress", []))
             await send("response.in_progress", response=response.body("in_progress", []))
-            async for event in turn.events:
-                deltas = output.feed(event.text)
-                if event.completion is not None:
-                    deltas += output.finish()
-                for step in segments.feed(deltas):
-                    await act(*step)
-                if event.completion is not None:
-                    for step in segments.close():
-                        await act(*step)
-                    body = await _finished(state, response, items, segments.parts, turn,
-                                           event.completion)  # fmt: skip
-                    if req.store:
-                        state.responses.put(body, (*conversation, *output_messages(segments.parts)))
-                    state.pipeline.succeeded(kind, turn.prepared, event.completion)
-                    done = "response.incomplete" if body["status"] == "incomplete" else None
-                    await send(done or "response.completed", response=body)
-                    return
-            raise ApiError(500, "Incomplete generation stream", "incomplete_generation_stream")
+            _, parts, completion = await stream_segments(turn, act)
+            body = await _finished(state, response, items, parts, turn, completion)
+            if req.store:
+                state.responses.put(body, (*conversation, *output_messages(parts)))
+            state.pipeline.succeeded(kind, turn.prepared, completion)
+            done = "response.incomplete" if body["status"] == "incomplete" else None
+            await send(done or "response.completed", response=body)
 
     return EventStreamResponse(produce)
 
