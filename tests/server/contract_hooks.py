@@ -2,7 +2,8 @@
 
 The API's schema states every rule of a request but those over token counts, which no JSON
 Schema can: the prompt's tokens with `max_new_tokens` within `max_total_tokens`, and
-`min_new_tokens` within `max_new_tokens` — and whether a grammar's own schema or regex is one
+`min_new_tokens` within `max_new_tokens`, Anthropic's `thinking.budget_tokens` below
+`max_tokens` — and whether a grammar's own schema or regex is one
 the grammar engine can use. Cases generated as valid are kept within them here (texts cut to
 200 characters, a minimum lowered to the maximum given, a usable grammar), so that a valid case
 the server refuses is a real disagreement. Tools get distinct names and small argument schemas
@@ -76,6 +77,28 @@ def before_call(ctx: Any, case: Any, **kwargs: Any) -> None:
     if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
         response_format["json_schema"] = {"name": "any", "schema": {"type": "object"}}
     _lower(body, "min_tokens", ("max_completion_tokens", "max_tokens"))
+    _within_budget(body)
+    system = body.get("system")
+    if isinstance(system, str | list):
+        body["system"] = system[:TEXT] if isinstance(system, str) else system[:PARTS]
+        for part in body["system"] if isinstance(system, list) else ():
+            _short_block(part)
+    config = body.get("output_config")
+    if isinstance(config, dict) and isinstance(config.get("format"), dict):
+        config["format"]["schema"] = {"type": "object"}
+
+
+def _within_budget(body: dict[str, Any]) -> None:
+    """Anthropic's `thinking.budget_tokens` below `max_tokens` (a rule between two fields)."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, dict) or not _number(thinking.get("budget_tokens")):
+        return
+    most = body.get("max_tokens")
+    if _number(most) and thinking["budget_tokens"] >= most:
+        if most > 1:
+            thinking["budget_tokens"] = most - 1
+        else:
+            body["thinking"] = {"type": "disabled"}
 
 
 def _short_message(message: dict[str, Any], key: str = "content") -> None:
@@ -86,12 +109,23 @@ def _short_message(message: dict[str, Any], key: str = "content") -> None:
     elif isinstance(content, list):
         message[key] = content = content[:PARTS]
         for part in content:
-            part["text"] = part["text"][:PART]
+            _short_block(part)
     if isinstance(message.get("tool_calls"), list):
         message["tool_calls"] = calls = message["tool_calls"][:PARTS]
         for call in calls:
             call["function"]["name"] = call["function"]["name"][:PART]
             call["function"]["arguments"] = "{}"
+
+
+def _short_block(part: dict[str, Any]) -> None:
+    """A content part or block (text, Anthropic's tool_use, tool_result and thinking), short."""
+    for key in ("text", "thinking"):
+        if isinstance(part.get(key), str):
+            part[key] = part[key][:PART]
+    if part.get("type") == "tool_use":
+        part["name"], part["input"] = part["name"][:PART], {}
+    if part.get("type") == "tool_result":
+        _short_message(part)
 
 
 def _short_input(body: dict[str, Any]) -> None:
@@ -121,8 +155,9 @@ def _usable_tools(body: dict[str, Any]) -> None:
         function = tool.get("function", tool)
         function["name"] = f"f{i}"
         function.pop("description", None)
-        if function.get("parameters") is not None:
-            function["parameters"] = ARGUMENTS
+        for key in ("parameters", "input_schema"):  # chat's and Responses', Anthropic's
+            if function.get(key) is not None:
+                function[key] = ARGUMENTS
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and tools:
         choice.get("function", choice)["name"] = "f0"

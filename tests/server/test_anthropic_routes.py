@@ -278,6 +278,25 @@ def test_required_fields_and_unknown_routes_answer_in_anthropics_shape(qwen3: Se
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_full_queue_is_a_529_and_a_failure_mid_stream_an_error_event(
+    qwen3: Served,
+) -> None:
+    client, engine, _ = qwen3
+    engine.overloaded = True
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        client.messages.create(model="tgi", max_tokens=50, messages=ASK)
+    assert caught.value.status_code == 529
+    assert caught.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    engine.overloaded, engine.fail_after = False, 3
+    with (
+        pytest.raises(anthropic.APIStatusError) as failed,
+        client.messages.stream(model="tgi", max_tokens=50, messages=ASK) as stream,
+    ):
+        for _ in stream:
+            pass
+    assert "Request failed during generation" in str(failed.value)
+
+
 def test_x_api_key_is_accepted_like_the_bearer_key(qwen3_tokenizer: Any) -> None:
     with serving(qwen3_tokenizer, SCRIPT, api_key="s3cret") as (client, _, test_client):
         assert client.messages.create(model="tgi", max_tokens=50, messages=ASK).content

@@ -225,6 +225,13 @@ def test_draining_refuses_new_generation_requests(client: TestClient, app: Starl
     assert body == {"error": "Server is shutting down", "error_type": "unavailable"}
     body = error_of(client, 503, "/v1/completions", json={"prompt": PROMPT})
     assert body["error"]["message"] == "Server is shutting down"
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        assert error_of(client, 503, path, json={})["error"]["message"] == "Server is shutting down"
+    body = error_of(client, 503, "/v1/messages", json={})
+    assert body == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "Server is shutting down"},
+    }
     assert client.get("/health").status_code == 503
     assert client.get("/info").status_code == 200
     assert client.get("/metrics").status_code == 200

@@ -149,7 +149,8 @@ def _text_block(raw: Any, path: str) -> str:
 
 
 def _messages(f: Fields) -> tuple[list[dict[str, Any]], bool]:
-    """`messages` as chat messages, and whether the last one is a prefill."""
+    """`messages` as chat messages, and whether the last one is a prefill (an assistant turn
+    of text, which the answer continues)."""
     value = f.data.get("messages")
     if not isinstance(value, list) or not value:
         raise invalid("`messages` must be a non-empty array of messages")
@@ -167,27 +168,14 @@ def _messages(f: Fields) -> tuple[list[dict[str, Any]], bool]:
         path = f"messages[{i}].content"
         if isinstance(content, str):
             out.append({"role": role, "content": content})
-            prefill = role == "assistant"
             continue
-        if not isinstance(content, list):
-            raise invalid(f"`{path}` must be a string or an array of content blocks")
-        if role == "user":
-            out += _user_turn(content, path)
-            prefill = False
-        else:
-            message = _assistant_turn(content, path)
-            out.append(message)
-            prefill = "tool_calls" not in message
-    if prefill and not out[-1]["content"]:
-        out.pop()  # an empty prefill: the answer starts from nothing, as without one
-        prefill = False
-    if not out:
-        raise invalid("`messages` has no content to answer")
-    if out[-1]["role"] == "assistant" and not prefill:
-        raise invalid(
-            "the last message is an assistant turn with `tool_use` blocks: send their "
-            "`tool_result` blocks in a user turn after it"
-        )
+        if not isinstance(content, list) or not content:
+            raise invalid(f"`{path}` must be a string or a non-empty array of content blocks")
+        out += _user_turn(content, path) if role == "user" else [_assistant_turn(content, path)]
+    last = out[-1]
+    # A last assistant turn of text is the answer's start; one with tool calls or no text is
+    # a finished turn, answered by a new one.
+    prefill = last["role"] == "assistant" and bool(last["content"]) and "tool_calls" not in last
     return out, prefill
 
 

@@ -710,12 +710,12 @@ class RequestSchemas:
         user = obj(
             ["role", "content"],
             role={"const": "user"},
-            content={"anyOf": [STR, array({"anyOf": [text, result]})]},
+            content={"anyOf": [STR, array({"anyOf": [text, result]}, minItems=1)]},
         )
         assistant = obj(
             ["role", "content"],
             role={"const": "assistant"},
-            content={"anyOf": [STR, array({"anyOf": [text, use, thought, redacted]})]},
+            content={"anyOf": [STR, array({"anyOf": [text, use, thought, redacted]}, minItems=1)]},
         )
         tool = obj(
             ["name", "input_schema"],
@@ -763,7 +763,7 @@ class RequestSchemas:
             "thinking": null(thinking),
             "output_config": null(output),
             "cache_control": null({"type": "object"}),
-            "metadata": null(obj([], user_id=null(STR))),
+            "metadata": null({**obj([], user_id=null(STR)), "additionalProperties": False}),
             "container": NULL,
             "mcp_servers": null(array({}, maxItems=0)),
             "context_management": NULL,
@@ -787,7 +787,10 @@ class RequestSchemas:
         declined = {"required": ["tool_choice"], "properties": {"tool_choice": unused}}
         calls = {
             "required": ["tools"],
-            "properties": {"tools": {"minItems": 1}, "output_config": null(obj([], format=NULL))},
+            "properties": {
+                "tools": {"type": "array", "minItems": 1},
+                "output_config": null(obj([], format=NULL)),
+            },
         }
         rule = _ruled(
             {"anyOf": [free, declined, calls]},
