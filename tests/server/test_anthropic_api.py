@@ -147,11 +147,11 @@ def test_stop_reasons() -> None:
     fmt = ChatFormat(None, COMPACT, False, ())
     plan = ChatPlan(parse_messages_request(body()).turn.params, None, False, None, fmt.tools, True)
     output = plan.output()
-    assert stop_reason(output, completion(FinishReason.EOS_TOKEN), ()) == ("end_turn", None)
-    assert stop_reason(output, completion(FinishReason.LENGTH), ()) == ("max_tokens", None)
-    assert stop_reason(output, completion(FinishReason.TIME_LIMIT), ()) == ("max_tokens", None)
+    assert stop_reason(output, completion(FinishReason.EOS_TOKEN)) == ("end_turn", None)
+    assert stop_reason(output, completion(FinishReason.LENGTH)) == ("max_tokens", None)
+    assert stop_reason(output, completion(FinishReason.TIME_LIMIT)) == ("max_tokens", None)
     matched = completion(FinishReason.STOP_SEQUENCE, "x")
-    assert stop_reason(output, matched, ("x",)) == ("stop_sequence", "x")
+    assert stop_reason(output, matched) == ("stop_sequence", "x")
 
 
 def test_tool_input_is_an_object_or_empty() -> None:

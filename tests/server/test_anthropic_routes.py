@@ -351,4 +351,3 @@ def test_the_real_engine_thinks_within_the_budget_then_calls(qwen3_model: Path) 
         assert [b.model_dump(exclude={"id"}) for b in final.content] == [
             b.model_dump(exclude={"id"}) for b in message.content
         ]
-        assert json.dumps(call.input)

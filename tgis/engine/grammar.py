@@ -138,11 +138,11 @@ def masks_along(
     None from the first token it does not take: its `advance` raises ValueError, or with
     `checked`, the mask before the token does not allow it."""
     masks: list[KnownMask | None] = []
-    mask = walker.packed(width) if checked else None
+    before = walker.packed(width) if checked else None  # None: every token allowed
     for token in draft:
         refused = bool(masks) and masks[-1] is None
-        if not refused and mask is not None:
-            refused = not (int(mask[token // 32]) >> (token % 32)) & 1
+        if not refused and before is not None:
+            refused = not (int(before[token // 32]) >> (token % 32)) & 1
         if not refused:
             try:
                 walker.advance(token)
@@ -152,25 +152,30 @@ def masks_along(
             masks.append(None)
             continue
         mask = walker.packed(width)
+        before = mask if checked else None
         masks.append(KnownMask(mask))
     return masks
 
 
 class KnownMask:
     """A mask computed ahead (`Constraint.masks_ahead`), in the place of a constraint for
-    scoring one speculative position: a bitmask as `Constraint.packed` gives it."""
+    scoring one speculative position: a bitmask as `Constraint.packed` gives it (None: every
+    token allowed, as a reasoning budget not yet spent gives it)."""
 
-    def __init__(self, packed: torch.Tensor) -> None:
+    def __init__(self, packed: torch.Tensor | None) -> None:
         self._packed = packed
 
-    def packed(self, width: int) -> torch.Tensor:
+    def packed(self, width: int) -> torch.Tensor | None:
+        if self._packed is None:
+            return None
         words = (width + 31) // 32
         if words == self._packed.shape[0]:
             return self._packed
         return pack_to_width(self._packed, self._packed.shape[0] * 32, width)
 
     def allowed(self, width: int) -> torch.Tensor:
-        return unpack(self.packed(width), width)
+        packed = self.packed(width)
+        return torch.ones(width, dtype=torch.bool) if packed is None else unpack(packed, width)
 
 
 def pack_to_width(bitmask: torch.Tensor, valid: int, width: int) -> torch.Tensor:

@@ -295,13 +295,19 @@ class SamplingBatch:
         def column(index: int) -> torch.Tensor:
             return table[:, index : index + 1]  # [B, 1]
 
-        constrained = [(i, r.constraint) for i, r in enumerate(rows) if r.constraint is not None]
+        # A constraint that allows every token this step (a reasoning budget not yet spent,
+        # without a grammar) gives no mask.
+        constrained = [
+            (i, mask)
+            for i, r in enumerate(rows)
+            if r.constraint is not None and (mask := r.constraint.packed(vocab)) is not None
+        ]
         if constrained:  # first: the processors below see only what the grammar allows
             # Bitmasks go up (1/8 of a bool mask's bytes) and are unpacked on the device; an
             # unconstrained row's words have every bit set.
             packed = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-            for i, constraint in constrained:
-                packed[i] = constraint.packed(vocab)
+            for i, mask in constrained:
+                packed[i] = mask
             packed = packed.to(device, non_blocking=device.type == "cuda")
             scores = scores.masked_fill(~unpack(packed, vocab), _NEG_INF)
         eos = [e for e in self.eos_token_ids if 0 <= e < vocab]

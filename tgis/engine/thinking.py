@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tgis.engine.grammar import Constraint, KnownMask, masks_along, unpack
+from tgis.engine.grammar import Constraint, KnownMask, masks_along
 from tgis.params import ThinkingBudget
 
 
@@ -53,25 +53,22 @@ class ThinkingLimit:
         )
         return end[written]
 
-    def packed(self, width: int) -> torch.Tensor:
-        """The tokens allowed next as a bitmask of `width` ids (see Constraint.packed)."""
-        allowed = (
-            self.inner.packed(width)
-            if self.inner is not None
-            else torch.full(((width + 31) // 32,), -1, dtype=torch.int32)
-        )
+    def packed(self, width: int) -> torch.Tensor | None:
+        """The tokens allowed next as a bitmask of `width` ids (see Constraint.packed), or
+        None when every token is (no grammar, and nothing forced): the step masks nothing."""
+        allowed = self.inner.packed(width) if self.inner is not None else None
         token = self.forced()
         if token is None or token >= width:
             return allowed
         word, bit = divmod(token, 32)
-        if not (int(allowed[word]) >> bit) & 1:
+        if allowed is not None and not (int(allowed[word]) >> bit) & 1:
             return allowed  # where the grammar refuses the marker, the grammar rules
-        only = torch.zeros_like(allowed)
+        only = torch.zeros((width + 31) // 32, dtype=torch.int32)
         only[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)
         return only
 
     def allowed(self, width: int) -> torch.Tensor:
-        return unpack(self.packed(width), width)
+        return KnownMask(self.packed(width)).allowed(width)
 
     def advance(self, token_id: int) -> None:
         """Consume the chosen token (the grammar first: ValueError if it refuses it)."""

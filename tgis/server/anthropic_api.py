@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from tgis.params import GenerateParameters, GrammarSpec
 from tgis.server.chat import ChatOutput
 from tgis.server.chat_turn import Segment, TurnRequest
 from tgis.server.http_errors import invalid
+from tgis.server.openai_schemas import temperature_top_p
 from tgis.server.schemas import Fields
 from tgis.server.tool_calls import NAME_PATTERN, parse_tools
 
@@ -58,11 +58,6 @@ class MessagesRequest:
 
     turn: TurnRequest
     stream: bool
-    stop_sequences: tuple[str, ...]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 def parse_messages_request(body: Any, count_only: bool = False) -> MessagesRequest:
@@ -93,7 +88,6 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
     temperature = f.number("temperature")
     if temperature is not None and not 0.0 <= temperature <= 1.0:
         raise invalid(f"`temperature` must be >= 0 and <= 1. Given: {temperature:g}")
-    top_p = f.number("top_p")
     top_k = f.integer("top_k")
     if top_k is not None and top_k < 1:
         raise invalid(f"`top_k` must be >= 1. Given: {top_k}")
@@ -109,9 +103,7 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
     if tier is not None and tier not in SERVICE_TIERS:
         raise invalid(f"`service_tier` must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}")
     params = GenerateParameters(
-        do_sample=temperature != 0.0,
-        temperature=None if temperature in (None, 0.0, 1.0) else temperature,
-        top_p=None if top_p in (None, 1.0) else top_p,
+        **temperature_top_p(f),
         top_k=top_k,
         max_new_tokens=max_tokens,
         stop=stops,
@@ -128,7 +120,7 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
         thinking_budget=budget,
         include_reasoning=shown,
     )
-    return MessagesRequest(turn, stream=bool(f.boolean("stream")), stop_sequences=stops)
+    return MessagesRequest(turn, stream=bool(f.boolean("stream")))
 
 
 def _system(f: Fields) -> str:
@@ -401,18 +393,16 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stop_reason(
-    output: ChatOutput, completion: Completion, stops: tuple[str, ...]
-) -> tuple[str, str | None]:
+def stop_reason(output: ChatOutput, completion: Completion) -> tuple[str, str | None]:
     """Anthropic's `stop_reason` and `stop_sequence`: tool_use when calls ended the output,
     max_tokens when the limit (or the server's time limit) cut it, stop_sequence when one of
-    the request's matched, else end_turn."""
+    the request's `stop_sequences` matched, else end_turn."""
     reason = completion.finish_reason
     if output.finish_reason(reason.openai()) == "tool_calls":
         return "tool_use", None
     if reason in (FinishReason.LENGTH, FinishReason.TIME_LIMIT):
         return "max_tokens", None
-    if reason is FinishReason.STOP_SEQUENCE and completion.stop_sequence in stops:
+    if reason is FinishReason.STOP_SEQUENCE:
         return "stop_sequence", completion.stop_sequence
     return "end_turn", None
 

@@ -20,10 +20,8 @@ from starlette.routing import Route
 
 from tgis.engine.types import Completion
 from tgis.server.anthropic_api import (
-    MessagesRequest,
     block_of,
     message_body,
-    new_id,
     parse_messages_request,
     stop_reason,
     usage,
@@ -34,6 +32,7 @@ from tgis.server.chat_turn import (
     Segments,
     Turn,
     collect_turn,
+    new_id,
     reasoning_tokens,
     refused,
     render_turn,
@@ -41,7 +40,7 @@ from tgis.server.chat_turn import (
     stream_segments,
     turn_failed,
 )
-from tgis.server.http_errors import ApiError, classify, error_body, error_response
+from tgis.server.http_errors import ApiError, classify, error_event, error_response
 from tgis.server.openai_routes import adapter_of
 from tgis.server.schemas import read_json
 from tgis.server.sse import (
@@ -71,7 +70,7 @@ async def create_message(request: Request) -> Response:
         turn = await start_turn(state, request, req.turn, arrival, (CONTRACT, body))
         message_id, model = new_id("msg"), turn.adapter or state.info.model_id
         if req.stream:
-            return _stream(state, req, turn, message_id, model, kind)
+            return _stream(state, turn, message_id, model, kind)
         completion = await collect_turn(state, request, turn)
     except Exception as exc:
         return await turn_failed(state, turn, exc, "anthropic")
@@ -81,7 +80,7 @@ async def create_message(request: Request) -> Response:
         message_id,
         model,
         [block_of(p, done=True) for p in parts],
-        stop_reason(output, completion, req.stop_sequences),
+        stop_reason(output, completion),
         await _usage(state, turn, output, completion),
     )
     state.pipeline.succeeded(kind, turn.prepared, completion)
@@ -107,7 +106,6 @@ async def count_tokens(request: Request) -> Response:
 
 def _stream(
     state: ServerState,
-    req: MessagesRequest,
     turn: Turn,
     message_id: str,
     model: str,
@@ -128,7 +126,7 @@ def _stream(
                 await send("content_block_stop", index=segment.index)
 
         async def report(error: ApiError) -> None:
-            await emit(f"event: error\ndata: {json.dumps(error_body(error, 'anthropic'))}\n\n")
+            await emit(error_event(error, "anthropic"))
 
         async with stream_failures(state.metrics, report, turn.events):
             start = usage(turn.prepared.input_length, 0)
@@ -136,33 +134,21 @@ def _stream(
                 message_id, model, [], (None, None), start
             ))  # fmt: skip
             output, _, completion = await stream_segments(turn, act)
-            await _finish(state, req, turn, output, completion, send, kind)
+            reason, sequence = stop_reason(output, completion)
+            tokens = await _usage(state, turn, output, completion)
+            state.pipeline.succeeded(kind, turn.prepared, completion)
+            await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                       usage=tokens)  # fmt: skip
+            await send("message_stop")
 
     return EventStreamResponse(produce)
-
-
-async def _finish(
-    state: ServerState,
-    req: MessagesRequest,
-    turn: Turn,
-    output: ChatOutput,
-    completion: Completion,
-    send: Any,
-    kind: str,
-) -> None:
-    reason, sequence = stop_reason(output, completion, req.stop_sequences)
-    tokens = await _usage(state, turn, output, completion)
-    state.pipeline.succeeded(kind, turn.prepared, completion)
-    await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-               usage=tokens)  # fmt: skip
-    await send("message_stop")
 
 
 async def _usage(
     state: ServerState, turn: Turn, output: ChatOutput, completion: Completion
 ) -> dict[str, Any]:
     generated = completion.generated_tokens
-    thinking = await reasoning_tokens(state, output.thought, generated)
+    thinking = await reasoning_tokens(state, output, generated)
     return usage(turn.prepared.input_length, generated, thinking)
 
 

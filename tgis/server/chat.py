@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tgis.params import GenerateParameters
+from tgis.params import GenerateParameters, ThinkingBudget
 from tgis.server.http_errors import invalid
 from tgis.server.reasoning import (
     ReasoningMarkers,
@@ -23,7 +23,7 @@ from tgis.server.reasoning import (
     grammar_after_reasoning,
     kept_ids,
     opened_in,
-    thinking_budget,
+    token_ids,
 )
 from tgis.server.tool_calls import (
     COMPACT,
@@ -64,12 +64,14 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 class ChatFormat:
     """What a model's tokenizer says about chat: its reasoning markers, the format its template
     writes tool calls in, whether the template renders tools, and the special tokens among
-    those markers (kept in the output for the parsers)."""
+    those markers (kept in the output for the parsers), and the markers' token ids (what a
+    reasoning budget watches for)."""
 
     markers: ReasoningMarkers | None
     tools: ToolFormat
     takes_tools: bool
     kept_special_ids: tuple[int, ...]
+    marker_ids: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @staticmethod
     def of(tokenizer: Any) -> ChatFormat:
@@ -78,9 +80,11 @@ class ChatFormat:
         takes_tools = template_takes_tools(template)
         tools = find_tool_format(tokenizer) if takes_tools else COMPACT
         texts = [t for t in (tools.trigger, tools.call_end) if t]
-        if markers is not None:
-            texts += [markers.start, markers.end]
-        return ChatFormat(markers, tools, takes_tools, kept_ids(tokenizer, texts))
+        if markers is None:
+            return ChatFormat(None, tools, takes_tools, kept_ids(tokenizer, texts))
+        ids = (token_ids(tokenizer, markers.start), token_ids(tokenizer, markers.end))
+        texts += [markers.start, markers.end]
+        return ChatFormat(markers, tools, takes_tools, kept_ids(tokenizer, texts), ids)
 
 
 def render_chat(
@@ -155,7 +159,7 @@ def plan_chat(
         grammar = grammar_after_reasoning(grammar, markers, opened, tokenizer)
     params = replace(params, grammar=grammar, kept_special_ids=fmt.kept_special_ids)
     if budget is not None and markers is not None:
-        held = thinking_budget(tokenizer, markers, opened, budget)
+        held = ThinkingBudget(budget, *fmt.marker_ids, opened=opened)
         params = replace(params, thinking_budget=held)
     return ChatPlan(params, fmt.markers, opened, tools, fmt.tools, include_reasoning)
 

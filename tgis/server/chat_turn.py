@@ -9,6 +9,7 @@ writes its own event names.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,6 +27,11 @@ from tgis.server.openai_routes import adapter_of
 from tgis.server.sse import ClientDisconnected, unless_disconnected
 from tgis.server.state import ServerState
 from tgis.server.tool_calls import ToolChoice
+
+
+def new_id(prefix: str) -> str:
+    """A response's, message's or part's id: `prefix`_ and 32 random hex digits."""
+    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 @dataclass(frozen=True)
@@ -119,9 +125,10 @@ async def render_turn(state: ServerState, turn: TurnRequest) -> str:
     )  # fmt: skip
 
 
-async def reasoning_tokens(state: ServerState, reasoning: str, generated: int) -> int:
-    """The tokens of an output's reasoning (its text re-tokenized in a worker thread; at most
-    the output's own count)."""
+async def reasoning_tokens(state: ServerState, output: ChatOutput, generated: int) -> int:
+    """The tokens of an output's reasoning, returned or not (its text re-tokenized in a worker
+    thread; at most the output's own `generated` count)."""
+    reasoning = output.thought
     if not reasoning:
         return 0
     return min(len(await state.pipeline.encode(reasoning, add_special_tokens=False)), generated)

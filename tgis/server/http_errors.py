@@ -8,6 +8,7 @@ clients never see a traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -110,6 +111,15 @@ def error_body(error: ApiError, shape: Shape) -> dict[str, Any]:
     if shape == "anthropic":
         return anthropic_body(error)
     return openai_body(error) if shape == "openai" else tgi_body(error)
+
+
+def error_event(error: ApiError, shape: Shape) -> str:
+    """A server-sent event that reports an error after a stream began, as each family writes
+    it: Anthropic's `event: error`, OpenAI's `data: `, TGI's `data:`."""
+    data = json.dumps(error_body(error, shape))
+    if shape == "anthropic":
+        return f"event: error\ndata: {data}\n\n"
+    return f"data: {data}\n\n" if shape == "openai" else f"data:{data}\n\n"
 
 
 def error_status(error: ApiError, shape: Shape) -> int:

@@ -25,7 +25,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tgis.config.types import TlsFiles
-from tgis.server.http_errors import SHUTTING_DOWN, Shape, error_body, error_status, shape_of
+from tgis.server.http_errors import SHUTTING_DOWN, error_body, error_event, error_status, shape_of
 from tgis.server.timeouts import timed_h11_protocol
 
 logger = logging.getLogger("tgis.server")
@@ -131,17 +131,9 @@ class LifecycleMiddleware:
                 send, error_status(SHUTTING_DOWN, shape), error_body(SHUTTING_DOWN, shape)
             )
         elif event_stream:
-            event = _shutdown_event(shape)
+            event = error_event(SHUTTING_DOWN, shape)
             await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _shutdown_event(shape: Shape) -> str:
-    """The event that ends a stream cut by the shutdown, as each family writes errors."""
-    data = json.dumps(error_body(SHUTTING_DOWN, shape))
-    if shape == "anthropic":
-        return f"event: error\ndata: {data}\n\n"
-    return f"data: {data}\n\n" if shape == "openai" else f"data:{data}\n\n"
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

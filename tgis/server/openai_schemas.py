@@ -52,14 +52,22 @@ class OpenAIRequest:
     include_reasoning: bool = True
 
 
-def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
-    """The GenerateParameters fields both OpenAI routes share."""
+def temperature_top_p(f: Fields) -> dict[str, Any]:
+    """`temperature` (0: greedy; absent or 1, the APIs' default, samples as is) and `top_p`
+    (1: off) as GenerateParameters fields, for every chat API."""
     temperature = f.number("temperature")
     top_p = f.number("top_p")
-    values: dict[str, Any] = {
+    return {
         "do_sample": temperature != 0.0,
         "temperature": None if temperature in (None, 0.0, 1.0) else temperature,
         "top_p": None if top_p == 1.0 else top_p,
+    }
+
+
+def _sampling(f: Fields, info: ModelInfo, max_tokens: int | None) -> dict[str, Any]:
+    """The GenerateParameters fields both OpenAI routes share."""
+    values: dict[str, Any] = {
+        **temperature_top_p(f),
         "seed": f.integer("seed", unsigned=True),
         "max_new_tokens": max_tokens,
         "stop": f.strings("stop", allow_single=True),

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from tgis.engine.detokenize import special_ids
 from tgis.engine.stopping import StopSequences
-from tgis.params import GrammarSpec, ThinkingBudget
+from tgis.params import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -146,15 +146,9 @@ def grammar_after_reasoning(
     return GrammarSpec.llguidance(json.dumps({"grammars": [main, *grammars]}), answer.source)
 
 
-def thinking_budget(
-    tokenizer: Any, markers: ReasoningMarkers, opened: bool, tokens: int
-) -> ThinkingBudget:
-    """At most `tokens` tokens of reasoning, the markers as the tokenizer writes them."""
-
-    def ids(text: str) -> tuple[int, ...]:
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-    return ThinkingBudget(tokens, ids(markers.start), ids(markers.end), opened)
+def token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """A marker as the tokenizer writes it."""
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 class ReasoningParser:

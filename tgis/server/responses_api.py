@@ -13,15 +13,14 @@ Refused with a 422 naming the field: tools other than functions, image and file 
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tgis.params import GenerateParameters
-from tgis.server.chat_turn import Segment, TurnRequest
+from tgis.server.chat_turn import Segment, TurnRequest, new_id
 from tgis.server.http_errors import invalid
-from tgis.server.openai_schemas import response_format, template_kwargs
+from tgis.server.openai_schemas import response_format, temperature_top_p, template_kwargs
 from tgis.server.schemas import Fields
 from tgis.server.tool_calls import parse_tools
 
@@ -66,10 +65,6 @@ def _conversation(
     return (*system, *messages)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
-
-
 def parse_responses_request(body: Any, store_size: int) -> ResponsesRequest:
     """POST /v1/responses (the conversation before `previous_response_id` is the route's)."""
     f = Fields(body)
@@ -90,9 +85,7 @@ def parse_responses_request(body: Any, store_size: int) -> ResponsesRequest:
     temperature = f.number("temperature")
     top_p = f.number("top_p")
     params = GenerateParameters(
-        do_sample=temperature != 0.0,
-        temperature=None if temperature in (None, 0.0, 1.0) else temperature,
-        top_p=None if top_p in (None, 1.0) else top_p,
+        **temperature_top_p(f),
         max_new_tokens=f.integer("max_output_tokens", unsigned=True),
         grammar=grammar,
         include_stop_sequence=False,

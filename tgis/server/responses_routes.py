@@ -19,11 +19,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tgis.engine.types import Completion
+from tgis.server.chat import ChatOutput
 from tgis.server.chat_turn import (
     Segment,
     Segments,
     Turn,
     collect_turn,
+    new_id,
     reasoning_tokens,
     refused,
     start_turn,
@@ -36,7 +38,6 @@ from tgis.server.responses_api import (
     ResponsesRequest,
     item_id,
     item_of,
-    new_id,
     output_messages,
     parse_responses_request,
     response_usage,
@@ -78,9 +79,10 @@ async def create_response(request: Request) -> Response:
         completion = await collect_turn(state, request, turn)
     except Exception as exc:
         return await turn_failed(state, turn, exc, "openai")
-    parts = Segments().read(turn.plan.output(), completion.generated_text)
+    output = turn.plan.output()
+    parts = Segments().read(output, completion.generated_text)
     items = [item_of(p, item_id(p), done=True) for p in parts]
-    body_out = await _finished(state, response, items, parts, turn, completion)
+    body_out = await _finished(state, response, items, output, turn, completion)
     if req.store:
         store.put(body_out, (*conversation, *output_messages(parts)))
     state.pipeline.succeeded(kind, turn.prepared, completion)
@@ -101,7 +103,7 @@ async def _finished(
     state: ServerState,
     response: ResponseObject,
     items: list[dict[str, Any]],
-    parts: list[Segment],
+    output: ChatOutput,
     turn: Turn,
     completion: Completion,
 ) -> dict[str, Any]:
@@ -110,11 +112,7 @@ async def _finished(
     usage = response_usage(
         turn.prepared.input_length,
         completion.generated_tokens,
-        await reasoning_tokens(
-            state,
-            "".join(p.text for p in parts if p.kind == "reasoning"),
-            completion.generated_tokens,
-        ),
+        await reasoning_tokens(state, output, completion.generated_tokens),
     )
     cut = completion.finish_reason.openai() == "length"
     status, reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
@@ -189,8 +187,8 @@ def _stream(
         async with stream_failures(state.metrics, report, turn.events):
             await send("response.created", response=response.body("in_progress", []))
             await send("response.in_progress", response=response.body("in_progress", []))
-            _, parts, completion = await stream_segments(turn, act)
-            body = await _finished(state, response, items, parts, turn, completion)
+            output, parts, completion = await stream_segments(turn, act)
+            body = await _finished(state, response, items, output, turn, completion)
             if req.store:
                 state.responses.put(body, (*conversation, *output_messages(parts)))
             state.pipeline.succeeded(kind, turn.prepared, completion)
