@@ -679,6 +679,14 @@ def test_both_names_of_one_setting_is_an_error(
     assert f"both {names[0]} and {names[1]} are set: they are one setting" in message
 
 
+def test_playground_is_on_unless_turned_off() -> None:
+    assert build().playground is True
+    assert build(playground=False).playground is False
+    assert build(GPT2, {"TGIS_PLAYGROUND": "false"}).playground is False
+    assert build(GPT2, {"TGIS_PLAYGROUND": "false"}, playground=True).playground is True
+    assert "TGIS_PLAYGROUND" in error_of(GPT2, {"TGIS_PLAYGROUND": "maybe"})
+
+
 def test_grpc_port_defaults_and_conflicts() -> None:
     assert build().grpc_port == 8033
     assert build(GPT2, {"GRPC_PORT": "9000"}).grpc_port == 9000

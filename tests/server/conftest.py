@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from tests.server.fakes import FakeEngine
 from tgis.config import ServeConfig
 from tgis.server import GracefulServer, ModelInfo, create_app, serve
 
+ROOT = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -196,3 +200,41 @@ def demo_app(model_dir: Any, max_total_tokens: int) -> Iterator[Starlette]:
         yield app
     finally:
         service.stop()
+
+
+@contextmanager
+def demo_serve(log: Path, *extra: str) -> Iterator[str]:
+    """`tgis serve` on the demo model (cpu, HTTP only, 127.0.0.1, a free port) as a
+    subprocess writing to `log`, with the `extra` flags; its base URL once /health answers."""
+    import httpx
+
+    from tests.fmaas.test_yaml_cases import free_port, log_tail, server_env
+    from tgis.config.env import DEMO_MODEL
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "tgis", "serve", "--model-id", str(DEMO_MODEL),
+        "--backend", "cpu", "--hostname", "127.0.0.1", "--port", str(port), "--no-grpc", *extra,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=ROOT
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tgis serve exited with {proc.returncode}:\n{log_tail(log)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tgis serve did not start:\n{log_tail(log)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

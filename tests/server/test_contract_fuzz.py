@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.fmaas.test_yaml_cases import free_port, log_tail, server_env
-from tgis.config.env import DEMO_MODEL
+from tests.fmaas.test_yaml_cases import log_tail
+from tests.server.conftest import demo_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = 25  # per operation and phase
@@ -28,34 +27,8 @@ SEED = 20261123
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> object:
     log = tmp_path_factory.mktemp("contract") / "serve.log"
-    port = free_port()
-    command = [
-        sys.executable, "-m", "tgis", "serve", "--model-id", str(DEMO_MODEL),
-        "--backend", "cpu", "--hostname", "127.0.0.1", "--port", str(port), "--no-grpc",
-        "--max-new-tokens", "4", "--max-concurrent-requests", "16",
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=server_env(), cwd=ROOT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tgis serve exited with {proc.returncode}:\n{log_tail(log)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tgis serve did not start:\n{log_tail(log)}")
-            time.sleep(0.5)
+    with demo_serve(log, "--max-new-tokens", "4", "--max-concurrent-requests", "16") as url:
         yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_schemathesis_finds_nothing(server_url: tuple[str, Path], tmp_path: Path) -> None:

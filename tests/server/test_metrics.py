@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -132,3 +133,13 @@ def test_a_shared_metrics_object_is_used(make_app: Callable[..., Starlette]) -> 
     with TestClient(make_app(metrics=metrics)) as client:
         metrics.on_batch_state(waiting=5, running=1, input_tokens=10, max_remaining=3)
         assert samples(client.get("/metrics").text)["tgi_queue_size"] == 5
+
+
+def test_time_to_first_token_is_observed_per_successful_request(
+    client: TestClient, app: Starlette
+) -> None:
+    got = samples(traffic(client, app.state.tgis.metrics))
+    # Two requests generated (the fake engine reports 1 ms to the first token); the refused
+    # one generated nothing and is not observed.
+    assert got["tgis_request_time_to_first_token_seconds_count"] == 2
+    assert got["tgis_request_time_to_first_token_seconds_sum"] == pytest.approx(0.002)

@@ -303,6 +303,17 @@ Grpc = Annotated[
         negatable=True,
     ),
 ]
+Playground = Annotated[
+    bool | None,
+    _opt(
+        "playground",
+        SERVER,
+        "Serve the browser playground at GET / (chat, raw completion, server panel); "
+        "--no-playground: GET / answers like /health only.",
+        "on",
+        negatable=True,
+    ),
+]
 GrpcPort = Annotated[int | None, _opt("grpc_port", SERVER, "gRPC port.")]
 TlsCertPath = Annotated[
     str | None,
@@ -468,6 +479,7 @@ OPTIONS: dict[str, Any] = {
     "hostname": Hostname,
     "api_key": ApiKey,
     "cors_allow_origin": CorsAllowOrigin,
+    "playground": Playground,
     "grpc": Grpc,
     "grpc_port": GrpcPort,
     "tls_cert_path": TlsCertPath,

@@ -26,6 +26,7 @@ ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
 ENV_NAMES["compile"] = "TGIS_COMPILE"
 ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"
 ENV_NAMES["grpc"] = "TGIS_GRPC"
+ENV_NAMES["playground"] = "TGIS_PLAYGROUND"
 # Other launchers' names of a setting (alias -> the field it sets): TGI 1.x's
 # --max-input-length and TGIS's flags and variables, so a deployment's settings move over as
 # they are. Giving both names of one setting is an error.

@@ -154,6 +154,7 @@ def build_serve_config(
         cors_allow_origins=tuple(
             o.strip() for o in (values["cors_allow_origin"] or "").split(",") if o.strip()
         ),
+        playground=values["playground"] is not False,
         prefill_mode=prefill_mode,
         model_impl=impl,
         quantize=quantize,

@@ -62,6 +62,7 @@ class LauncherArgs:
     hostname: str | None = None
     api_key: str | None = None
     cors_allow_origin: str | None = None
+    playground: bool | None = None
     prefill_mode: str | None = None
     model_impl: str | None = None
     quantize: str | None = None
@@ -228,6 +229,8 @@ class ServeConfig:
     # Bearer token required on generation routes; never printed.
     api_key: str | None = field(default=None, repr=False)
     cors_allow_origins: tuple[str, ...] = ()
+    # The browser page at GET / (tgis.server.playground); --no-playground turns it off.
+    playground: bool = True
     # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
     prefill_mode: str | None = None
     # cpu/cuda decoder-only models: whose forward runs the model. "auto": the paged engine's

@@ -27,7 +27,13 @@ from tgis.engine.backend import prompt_logprobs_refusal
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
-from tgis.server import anthropic_routes, openai_routes, responses_routes, tgi_routes
+from tgis.server import (
+    anthropic_routes,
+    openai_routes,
+    playground,
+    responses_routes,
+    tgi_routes,
+)
 from tgis.server.chat import ChatFormat
 from tgis.server.contract import RequestContract
 from tgis.server.generation import Pipeline
@@ -181,6 +187,8 @@ def create_app(
         Route("/docs", docs, methods=["GET"]),
         Route("/docs/assets/{name}", docs_asset, methods=["GET"]),
     ]
+    if config.playground:
+        routes += playground.ROUTES
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -100,6 +100,10 @@ class Metrics:
                 "Duration of the inferencing portion of request (seconds)",
                 DURATION_BUCKETS,
             ),
+            "tgis_request_time_to_first_token_seconds": (
+                "Time from a request's arrival to its first generated token (seconds)",
+                DURATION_BUCKETS,
+            ),
             "tgi_batch_next_tokens": ("Tokens in each prefill batch (including padding)", tokens),
             "tgi_tokenize_request_tokens": (
                 "Tokenized tokens per tokenize request",
@@ -235,6 +239,7 @@ class Metrics:
         h["tgi_request_queue_duration"].observe(timings.queue)
         h["tgi_request_inference_duration"].observe(timings.inference)
         if completion.generated_tokens > 0:
+            h["tgis_request_time_to_first_token_seconds"].observe(timings.first_token)
             per_token = timings.inference / completion.generated_tokens
             h["tgi_request_mean_time_per_token_duration"].observe(per_token)
 

@@ -18,6 +18,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 
 from tgis import __version__
 from tgis.server.openapi_schemas import ref
+from tgis.server.playground import ASSETS as PLAYGROUND_ASSETS
 from tgis.server.state import get_state
 
 if TYPE_CHECKING:
@@ -85,17 +86,23 @@ def _get(summary: str, ok: dict[str, Any], tag: str, **extra: Any) -> dict[str, 
     return {"get": {"tags": [tag], "summary": summary, "responses": responses}}
 
 
-def _paths() -> dict[str, Any]:
+def _paths(playground: bool) -> dict[str, Any]:
     gen, stream = ref("GenerateResponse"), ref("StreamResponse")
     unhealthy = {"503": {"description": "Unhealthy", "content": _content(ref("ErrorResponse"))}}
-    return {
+    paths: dict[str, Any] = {
         "/": _post(
             "Generate; `stream` chooses JSON (a one-element list) or server-sent events",
             "CompatGenerateRequest",
             {**_content({"type": "array", "items": gen}), **_events(stream, "ErrorResponse")},
             TGI_TAG,
         )
-        | _get("Health check (as /health)", {}, TGI_TAG, **unhealthy),
+        | _get(
+            "Health check (as /health); a browser (Accept: text/html) gets the playground "
+            "instead, unless --no-playground",
+            {},
+            TGI_TAG,
+            **unhealthy,
+        ),
         "/generate": _post("Generate text", "GenerateRequest", _content(gen), TGI_TAG),
         "/generate_stream": _post(
             "Generate a stream of tokens (server-sent events, one StreamResponse each)",
@@ -137,8 +144,17 @@ def _paths() -> dict[str, Any]:
         "/v1/models": _get("The served model", _content(ref("ModelList")), OPENAI_TAG),
         "/openapi.json": _get("This document", _content({"type": "object"}), "Documentation"),
         "/docs": _get("Swagger UI", _content({"type": "string"}, "text/html"), "Documentation"),
-        "/docs/assets/{name}": _asset_path(),
+        "/docs/assets/{name}": _asset_path(
+            "Swagger UI's files (the /docs page loads them)", SWAGGER_UI_ASSETS, "Swagger UI's"
+        ),
     }
+    if playground:
+        paths["/playground/{name}"] = _asset_path(
+            "The playground's files (the page at GET / loads them)",
+            PLAYGROUND_ASSETS,
+            "the playground's",
+        )
+    return paths
 
 
 _NOT_STORED = {
@@ -218,8 +234,9 @@ def _stored_response() -> dict[str, Any]:
     return path
 
 
-def openapi_document(contract: RequestContract) -> dict[str, Any]:
-    """The whole OpenAPI document of a server, whose request schemas are `contract`'s."""
+def openapi_document(contract: RequestContract, playground: bool = False) -> dict[str, Any]:
+    """The whole OpenAPI document of a server, whose request schemas are `contract`'s;
+    `playground`: the server serves the playground's files."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -232,7 +249,7 @@ def openapi_document(contract: RequestContract) -> dict[str, Any]:
             {"name": OPENAI_TAG, "description": "OpenAI-compatible API"},
             {"name": ANTHROPIC_TAG, "description": "Anthropic-compatible Messages API"},
         ],
-        "paths": _paths(),
+        "paths": _paths(playground),
         "components": {
             "schemas": contract.components,
             "securitySchemes": {
@@ -260,25 +277,25 @@ def _asset(name: str) -> str:
     return f"docs/assets/{name}?v={_BUNDLE_VERSION}"
 
 
-def _asset_path() -> dict[str, Any]:
-    """The operation of /docs/assets/{name}: one of SWAGGER_UI_ASSETS."""
+def _asset_path(summary: str, assets: dict[str, str], whose: str) -> dict[str, Any]:
+    """The operation of a route of static files: `assets` maps their names to media types."""
     ok: dict[str, Any] = {}
-    for media in SWAGGER_UI_ASSETS.values():
+    for media in assets.values():
         bare = media.split(";")[0]
         ok[bare] = {"schema": {"type": "string"}} if bare.startswith("text/") else {}
     missing = {
         "404": {
-            "description": "Not one of Swagger UI's files",
+            "description": f"Not one of {whose} files",
             "content": _content(ref("ErrorResponse")),
         }
     }
-    path = _get("Swagger UI's files (the /docs page loads them)", ok, "Documentation", **missing)
+    path = _get(summary, ok, "Documentation", **missing)
     path["get"]["parameters"] = [
         {
             "name": "name",
             "in": "path",
             "required": True,
-            "schema": {"type": "string", "enum": list(SWAGGER_UI_ASSETS)},
+            "schema": {"type": "string", "enum": list(assets)},
         }
     ]
     return path
@@ -311,7 +328,8 @@ _DOCS_HTML = f"""<!doctype html>
 
 async def openapi_json(request: Request) -> Response:
     """GET /openapi.json."""
-    return JSONResponse(openapi_document(get_state(request).contract))
+    state = get_state(request)
+    return JSONResponse(openapi_document(state.contract, state.config.playground))
 
 
 async def docs(request: Request) -> Response:

@@ -13,6 +13,7 @@ from starlette.routing import Route
 from tgis.engine.types import GenerationRequest
 from tgis.errors import OverloadedError
 from tgis.params import GenerateParameters
+from tgis.server import playground
 from tgis.server.generation import (
     EventStream,
     Prepared,
@@ -206,10 +207,13 @@ async def metrics(request: Request) -> Response:
 
 
 async def root(request: Request) -> Response:
-    """/: POST generates (compat_generate); GET answers like /health, as TGI's does. One route,
-    so that a 405 on / allows both."""
+    """/: POST generates (compat_generate); GET answers like /health, as TGI's does, except to
+    a browser when the playground is on (tgis.server.playground). One route, so that a 405 on
+    / allows both."""
     if request.method == "POST":
         return await compat_generate(request)
+    if get_state(request).config.playground and playground.wants_page(request):
+        return playground.page()
     return await health(request)
 
 
