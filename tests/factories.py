@@ -273,3 +273,98 @@ def make_lora_adapter(
     peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**settings))
     peft_model.save_pretrained(directory, safe_serialization=not binary)
     return peft_model.merge_and_unload().eval()
+
+
+VisionArch = Literal["llava_next", "idefics3"]
+# What a tiny vision-language template writes: each image part is the image placeholder.
+VISION_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}:"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def make_vision_dir(directory: Path, arch: VisionArch = "llava_next", seed: int = 0) -> Path:
+    """A tiny random vision-language model of `arch` with its processor (the tiny tokenizer
+    with the image token added, the family's image processor at 32-pixel tiles and a chat
+    template whose image parts write `<image>`), saved to `directory`. Its weights are drawn
+    wider than transformers' default so that images change the greedy text."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = tiny_config(
+        "llama", vocab_size=VOCAB_SIZE + 8, initializer_range=0.2, max_position_embeddings=1024
+    ).to_dict()
+    if arch == "llava_next":
+        from transformers import (
+            CLIPVisionConfig,
+            LlavaNextConfig,
+            LlavaNextImageProcessor,
+            LlavaNextProcessor,
+        )
+
+        pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+        vision = CLIPVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, projection_dim=16, initializer_range=0.2,
+        )  # fmt: skip
+        config: Any = LlavaNextConfig(
+            vision_config=vision.to_dict(), text_config=text, image_token_index=image_id,
+            image_grid_pinpoints=pinpoints, vision_feature_layer=-1,
+        )  # fmt: skip
+        processor: Any = LlavaNextProcessor(
+            image_processor=LlavaNextImageProcessor(
+                size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                image_grid_pinpoints=pinpoints,
+            ),
+            tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+            image_token="<image>", num_additional_image_tokens=1, chat_template=VISION_TEMPLATE,
+        )  # fmt: skip
+    else:
+        from transformers import (
+            Idefics3Config,
+            Idefics3ImageProcessor,
+            Idefics3Processor,
+            Idefics3VisionConfig,
+        )
+
+        tokenizer.add_special_tokens(
+            {
+                "additional_special_tokens": [
+                    "<image>", "<fake_token_around_image>", "<global-img>",
+                    *(f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)),
+                ]
+            }
+        )  # fmt: skip
+        vision = Idefics3VisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            image_size=32, patch_size=8, initializer_range=0.2,
+        )  # fmt: skip
+        config = Idefics3Config(
+            vision_config=vision.to_dict(), text_config=text, image_token_id=image_id,
+            scale_factor=2,
+        )  # fmt: skip
+        processor = Idefics3Processor(
+            image_processor=Idefics3ImageProcessor(
+                size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+            ),
+            tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE,
+        )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def random_image(height: int, width: int, seed: int = 0) -> Any:
+    """An RGB PIL image of random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

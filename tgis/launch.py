@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tgis.backends.choose import BackendChoice
     from tgis.engine.speculation import Proposer
     from tgis.server.info import ModelInfo
+    from tgis.vision.processor import ImageProcessor
 
 log = logging.getLogger("tgis.launch")
 
@@ -46,6 +47,8 @@ class Service:
     prefixes: PrefixStore | None = None
     # LoRA adapters (--lora-adapters, --lora-adapter-dir), or None.
     adapters: AdapterStore | None = None
+    # A vision-language model's processor (prompts with images), or None.
+    vision: ImageProcessor | None = None
 
     def stop(self) -> None:
         """Stop the engine, then the backend's other processes (tensor parallelism)."""
@@ -232,9 +235,24 @@ def build_service(
         kv_tokens,
     )
     log.info("runtime: %s", ", ".join(f"{k}: {v}" for k, v in backend_runtime(backend).items()))
+    vision = image_processor(model_dir) if capacity.images else None
     return Service(
-        config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters
-    )
+        config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters,
+        vision,
+    )  # fmt: skip
+
+
+def image_processor(model_dir: Path) -> ImageProcessor:
+    """The processor of the vision-language model in `model_dir`."""
+    from transformers import AutoConfig
+
+    from tgis.vision.families import vision_family_of
+    from tgis.vision.processor import ImageProcessor
+
+    config = AutoConfig.from_pretrained(model_dir)
+    family = vision_family_of(config.to_dict())
+    assert family is not None
+    return ImageProcessor.load(model_dir, family, config)
 
 
 def prepare_grammars(engine: Engine) -> None:
@@ -300,6 +318,7 @@ def service_info(service: Service) -> ModelInfo:
         if capacity.encoder_decoder
         else "text-generation",
         runtime=backend_runtime(service.backend),
+        images=capacity.images,
     )
 
 

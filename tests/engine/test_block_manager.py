@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import tgis.engine.block_manager as bm
-from tgis.engine.block_manager import BlockManager, block_hash
+from tgis.engine.block_manager import BlockKeys, BlockManager, ImageMark, block_hash
 
 
 def test_module_is_pure_python() -> None:
@@ -195,9 +195,9 @@ def test_a_sequences_blocks_are_hashed_once(monkeypatch: pytest.MonkeyPatch) -> 
     lookup computes."""
     hashed: list[tuple[int, ...]] = []
 
-    def counting(parent: bytes, tokens: list[int]) -> bytes:
+    def counting(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
         hashed.append(tuple(tokens))
-        return block_hash(parent, tokens)
+        return block_hash(parent, tokens, extra)
 
     prompt = list(range(40))  # 10 full blocks of 4, the last token in the 10th
     blocks = BlockManager(num_blocks=12, block_size=4, prefix_caching=True)
@@ -374,3 +374,21 @@ def test_no_window_releases_nothing() -> None:
 def test_a_window_needs_a_position() -> None:
     with pytest.raises(ValueError, match="sliding window needs >= 1 positions, got 0"):
         BlockManager(4, 4, sliding_window=0)
+
+
+def test_image_rows_key_blocks_by_the_image_they_hold() -> None:
+    """Placeholder tokens are alike whatever image fills them: a block holding image rows is
+    keyed by the image's digest and which of its rows it holds, so a prompt with another
+    image (or the same image elsewhere) shares only the blocks before it."""
+    prompt = [5] * 4 + [9] * 8 + [6] * 4  # blocks of 4: text, image, image, text
+    first = BlockKeys(b"", [ImageMark(4, 8, 0, b"red")])
+    same = BlockKeys(b"", [ImageMark(4, 8, 0, b"red")])
+    other = BlockKeys(b"", [ImageMark(4, 8, 0, b"blue")])
+    shifted = BlockKeys(b"", [ImageMark(4, 4, 0, b"red"), ImageMark(8, 4, 8, b"red")])
+    keys = [[k.key(i, prompt, 4) for i in range(4)] for k in (first, same, other, shifted)]
+    assert keys[0] == keys[1]
+    assert keys[2][0] == keys[0][0] and keys[2][1] != keys[0][1] and keys[2][3] != keys[0][3]
+    assert keys[3][1] == keys[0][1] and keys[3][2] != keys[0][2]
+    # A text prompt of the same ids shares nothing past its text.
+    plain = BlockKeys(b"")
+    assert plain.key(0, prompt, 4) == keys[0][0] and plain.key(1, prompt, 4) != keys[0][1]

@@ -195,7 +195,8 @@ def demo_app(model_dir: Any, max_total_tokens: int) -> Iterator[Starlette]:
     config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
     service = build_service(config, model_dir, observer=Metrics(max_total_tokens, 8))
     app = create_app(service.engine, service.tokenizer, config, service_info(service),
-                     metrics=service.engine.observer)  # type: ignore[arg-type]  # fmt: skip
+                     metrics=service.engine.observer,  # type: ignore[arg-type]
+                     vision=service.vision)  # fmt: skip
     try:
         yield app
     finally:

@@ -33,6 +33,7 @@ from tgis.backends.models.families import (
 from tgis.config import ENV_NAMES, ModelFacts, ServeConfig
 from tgis.config.parse import flag
 from tgis.errors import BackendUnavailableError, ConfigError
+from tgis.vision.families import VisionFamily, text_config, vision_family_of
 
 if TYPE_CHECKING:
     from tgis.engine.backend import Backend, PagedBackend
@@ -88,6 +89,9 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
             "{given}: {what} is for decoder-only models; " + f"{kind} is an encoder-decoder one",
         )
         return BackendChoice(config.backend, "seq2seq", f"{kind} is an encoder-decoder model")
+    vision = vision_family_of(facts.config)
+    if vision is not None:
+        return _vision(config, facts, vision)
     reason = paged_unsupported_reason(facts.config)
     impl = config.label("model_impl", config.model_impl)
     if reason is not None:
@@ -130,8 +134,44 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
     return BackendChoice(config.backend, "paged", f"{runs}, tensor-parallel", config.num_shard)
 
 
+def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> BackendChoice:
+    """cpu / cuda, a vision-language model: its language model in the paged engine, when its
+    family and its language model's are ones tgis runs."""
+    kind = facts.model_type
+    text = text_config(facts.config)
+    reason = vision.refusal or paged_unsupported_reason(text)
+    if reason is not None:
+        raise ConfigError(
+            f"tgis cannot serve {kind} yet: {reason}",
+            "serve a vision-language model of a family docs/models.md lists",
+        )
+    if config.model_impl == "transformers":
+        raise ConfigError(
+            f"{config.label('model_impl', config.model_impl)}: {kind} is a vision-language "
+            "model, which only the paged engine serves",
+            "drop --model-impl (TGIS_MODEL_IMPL)",
+        )
+    _refuse(
+        config,
+        ("num_shard", "lora_adapters", "lora_adapter_dir", "quantize"),
+        "{given}: {what} of a vision-language model is not available yet; " + f"{kind} is one",
+        ", or serve a text model",
+    )
+    return BackendChoice(
+        config.backend,
+        "paged",
+        f"the paged forward runs {kind}'s language model ({text.get('model_type')}), its "
+        "vision tower encodes the prompts' images",
+    )
+
+
 def _static(config: ServeConfig, facts: ModelFacts, kind: str) -> BackendChoice:
     """tpu, neuron, gaudi: a static batch of fixed shapes."""
+    if vision_family_of(facts.config) is not None:
+        raise ConfigError(
+            f"the {config.backend} backend serves text models; {kind} is a vision-language model",
+            "serve it with --backend cpu or --backend cuda",
+        )
     if config.backend == "neuron":
         reason = "optimum-neuron runs the model compiled for Neuron cores"
     else:

@@ -213,6 +213,9 @@ class LoopTimings:
     def on_speculation(self, draft_tokens: int, accepted_tokens: int, emitted: int) -> None:
         pass
 
+    def on_images(self, encoded: int, cached: int) -> None:
+        pass
+
 
 class EngineBenchmark:
     """Prefill and decode timings of `backend` per batch size; `summaries()` valid any time."""

@@ -71,6 +71,7 @@ def command(
         app = create_app(service.engine, service.tokenizer, config, info, metrics=metrics,
                          api_key=config.api_key, cors_origins=config.cors_allow_origins,
                          prefixes=service.prefixes, adapters=service.adapters,
+                         vision=service.vision,
                          prompt_logprobs=service.backend.capacity.prompt_logprobs)  # fmt: skip
         scheme = "https" if config.tls else "http"
         console.print(

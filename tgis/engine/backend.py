@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from tgis.engine.types import LoraAdapter
+    from tgis.engine.types import ImageInput, LoraAdapter
 
 
 def prompt_logprobs_refusal(backend: str, encoder_decoder: bool, available: bool) -> str | None:
@@ -57,6 +57,9 @@ class BackendCapacity:
     lora: bool = False
     # An encoder-decoder model: the prompt is the encoder's input, the output starts anew.
     encoder_decoder: bool = False
+    # Whether prompts may hold images (GenerationRequest.images): a paged backend over a
+    # vision-language model, whose `encode_images` gives their features.
+    images: bool = False
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
     # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
     block_size: int | None = None
@@ -108,9 +111,10 @@ class PackedItem:
     block_table: tuple[int, ...]
     sample: bool = True
     prompt_logits: bool = False
-    # Embeddings [k, hidden] of the chunk's first k tokens, used instead of their tokens'
-    # (a prompt prefix's virtual tokens); None: none.
-    embeds: torch.Tensor | None = None
+    # (offset, [k, hidden]) pairs: the chunk's rows offset.. offset + k - 1 take these
+    # embeddings instead of their tokens' (a prompt prefix's virtual tokens, an image's
+    # features); none: every row is its token's embedding.
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
     # The LoRA adapter the item's tokens go through (backends with `lora`); None: the base.
     adapter: LoraAdapter | None = None
 
@@ -200,6 +204,12 @@ class PagedBackend(Protocol):
 
     def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
         """Run one packed step (prefill chunks and decodes together)."""
+        ...
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's features [image.tokens, hidden] on the device, in the serving dtype:
+        the model's vision tower and projector over the images together (backends whose
+        capacity says `images`)."""
         ...
 
     def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]: ...

@@ -13,7 +13,10 @@ rejected (`trim`).
 
 With prefix caching, every full block whose KV has been computed (`mark_computed`) is keyed by
 a hash of its tokens and of every token before it (chained block by block, from an optional
-`salt` that separates what must not be shared: another prompt prefix, another adapter). A new
+`salt` that separates what must not be shared: another prompt prefix, another adapter). Rows
+whose embeddings are not their tokens' (an image's features behind its placeholder tokens) are
+keyed by what fills them: a block holding part of an image hashes in the image's digest and
+which of its rows it holds (`ImageMark`), so two images never share a block. A new
 sequence whose prompt starts with cached blocks takes them instead of fresh ones (ref-counted,
 shared read-only) and prefills only the rest. A cached block nobody uses stays cached until its
 space is needed: free blocks are taken first, then cached ones, least recently used first.
@@ -45,29 +48,54 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a full block: its tokens, chained to the key of everything before it."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+@dataclass(frozen=True)
+class ImageMark:
+    """Positions start.. start + length - 1 of a sequence hold the feature rows `row`.. of
+    its request's image `image` (identified by `digest`; the index is not part of keys)."""
+
+    start: int
+    length: int
+    row: int
+    digest: bytes
+    image: int = 0
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """The key of a full block: its tokens (and `extra`, what fills rows that are not their
+    tokens' embeddings), chained to the key of everything before it."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes() + extra).digest()
 
 
 class BlockKeys:
     """The prefix-cache keys of one sequence's full blocks, each computed once. A sequence's
     tokens only grow, so the chain only grows: a prompt looked up at every step while it
     waits, then admitted, then marked computed block by block (and again after a preemption)
-    hashes each of its blocks once."""
+    hashes each of its blocks once. `marks`: the image rows among its positions."""
 
-    def __init__(self, salt: bytes = b"") -> None:
+    def __init__(self, salt: bytes = b"", marks: Sequence[ImageMark] = ()) -> None:
         self.salt = salt
+        self.marks = tuple(marks)
         self._keys: list[bytes] = []
+
+    def _extra(self, start: int, end: int) -> bytes:
+        """What fills the image rows among positions start.. end - 1: for each mark that
+        overlaps them, its digest and the feature row at each end of the overlap."""
+        parts = []
+        for mark in self.marks:
+            lo, hi = max(start, mark.start), min(end, mark.start + mark.length)
+            if lo < hi:
+                first = mark.row + lo - mark.start
+                parts.append(mark.digest + array("q", (lo - start, hi - start, first)).tobytes())
+        return b"".join(parts)
 
     def key(self, index: int, tokens: Sequence[int], block_size: int) -> bytes:
         """The key of full block `index` of `tokens` (the chain grows up to it)."""
         keys = self._keys
         while len(keys) <= index:
             start = len(keys) * block_size
-            keys.append(
-                block_hash(keys[-1] if keys else self.salt, tokens[start : start + block_size])
-            )
+            end = start + block_size
+            extra = self._extra(start, end) if self.marks else b""
+            keys.append(block_hash(keys[-1] if keys else self.salt, tokens[start:end], extra))
         return keys[index]
 
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 
 from tgis.config.types import MAX_SPECULATE
 from tgis.engine.backend import Backend, PagedBackend, prompt_logprobs_refusal
-from tgis.engine.block_manager import BlockManager
+from tgis.engine.block_manager import BlockManager, ImageMark
 from tgis.engine.detokenize import special_ids
 from tgis.engine.grammar import Constraint, GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle, post_step
@@ -54,6 +54,19 @@ MAX_FAILED_STEPS = 3
 
 # The token id a prompt prefix's virtual positions carry (their embeddings replace it).
 PREFIX_PLACEHOLDER_ID = 0
+
+
+def image_marks(request: GenerationRequest, offset: int) -> tuple[ImageMark, ...]:
+    """Where the request's images' features go in its sequence, whose prompt starts `offset`
+    positions before `input_ids` (a prompt prefix's virtual tokens)."""
+    marks: list[ImageMark] = []
+    for index, image in enumerate(request.images):
+        row = 0
+        for start, length in image.runs:
+            marks.append(ImageMark(offset + start, length, row, image.digest, index))
+            row += length
+    return tuple(marks)
+
 
 log = logging.getLogger("tgis.engine")
 
@@ -229,6 +242,12 @@ class Engine:
                     "backend: they run in the paged engine of llama-family models on cpu and "
                     "cuda, on one device"
                 )
+            if request.images and not capacity.images:
+                raise InputValidationError(
+                    f"images are not available here: the {self.backend.name} backend serves "
+                    "this model from text alone. Send the prompt without images, or serve a "
+                    "vision-language model (docs/models.md) on the cpu or cuda backend"
+                )
             refusal = prompt_logprobs_refusal(
                 self.backend.name, capacity.encoder_decoder, capacity.prompt_logprobs
             )
@@ -361,6 +380,7 @@ class Engine:
                 token_ids=list(prompt),
                 salt=(prefix.key if prefix else b"")
                 + (request.adapter.key if request.adapter else b""),
+                images=image_marks(request, len(prompt) - len(request.input_ids)),
                 # Every prompt position's logits are computed: none may come from the cache.
                 cache_lookup=not request.params.decoder_input_details,
             )

@@ -119,6 +119,8 @@ class LiveSequence:
         self.prompt_recorded = False
         # The details of a chunked prefill's chunks so far (paged backends), in order.
         self._details: PromptDetails | None = None
+        # Features of the request's images (by index) while its prompt is being computed.
+        self.features: dict[int, torch.Tensor] = {}
         self.started = 0.0
         self.finish_reason: FinishReason | None = None
 
@@ -158,6 +160,41 @@ class LiveSequence:
             return None
         return prefix.embeddings[start : min(start + count, prefix.length)]
 
+    def row_embeds(self, start: int, count: int) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The rows among positions start.. start + count - 1 whose embeddings are not their
+        tokens': (offset from start, [k, hidden]) for the prompt prefix's and for each image's
+        (whose features `features` holds: see `images_wanted`)."""
+        rows: list[tuple[int, torch.Tensor]] = []
+        prefix = self.prefix_embeds(start, count)
+        if prefix is not None:
+            rows.append((0, prefix))
+        end = start + count
+        for mark in self.seq.images:
+            lo, hi = max(start, mark.start), min(end, mark.start + mark.length)
+            if lo < hi:
+                first = mark.row + lo - mark.start
+                rows.append((lo - start, self.features[mark.image][first : first + hi - lo]))
+        return tuple(rows)
+
+    def images_wanted(self, start: int, count: int) -> list[int]:
+        """The request's images (indices) with rows among positions start.. start + count - 1
+        whose features are not at hand: what the step encodes first."""
+        end = start + count
+        wanted: list[int] = []
+        for mark in self.seq.images:
+            overlaps = mark.start < end and start < mark.start + mark.length
+            if overlaps and mark.image not in self.features and mark.image not in wanted:
+                wanted.append(mark.image)
+        return wanted
+
+    def images_cached(self, computed: int) -> int:
+        """The request's images whose every row is among the first `computed` positions
+        (their K/V came from the prefix cache: never encoded)."""
+        last: dict[int, int] = {}
+        for mark in self.seq.images:
+            last[mark.image] = max(last.get(mark.image, 0), mark.start + mark.length)
+        return sum(end <= computed for end in last.values())
+
     def begin(self, start_time: float) -> None:
         """First scheduled: the queue time ends. The time limit runs from the request's
         arrival (TGIS), or from here when the request has none."""
@@ -183,6 +220,7 @@ class LiveSequence:
 
     def prompt_done(self) -> None:
         """The prefill is complete: its prompt details go out with the first token."""
+        self.features.clear()  # a recomputed prompt (after preemption) encodes them again
         if self._details is not None:
             self.prompt, self._details = self._details, None
             self.prompt_recorded = True

@@ -163,7 +163,7 @@ class PagedScheduler:
             seq = self.waiting[0]
             reserve = self.blocks.blocks_ahead([s.seq_id for s in self.running])
             if seq.block_keys is None:
-                seq.block_keys = BlockKeys(seq.salt)
+                seq.block_keys = BlockKeys(seq.salt, seq.images)
             keys = seq.block_keys
             # With a window, the prompt's blocks come chunk by chunk (module doc).
             first = 1 if windowed else None

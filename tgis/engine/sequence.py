@@ -7,7 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tgis.engine.block_manager import BlockKeys
+    from tgis.engine.block_manager import BlockKeys, ImageMark
 
 
 class SeqStatus(Enum):
@@ -41,6 +41,8 @@ class Sequence:
     computed: int = 0
     # Prefix-cache key seed: sequences with different salts never share blocks.
     salt: bytes = b""
+    # Positions whose embeddings are an image's features: part of their blocks' keys.
+    images: tuple[ImageMark, ...] = ()
     # The prefix-cache keys of its full blocks, computed once (paged scheduler).
     block_keys: BlockKeys | None = None
     # False: never take cached blocks (the prompt's logits are wanted at every position).

@@ -37,7 +37,7 @@ from tgis.engine.scheduler import Scheduler, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import Verified, verify
-from tgis.engine.types import EngineObserver
+from tgis.engine.types import EngineObserver, ImageInput
 
 if TYPE_CHECKING:
     import torch
@@ -234,19 +234,23 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
         method = step.kind.value
         start = time.perf_counter()
         now = time.monotonic()
-        items = []
+        cached = 0
         for chunk, live in zip(step.chunks, lives, strict=True):
             if not live.started:
                 live.begin(start_time=now)
-            wants = live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft
-            items.append(
+                cached += live.images_cached(chunk.start)
+        try:
+            self._encode_images(step, lives, cached)
+            items = [
                 PackedItem(
                     chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
-                    chunk.sample, wants or bool(chunk.draft),
-                    live.prefix_embeds(chunk.start, chunk.count), live.handle.request.adapter,
+                    chunk.sample,
+                    (live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft)
+                    or bool(chunk.draft),
+                    live.row_embeds(chunk.start, chunk.count), live.handle.request.adapter,
                 )
-            )  # fmt: skip
-        try:
+                for chunk, live in zip(step.chunks, lives, strict=True)
+            ]  # fmt: skip
             out = self.backend.forward(items)
         except Exception as exc:
             if not self._retry_alone(method, lives, exc):
@@ -288,6 +292,27 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
         # meanwhile is not RUNNING: `accept` leaves it be).
         for live, result in verified:
             self.scheduler.accept(live.seq, result.accepted)
+
+    def _encode_images(self, step: PackedStep, lives: list[LiveSequence], cached: int) -> None:
+        """The features of the images the step's chunks reach that are not encoded yet: one
+        call of the backend's vision encoder for all of them (an image that two sequences
+        hold, or one twice, encoded once); `cached` images were found in the prefix cache."""
+        wanted: dict[bytes, ImageInput] = {}
+        takers: list[tuple[LiveSequence, int, bytes]] = []
+        for chunk, live in zip(step.chunks, lives, strict=True):
+            for index in live.images_wanted(chunk.start, chunk.count):
+                image = live.handle.request.images[index]
+                wanted.setdefault(image.digest, image)
+                takers.append((live, index, image.digest))
+        observer = self.engine.observer
+        if wanted:
+            features = dict(
+                zip(wanted, self.backend.encode_images(list(wanted.values())), strict=True)
+            )
+            for live, index, digest in takers:
+                live.features[index] = features[digest]
+        if observer is not None and (wanted or cached):
+            observer.on_images(len(wanted), cached)
 
     def _verify(
         self, method: str, drafted: list[tuple[LiveSequence, tuple[int, ...], torch.Tensor | None]]

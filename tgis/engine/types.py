@@ -5,7 +5,7 @@ Shared by the engine, the server and the benchmark. Pure data: no torch, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -48,6 +48,27 @@ class GenerationRequest:
     prefix: PromptPrefix | None = None
     # A LoRA adapter applied to the model for this request; None: the base model.
     adapter: LoraAdapter | None = None
+    # The images whose features take the rows of their placeholder tokens in `input_ids`.
+    images: tuple[ImageInput, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, processed for its model and not yet encoded: `pixels` are what
+    the model's image processor made of it alone (host tensors, by the processor's names),
+    `runs` the (start, length) runs of `input_ids` positions its features fill, in order
+    (the features' rows 0.. go to the first run's positions, then the next run's). `digest`
+    identifies its pixels: blocks of prompts with the same image at the same place share the
+    prefix cache."""
+
+    digest: bytes
+    runs: tuple[tuple[int, int], ...]
+    pixels: Mapping[str, torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        """Prompt positions its features fill."""
+        return sum(length for _, length in self.runs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,6 +221,10 @@ class EngineObserver(Protocol):
     def on_speculation(self, draft_tokens: int, accepted_tokens: int, emitted_tokens: int) -> None:
         """A step verified `draft_tokens` speculative tokens (speculative decoding), of which
         `accepted_tokens` were right; its verifying rows emitted `emitted_tokens` in all."""
+
+    def on_images(self, encoded: int, cached: int) -> None:
+        """A step encoded `encoded` images (the vision tower's runs), and found `cached` of
+        the images of the prompts it began wholly in the prefix cache (never encoded)."""
 
 
 class EngineClient(Protocol):

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tgis.adapter_store import AdapterStore
+    from tgis.vision.processor import ImageProcessor
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
 PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
@@ -131,6 +132,7 @@ def create_app(
     prefixes: PrefixStore | None = None,
     prompt_logprobs: bool = True,
     adapters: AdapterStore | None = None,
+    vision: ImageProcessor | None = None,
 ) -> Starlette:
     """The HTTP server of one model.
 
@@ -141,7 +143,8 @@ def create_app(
     `api_key` guards the generation routes; `cors_origins` enables CORS for those origins;
     `prefixes` serves tuned prompt prefixes (`prefix_id`); `prompt_logprobs`: the backend
     returns prompt logprobs (the API's schema allows `decoder_input_details` only then);
-    `adapters`: the LoRA adapters requests may select (`adapter_id`, OpenAI's `model`).
+    `adapters`: the LoRA adapters requests may select (`adapter_id`, OpenAI's `model`);
+    `vision`: a vision-language model's processor (prompts may hold images).
     """
     if metrics is None:
         metrics = Metrics(
@@ -153,7 +156,7 @@ def create_app(
         metrics.on_weights(runtime.get("quantization"), runtime["weight_bytes"])
     lifecycle = Lifecycle()
     limits = RequestLimits.from_config(config)
-    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes, adapters)
+    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes, adapters, vision)
     schemas = RequestSchemas(
         limits,
         max_client_batch_size=model_info.max_client_batch_size,
@@ -164,6 +167,7 @@ def create_app(
             model_info.backend, model_info.model_kind != "decoder_only", prompt_logprobs
         ),
         stored_responses=config.max_stored_responses,
+        images=pipeline.image_limits if vision is not None else None,
     )
     middleware = []
     if cors_origins:

@@ -16,6 +16,7 @@ from typing import Any
 
 from tgis.params import GenerateParameters, ThinkingBudget
 from tgis.server.http_errors import invalid
+from tgis.server.images import ImageRef
 from tgis.server.reasoning import (
     ReasoningMarkers,
     ReasoningParser,
@@ -94,10 +95,13 @@ def render_chat(
     tools: ToolChoice | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
     prefill: bool = False,
+    images: bool = False,
 ) -> str:
     """The prompt the tokenizer's chat template makes of `messages`, the tools the model may
     call and the request's `chat_template_kwargs`; a 422 without a template. `prefill`: the
-    last message is the start of the answer, which the output continues."""
+    last message is the start of the answer, which the output continues. `images`: the
+    template is a vision-language model's, which reads every content as an array of parts
+    (an image part writes the model's image placeholder)."""
     from jinja2 import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:
@@ -111,8 +115,9 @@ def render_chat(
     # A model's own call format is described by its template: no instruction is added.
     instructed = tools if fmt.tools == COMPACT else None
     try:
+        given = prompt_messages(list(messages), instructed, fmt.takes_tools)
         text = tokenizer.apply_chat_template(
-            prompt_messages(list(messages), instructed, fmt.takes_tools),
+            [template_parts(m) for m in given] if images else given,
             tokenize=False,
             add_generation_prompt=not prefill,
             continue_final_message=prefill,
@@ -121,6 +126,30 @@ def render_chat(
     except TemplateError as exc:
         raise invalid(f"the chat template failed on these messages: {exc}") from None
     return str(text)
+
+
+def template_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for a vision-language template: its content as text and image parts."""
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [
+            {"type": "image"} if p["type"] == "image" else {"type": "text", "text": p["text"]}
+            for p in content
+        ]
+    else:
+        parts = [{"type": "text", "text": content}] if content else []
+    return {**message, "content": parts}
+
+
+def chat_images(messages: Sequence[dict[str, Any]]) -> list[ImageRef]:
+    """The images of a chat's messages, in order (their image parts)."""
+    return [
+        ImageRef(part["url"], part["field"])
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part["type"] == "image"
+    ]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from tgis.engine.types import (
     Completion,
     EngineClient,
     GenerationRequest,
+    ImageInput,
     LoraAdapter,
     PromptPrefix,
     TokenEvent,
@@ -33,7 +34,9 @@ from tgis.prefix_store import PrefixStore
 if TYPE_CHECKING:
     from tgis.adapter_store import AdapterStore
 from tgis.server.http_errors import ApiError
+from tgis.server.images import ImageLimits, ImageRef, UrlPolicy, load_images, markdown_images
 from tgis.server.metrics import Metrics
+from tgis.vision.processor import ImageProcessor, ProcessedPrompt, ProcessorMismatch
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,24 @@ async def close_iterator(iterator: Any) -> None:
             await aclose()
 
 
+def shift_images(images: tuple[ImageInput, ...], cut: int) -> tuple[ImageInput, ...]:
+    """The images of a prompt whose first `cut` tokens were truncated away; a 422 when that
+    would cut into an image."""
+    if not cut or not images:
+        return images
+    first = min(start for image in images for start, _ in image.runs)
+    if first < cut:
+        raise InputValidationError(
+            f"`truncate` keeps the prompt's last tokens, which would cut {cut} tokens into "
+            f"its images (the first image token is token {first}): raise `truncate`, or drop "
+            "it"
+        )
+    return tuple(
+        ImageInput(image.digest, tuple((start - cut, n) for start, n in image.runs), image.pixels)
+        for image in images
+    )
+
+
 class Pipeline:
     """Turns request inputs into engine requests and engine events into results."""
 
@@ -129,13 +150,73 @@ class Pipeline:
         metrics: Metrics,
         prefixes: PrefixStore | None = None,
         adapters: AdapterStore | None = None,
+        vision: ImageProcessor | None = None,
+        image_limits: ImageLimits | None = None,
+        url_policy: UrlPolicy | None = None,
     ) -> None:
+        """`vision`: a vision-language model's processor (prompts may hold images, within
+        `image_limits`; remote ones fetched under `url_policy`, none without one)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.prefixes = prefixes
         self.adapters = adapters
+        self.vision = vision
+        self.image_limits = image_limits or ImageLimits()
+        self.url_policy = url_policy
+
+    def markdown(self, text: str) -> tuple[str, list[ImageRef]]:
+        """TGI's `inputs` with each markdown image (`![](url)`) replaced by the model's image
+        placeholder, and the images they name; the text as it is for a model that takes no
+        images (its markdown is text)."""
+        if self.vision is None:
+            return text, []
+        found = markdown_images(text)
+        if not found:
+            return text, []
+        parts, refs, at = [], [], 0
+        for i, (start, end, url) in enumerate(found):
+            parts += [text[at:start], self.vision.placeholder]
+            refs.append(ImageRef(url, f"inputs (image {i + 1})"))
+            at = end
+        parts.append(text[at:])
+        return "".join(parts), refs
+
+    def check_images(self, refs: Sequence[ImageRef]) -> None:
+        """Refuse images sent to a model that takes none (before its template sees them)."""
+        if refs and self.vision is None:
+            raise InputValidationError(
+                f"`{refs[0].field}` is an image, and this model takes none: it is a text "
+                "model. Send text only, or serve a vision-language model (docs/models.md)"
+            )
+
+    async def process_images(
+        self, text: str, refs: Sequence[ImageRef], add_special_tokens: bool
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The token ids of `text`, whose image placeholders stand for `refs`, and the images
+        ready for the engine: read, decoded and processed (worker threads)."""
+        self.check_images(refs)
+        vision = self.vision
+        assert vision is not None
+        decoded = await load_images(list(refs), self.image_limits, self.url_policy)
+
+        def run() -> ProcessedPrompt:
+            return vision.process(
+                text,
+                [d.image for d in decoded],
+                [bytes.fromhex(d.digest) for d in decoded],
+                add_special_tokens,
+            )
+
+        try:
+            processed = await anyio.to_thread.run_sync(run)
+        except ProcessorMismatch as exc:
+            raise InputValidationError(
+                f"the prompt's image tokens are not its images': {exc}. The text may not "
+                f"hold the image placeholder {vision.placeholder!r} itself"
+            ) from None
+        return processed.input_ids, processed.images
 
     async def prefix(self, prefix_id: str | None) -> PromptPrefix | None:
         """The tuned prompt prefix `prefix_id` (read in a worker thread the first time), or
@@ -190,18 +271,25 @@ class Pipeline:
         add_special_tokens: bool = True,
         prefix_id: str | None = None,
         adapter_id: str | None = None,
+        images: Sequence[ImageRef] = (),
     ) -> Prepared:
         """Tokenize (unless given ids), truncate to `params.truncate`, validate; with
         `prefix_id`, the prompt prefix goes first and counts toward the limits; with
-        `adapter_id`, the request goes through that LoRA adapter.
+        `adapter_id`, the request goes through that LoRA adapter; with `images`, the text
+        holds their placeholders (`markdown`, a chat template's image parts), and their
+        tokens count toward every limit.
 
         Raises InputValidationError (HTTP 422) with tgis.params's message.
         """
         prefix = await self.prefix(prefix_id)
         adapter = await self.adapter(adapter_id)
+        pictures: tuple[ImageInput, ...] = ()
         if isinstance(prompt, str):
             self.check_length(prompt)
-            ids = await self.encode(prompt, add_special_tokens)
+            if images:
+                ids, pictures = await self.process_images(prompt, images, add_special_tokens)
+            else:
+                ids = await self.encode(prompt, add_special_tokens)
             text = prompt
         else:
             ids = list(prompt)
@@ -227,7 +315,9 @@ class Pipeline:
         )
         # A grammar is compiled to be checked (milliseconds): not on the event loop.
         params = await anyio.to_thread.run_sync(check) if params.grammar else check()
+        cut = len(ids)
         ids = truncate_ids(ids, params.truncate)
+        pictures = shift_images(pictures, cut - len(ids))
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,
             input_ids=tuple(ids),
@@ -235,6 +325,7 @@ class Pipeline:
             arrival=arrival,
             prefix=prefix,
             adapter=adapter,
+            images=pictures,
         )
         validation_s = time.monotonic() - arrival
         self.metrics.validated(len(ids), params.max_new_tokens, validation_s)

@@ -220,3 +220,37 @@ async def fetch_image(url: str, field: str, limits: ImageLimits, policy: UrlPoli
             except httpx.HTTPError as e:
                 raise invalid(f"`{field}`: fetching {current!r} failed ({e})") from None
     raise invalid(f"`{field}`: more than {policy.max_redirects} redirects")
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image a request names, not yet read: its URL and the field that wrote it."""
+
+    url: str
+    field: str
+
+
+async def load_images(
+    refs: list[ImageRef], limits: ImageLimits, policy: UrlPolicy | None
+) -> list[DecodedImage]:
+    """Read and decode a request's images, in order: data URLs at once, http(s) URLs fetched
+    under `policy` (None: the server fetches none, and says how to send the image instead).
+    The decoding runs in a worker thread."""
+    count_images(len(refs), limits)
+    out = []
+    for ref in refs:
+        if ref.url.startswith("data:"):
+            data = data_url_bytes(ref.url, ref.field, limits)
+        elif ref.url.lower().startswith(("http://", "https://")):
+            if policy is None:
+                raise invalid(
+                    f"`{ref.field}` is a remote URL, and this server fetches none (it would "
+                    "contact any address a client names): send the image as a data URL "
+                    "(`data:image/png;base64,...`), or start the server with "
+                    "--allow-image-urls"
+                )
+            data = await fetch_image(ref.url, ref.field, limits, policy)
+        else:
+            data = data_url_bytes(ref.url, ref.field, limits)  # names what a data URL is
+        out.append(await anyio.to_thread.run_sync(decode_image, data, ref.field, limits))
+    return out

@@ -51,6 +51,8 @@ class ModelInfo:
     docker_label: str | None = None
     # How the backend runs (not TGI's): the engine, attention path, CUDA graphs, KV pool.
     runtime: dict[str, Any] | None = None
+    # What prompts may hold: text, and images for a vision-language model.
+    input_modalities: tuple[str, ...] = ("text",)
 
     @staticmethod
     def from_config(
@@ -66,6 +68,7 @@ class ModelInfo:
         encoder_decoder: bool = False,
         runtime: dict[str, Any] | None = None,
         limits: SchedulerLimits | None = None,
+        images: bool = False,
     ) -> ModelInfo:
         """The info of a model served with `config`.
 
@@ -74,6 +77,7 @@ class ModelInfo:
         to the backend's device, `max_batch_total_tokens` to the configured budget (pass the
         one measured at warmup on dynamic backends). `limits`: the engine's scheduler limits,
         whose admission policy is the one in force (without them, the slot engine's).
+        `images`: prompts may hold images (TGI's pipeline tag is then image-text-to-text).
         """
         ratio, steps = (
             (limits.waiting_served_ratio, limits.max_waiting_tokens)
@@ -85,7 +89,7 @@ class ModelInfo:
             model_sha=model_sha,
             model_dtype=model_dtype or config.dtype or "float32",
             model_device_type=model_device_type or _DEVICE_TYPES.get(config.backend, "cpu"),
-            model_pipeline_tag=model_pipeline_tag,
+            model_pipeline_tag="image-text-to-text" if images else model_pipeline_tag,
             model_kind="encoder_decoder" if encoder_decoder else "decoder_only",
             backend=config.backend,
             max_concurrent_requests=config.max_concurrent_requests,
@@ -102,6 +106,7 @@ class ModelInfo:
             sha=sha,
             docker_label=docker_label,
             runtime=runtime,
+            input_modalities=("text", "image") if images else ("text",),
         )
 
     @property

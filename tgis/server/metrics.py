@@ -187,6 +187,16 @@ class Metrics:
         self.speculation = {
             name: Counter(name, doc, registry=r) for name, doc in speculation.items()
         }
+        self.images_encoded = Counter(
+            "tgis_images_encoded",
+            "Images of prompts run through the vision tower and projector",
+            registry=r,
+        )
+        self.images_cached = Counter(
+            "tgis_images_cached",
+            "Images of prompts whose every row came from the prefix cache (not encoded again)",
+            registry=r,
+        )
         self.kv_counters = {
             name: Counter(name, doc, registry=r) for name, doc in kv_counters.items()
         }
@@ -318,6 +328,11 @@ class Metrics:
         self.speculation["tgis_speculative_draft_tokens"].inc(draft_tokens)
         self.speculation["tgis_speculative_accepted_tokens"].inc(accepted_tokens)
         self.speculation["tgis_speculative_emitted_tokens"].inc(emitted_tokens)
+
+    def on_images(self, encoded: int, cached: int) -> None:
+        """A step's images encoded, and those found in the prefix cache (see EngineObserver)."""
+        self.images_encoded.inc(encoded)
+        self.images_cached.inc(cached)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4) of every metric."""

@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tgis.server.chat import ChatPlan, plan_chat, render_chat
+from tgis.server.chat import ChatPlan, chat_images, plan_chat, render_chat
 from tgis.server.generation import EventStream, Pipeline, Prepared, SequenceResult
 from tgis.server.http_errors import ApiError, classify, error_response, invalid
+from tgis.server.images import ImageRef
 from tgis.server.openai_json import (
     Envelope,
     chat_choice,
@@ -50,7 +51,15 @@ async def models(request: Request) -> Response:
     the model as `parent`, as vLLM lists them)."""
     state = get_state(request)
     model_id = state.info.model_id
-    cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]
+    cards = [
+        {
+            "id": model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": model_id,
+            "input_modalities": list(state.info.input_modalities),
+        }
+    ]
     adapters = state.pipeline.adapters
     if adapters is not None:
         names = await anyio.to_thread.run_sync(adapters.names)
@@ -102,10 +111,13 @@ async def _serve(request: Request, *, chat: bool) -> Response:
     plan: ChatPlan | None = None
     try:
         params = req.params
+        images: list[ImageRef] = []
         if chat:
+            images = chat_images(req.messages)
+            state.pipeline.check_images(images)
             text = await anyio.to_thread.run_sync(
                 render_chat, state.tokenizer, state.chat, req.messages, req.tools,
-                req.template_kwargs,
+                req.template_kwargs, False, state.pipeline.vision is not None,
             )  # fmt: skip
             plan = plan_chat(
                 state.chat, state.tokenizer, text, params, req.tools, req.include_reasoning
@@ -128,6 +140,7 @@ async def _serve(request: Request, *, chat: bool) -> Response:
                     add_special_tokens=add_special,
                     prefix_id=req.prefix_id,
                     adapter_id=adapter_id,
+                    images=images,
                 )
             )
         state.contract.check("ChatRequest" if chat else "CompletionRequest", body)

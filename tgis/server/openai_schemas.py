@@ -308,11 +308,15 @@ def _messages(f: Fields) -> tuple[dict[str, Any], ...]:
         message: dict[str, Any] = {"role": m.required_string("role")}
         content = m.data.get("content")
         if isinstance(content, list):
-            content = "".join(
-                _text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
-            )
+            parts = [
+                _content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
+            ]
+            images = any(part["type"] == "image" for part in parts)
+            content = parts if images else "".join(part["text"] for part in parts)
         elif content is not None and not isinstance(content, str):
-            raise invalid(f"`messages[{i}].content` must be a string or an array of text parts")
+            raise invalid(
+                f"`messages[{i}].content` must be a string or an array of text and image_url parts"
+            )
         message["content"] = content or ""
         for key in ("name", "tool_call_id"):
             if m.string(key) is not None:
@@ -325,8 +329,19 @@ def _messages(f: Fields) -> tuple[dict[str, Any], ...]:
     return tuple(messages)
 
 
-def _text_part(part: Any, path: str) -> str:
+def _content_part(part: Any, path: str) -> dict[str, str]:
+    """A content part: {"type": "text", "text"} or, from an image_url part, {"type":
+    "image", "url", "field"} (read later: tgis.server.images)."""
     p = Fields(part, path)
-    if p.string("type") != "text":
-        raise invalid(f"`{path}`: only text content parts are supported by this server")
-    return p.required_string("text")
+    kind = p.string("type")
+    if kind == "text":
+        return {"type": "text", "text": p.required_string("text")}
+    if kind == "image_url":
+        image = p.data.get("image_url")
+        url = image if isinstance(image, str) else Fields(image, f"{path}.image_url").string("url")
+        if not url:
+            raise invalid(f"`{path}.image_url.url` must be the image's URL (or data URL)")
+        return {"type": "image", "url": url, "field": f"{path}.image_url.url"}
+    raise invalid(
+        f'`{path}.type` must be "text" or "image_url"; this server takes no {kind!r} parts'
+    )

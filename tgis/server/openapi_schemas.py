@@ -23,6 +23,7 @@ from tgis.params import (
     RequestLimits,
 )
 from tgis.server.chat import REASONING_EFFORTS, RESERVED_TEMPLATE_KWARGS
+from tgis.server.images import ImageLimits
 from tgis.server.tool_calls import NAME_PATTERN
 
 # The widest integer a field takes where no other limit applies (a signed 64-bit value).
@@ -316,6 +317,8 @@ class RequestSchemas:
     no_prompt_logprobs: str | None = None
     # Responses /v1/responses keeps (0: none, and `store` must be false).
     stored_responses: int = 1000
+    # What a request may send of images (a vision-language model), or None: it takes none.
+    images: ImageLimits | None = None
 
     @property
     def max_new_tokens(self) -> int:
@@ -326,7 +329,11 @@ class RequestSchemas:
         return room if cap is None else min(cap, room)
 
     def _prompt_text(self) -> dict[str, Any]:
-        return {**STR, "minLength": 1, "maxLength": self.limits.max_prompt_chars}
+        longest = self.limits.max_prompt_chars
+        if self.images is not None:  # markdown images' data URLs, base64 of their bytes
+            per_image = 4 * -(-self.images.max_bytes // 3) + len("![](data:image/jpeg;base64,)")
+            longest += self.images.max_images * per_image
+        return {**STR, "minLength": 1, "maxLength": longest}
 
     def _prefix_id(self) -> dict[str, Any]:
         if self.prefixes:
@@ -550,7 +557,15 @@ class RequestSchemas:
             else self.no_prompt_logprobs,
         )
         completion["allOf"] = [*self._openai_rules(), *same, echoed]
-        text_part = obj(["type", "text"], type={"const": "text"}, text=STR)
+        text_part: dict[str, Any] = obj(["type", "text"], type={"const": "text"}, text=STR)
+        if self.images is not None:
+            image_url = obj(["url"], url=STR, detail=null({**STR, "enum": ["auto", "low", "high"]}))
+            image_part = obj(
+                ["type", "image_url"],
+                type={"const": "image_url"},
+                image_url={"anyOf": [STR, image_url]},
+            )
+            text_part = {"anyOf": [text_part, image_part]}
         called = obj(
             ["function"],
             id=null(STR),

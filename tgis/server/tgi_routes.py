@@ -78,9 +78,10 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
     stream = stream or req.stream
     state.metrics.request_received("stream" if stream else "single")
     try:
+        text, images = state.pipeline.markdown(req.inputs)
         prepared = await state.pipeline.prepare(
-            req.inputs, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id,
-            adapter_id=req.adapter_id,
+            text, req.params, arrival=arrival, stream=stream, prefix_id=req.prefix_id,
+            adapter_id=req.adapter_id, images=images,
         )  # fmt: skip
         state.contract.check(_SCHEMAS[compat, stream], body)
         events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))

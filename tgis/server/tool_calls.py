@@ -216,6 +216,13 @@ def template_takes_tools(template: Any) -> bool:
     return isinstance(template, str) and bool(_TEMPLATE_TOOLS.search(template))
 
 
+def with_text(content: str | list[dict[str, str]] | None, text: str) -> Any:
+    """A message's content with `text` after it (a text part after an array's parts)."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return (content or "") + text
+
+
 def prompt_messages(
     messages: list[dict[str, Any]], choice: ToolChoice | None, takes_tools: bool
 ) -> list[dict[str, Any]]:
@@ -233,14 +240,14 @@ def prompt_messages(
                 ]
                 text = json.dumps(written, ensure_ascii=False, separators=(",", ":"))
                 message.pop("tool_calls")
-                message["content"] = (message.get("content") or "") + text
+                message["content"] = with_text(message.get("content"), text)
         out.append(message)
     if choice is not None:
         users = [i for i, m in enumerate(out) if m.get("role") == "user"]
         last = users[-1] if users else len(out) - 1
         instruction = choice.instruction(with_definitions=not takes_tools)
-        content = out[last].get("content") or ""
-        out[last]["content"] = f"{content}\n\n{instruction}" if content else instruction
+        content = out[last].get("content")
+        out[last]["content"] = with_text(content, f"\n\n{instruction}" if content else instruction)
     return out
 
 

@@ -272,16 +272,21 @@ def test_warmup_releases_its_own_sequences(tiny_lm: Callable[..., PreTrainedMode
     assert backend.slot_of(0) == 0
 
 
-def test_load_from_a_model_directory(tmp_path: Path) -> None:
+def test_load_from_a_model_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = make_model_dir(tmp_path / "llama", arch="llama", with_tokenizer=False)
     threads = torch.get_num_threads()
+    # The default is what the CPU's measurement picks (common/device.choose_cpu_dtype), which
+    # a loaded machine may flip: held here to the measurement's answer.
+    import tgis.backends.common.device as device
+
+    measured = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    monkeypatch.setattr(device, "choose_cpu_dtype", lambda *_: (measured, "measured"))
     backend = TorchDynamicBackend.load(
         model_dir, max_sequences=4, max_sequence_tokens=32, kv_tokens=1000, num_threads=threads
     )
     assert (backend.name, backend.device, backend.path.name) == ("cpu", "cpu", "hf")
     assert backend.vocab_size == 128
-    # The default: bf16 where the CPU computes it natively, float32 elsewhere.
-    assert backend.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert backend.dtype == measured
     generic = TorchDynamicBackend.load(
         model_dir,
         "cpu",

@@ -7,6 +7,7 @@ torch, /proc and /sys.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -23,6 +24,8 @@ from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from tgis.vision.encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,40 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot measure free memory (no /proc/meminfo): pass kv_tokens")
 
 
+def _prepare(
+    model_dir: Path, device: torch.device, dtype: str | None, num_threads: int | None
+) -> tuple[Any, torch.dtype]:
+    """The model's transformers config and the dtype to load it in; the CPU's threads set."""
+    from transformers import AutoConfig
+
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads or cpu_threads())
+    elif device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
+    config = AutoConfig.from_pretrained(model_dir)
+    shape = layer_shape(config.get_text_config().to_dict())
+    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
+    if dtype is not None and chosen != getattr(torch, dtype):
+        logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
+    return config, chosen
+
+
+def load_model(
+    model_dir: Path, device: torch.device, dtype: str | None, num_threads: int | None = None
+) -> tuple[PreTrainedModel, VisionEncoder | None]:
+    """The causal LM in `model_dir` (as `load_causal_lm`), or a vision-language model's
+    language model with its vision encoder (tgis.vision.encoder)."""
+    from tgis.vision.families import vision_family_of
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if vision_family_of(config) is None:
+        return load_causal_lm(model_dir, device, dtype, num_threads), None
+    from tgis.vision.encoder import load_vision_lm
+
+    _, chosen = _prepare(model_dir, device, dtype, num_threads)
+    return load_vision_lm(model_dir, device, chosen)
+
+
 def load_causal_lm(
     model_dir: Path,
     device: torch.device,
@@ -179,17 +216,9 @@ def load_causal_lm(
     CPU, torch's intra-op threads are set process-wide to `num_threads`, by default the cores
     this process may use (affinity and cgroup quota): one thread per core is fastest for the
     matmul-bound forward."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if device.type == "cpu":
-        torch.set_num_threads(num_threads or cpu_threads())
-    elif device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("CUDA is not available on this machine", "use --backend cpu")
-    config = AutoConfig.from_pretrained(model_dir)
-    shape = layer_shape(config.get_text_config().to_dict())
-    chosen = resolve_dtype(device, dtype, getattr(config, "dtype", None), shape)
-    if dtype is not None and chosen != getattr(torch, dtype):
-        logger.warning("dtype %s is emulated on this CPU: using %s", dtype, chosen)
+    config, chosen = _prepare(model_dir, device, dtype, num_threads)
     scheme = None if seq2seq else checkpoint_scheme(model_dir, config.to_dict())
     if scheme is not None:
         # A pre-quantized checkpoint: its projections read as stored, for the paged forward.

@@ -27,7 +27,7 @@ from tgis.backends.common.device import (
     KV_MEMORY_FRACTION,
     available_memory,
     layer_shape,
-    load_causal_lm,
+    load_model,
 )
 from tgis.backends.common.gemm import choose_packing
 from tgis.backends.common.graphs import GraphApi
@@ -55,6 +55,8 @@ from tgis.errors import ConfigError
 if TYPE_CHECKING:
     from tgis.backends.common.quant import Quantization
     from tgis.backends.models.parallel import TensorParallel
+    from tgis.engine.types import ImageInput
+    from tgis.vision.encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class PagedTorchBackend:
         packed_weights: bool | None = False,
         quantization: Quantization | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -120,7 +123,9 @@ class PagedTorchBackend:
         device (models/decoder.py); None: where a probe measures them faster on this CPU.
         quantization: the projections quantized at load (common/quant.py), then never
         packed. kv_cache_dtype: the pool's dtype where it is not the model's (a float8 one,
-        `--kv-cache-dtype`: attention through plain torch, which widens what it gathers)."""
+        `--kv-cache-dtype`: attention through plain torch, which widens what it gathers).
+        vision: the vision tower of a vision-language model whose language model `model` is
+        (tgis.vision.encoder): prompts may hold images."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -223,7 +228,9 @@ class PagedTorchBackend:
             sliding_window=_common_window(self.path.windows),
             # Adapters are not sharded: tensor parallelism serves the base model only.
             lora=parallel is None,
+            images=vision is not None,
         )
+        self.vision = vision
         logger.info(
             "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
             self.device,
@@ -300,7 +307,7 @@ class PagedTorchBackend:
         start compiles faster)."""
         if compile and compile_cache is not None:
             use_inductor_cache(compile_cache)
-        model = load_causal_lm(model_dir, torch.device(device), dtype, num_threads)
+        model, vision = load_model(model_dir, torch.device(device), dtype, num_threads)
         return cls(
             model,
             max_sequences=max_sequences,
@@ -314,6 +321,7 @@ class PagedTorchBackend:
             packed_weights=packed_weights,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            vision=vision,
         )
 
     @property
@@ -418,6 +426,12 @@ class PagedTorchBackend:
     # --- steps -------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """The images' features from the vision tower (a vision-language model's backend)."""
+        if self.vision is None:
+            raise ValueError("this model takes no images: it has no vision tower")
+        return self.vision.encode(images)
+
     def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
         """Run one packed step. Raises ValueError (before any write) for token ids outside the
         vocabulary, positions beyond max_sequence_tokens or block tables too short."""
@@ -473,7 +487,11 @@ class PagedTorchBackend:
             inputs[tokens : 2 * tokens],
             meta,
             inputs[2 * tokens :],
-            [(o, item.embeds) for o, item in zip(offsets, items, strict=True)],
+            [
+                (o + at, rows)
+                for o, item in zip(offsets, items, strict=True)
+                for at, rows in item.embeds
+            ],
             self.lora.step([item.adapter for item in items], query_lens),
         )
         if not any(item.prompt_logits for item in items):
@@ -516,7 +534,7 @@ class PagedTorchBackend:
             len(i.token_ids) != 1
             or not i.sample
             or i.prompt_logits
-            or i.embeds is not None
+            or i.embeds
             or i.adapter is not None
             for i in items
         )

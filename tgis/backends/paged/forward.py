@@ -108,12 +108,12 @@ class PagedForward(DecoderWeights):
         positions: torch.Tensor,
         meta: StepMetadata,
         logits_rows: torch.Tensor,
-        embeds: Sequence[tuple[int, torch.Tensor | None]] = (),
+        embeds: Sequence[tuple[int, torch.Tensor]] = (),
         lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """input_ids / positions [tokens] (long, on the device) -> float32 logits of the
         token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
-        rows take those embeddings instead of their tokens' (prompt prefixes); `lora`: the
+        rows take those embeddings instead of their tokens' (prompt prefixes, image features); `lora`: the
         step's rows that go through LoRA adapters."""
         flash = self.pool.flash
 

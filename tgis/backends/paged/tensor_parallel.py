@@ -431,7 +431,7 @@ class TensorParallelBackend:
         return self.inner.capacity
 
     def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
-        payload = [item if item.embeds is None else _with_cpu_embeds(item) for item in items]
+        payload = [_with_cpu_embeds(item) if item.embeds else item for item in items]
         _broadcast(("forward", payload))
         return self.inner.forward(items)
 
@@ -465,8 +465,7 @@ class TensorParallelBackend:
 def _with_cpu_embeds(item: PackedItem) -> PackedItem:
     from dataclasses import replace
 
-    assert item.embeds is not None
-    return replace(item, embeds=item.embeds.cpu())
+    return replace(item, embeds=tuple((at, rows.cpu()) for at, rows in item.embeds))
 
 
 __all__ = [

@@ -1,0 +1,239 @@
+"""Vision-language models served by `tgis serve`'s app (tiny random Llava-Next and Idefics3
+with their own processors): a prompt with one or two images gives transformers' greedy
+`generate()` tokens on the same processed inputs, through TGI's markdown images (the
+`text-generation` client) and OpenAI's image_url parts (the `openai` client), alone and
+batched with text-only requests; a repeated image is found in the prefix cache (counted in
+/metrics); /info and /v1/models say the model takes images; broken or remote images are 422s
+naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from text_generation import Client
+
+from tests.factories import make_vision_dir, random_image
+from tests.server.conftest import demo_app, live_server
+
+NEW_TOKENS = 6
+TAIL = " The quick brown fox jumps over the lazy dog. Hello world, hello tokens."
+IMAGES = [(40, 60, 1), (64, 30, 2)]
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module", params=["llava_next", "idefics3"])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """The model directory, its oracle and a live server of it."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    arch = request.param
+    model_dir = make_vision_dir(tmp_path_factory.mktemp(arch), arch)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+
+    def expected(text: str, images: list[Any], chat: bool = False) -> list[int]:
+        inputs = processor(
+            text=text, images=images or None, return_tensors="pt", add_special_tokens=not chat
+        )
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
+        yield {"url": url, "expected": expected, "processor": processor}
+
+
+def _images() -> list[Any]:
+    return [random_image(h, w, seed) for h, w, seed in IMAGES]
+
+
+def _generate(url: str, inputs: str) -> list[int]:
+    response = Client(url, timeout=60).generate(
+        inputs, max_new_tokens=NEW_TOKENS, decoder_input_details=False
+    )
+    return [t.id for t in response.details.tokens]
+
+
+def test_markdown_images_give_generates_tokens(served: Any) -> None:
+    """One image, then two (the second a JPEG: its pixels are what count), through the
+    text-generation client, each equal to generate() on the processor's inputs."""
+    one, two = _images()
+    url, expected = served["url"], served["expected"]
+    tokens = _generate(url, f"Hello ![a picture]({data_url(one)}){TAIL}")
+    assert tokens == expected(f"Hello <image>{TAIL}", [one])
+    from PIL import Image
+
+    jpeg = Image.open(io.BytesIO(base64.b64decode(data_url(two, "JPEG").split(",")[1])))
+    both = f"![]({data_url(one)}) and ![]({data_url(two, 'JPEG')}){TAIL}"
+    assert _generate(url, both) == expected(
+        f"<image> and <image>{TAIL}", [one, jpeg.convert("RGB")]
+    )
+    # The images change the answer: the oracle is not blind to them.
+    assert expected(f"Hello <image>{TAIL}", [one]) != expected(f"Hello <image>{TAIL}", [two])
+
+
+def test_openai_image_parts_and_text_requests_batched(served: Any) -> None:
+    """Chat requests with images beside text-only completions, at once: each answer is its
+    prompt's alone."""
+    one, two = _images()
+    url, expected, processor = served["url"], served["expected"], served["processor"]
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+
+    def chat(image: Any) -> str:
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(image)}},
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ]
+        answer = client.chat.completions.create(
+            model="tgis", messages=messages, max_tokens=NEW_TOKENS, temperature=0
+        )
+        return str(answer.choices[0].message.content)
+
+    def text(prompt: str) -> str:
+        out = client.completions.create(
+            model="tgis", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+        )
+        return out.choices[0].text
+
+    parts = [{"type": "image"}, {"type": "text", "text": "Describe it."}]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True
+    )
+
+    def oracle(image: Any) -> str:
+        ids = expected(prompt, [image], chat=True)
+        return str(processor.tokenizer.decode(ids, skip_special_tokens=True))
+
+    alone_text = text("Hello world")
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, one), pool.submit(text, "Hello world"), pool.submit(chat, two)]
+        got = [f.result() for f in futures]
+    assert got[0] == oracle(one)
+    assert got[2] == oracle(two)
+    assert got[0] != got[2]
+    assert got[1] == alone_text
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_repeated_image_comes_from_the_prefix_cache(served: Any) -> None:
+    """The same image with the same text before it: its rows' blocks are found in the cache,
+    the image is not encoded again, and the answer is the same."""
+    url = served["url"]
+    image = random_image(48, 48, 7)
+    inputs = f"Look ![]({data_url(image)}){TAIL}{TAIL}"
+    encoded, cached = _metric(url, "tgis_images_encoded"), _metric(url, "tgis_images_cached")
+    first = _generate(url, inputs)
+    assert _metric(url, "tgis_images_encoded") == encoded + 1
+    assert _generate(url, inputs) == first
+    assert _metric(url, "tgis_images_encoded") == encoded + 1
+    assert _metric(url, "tgis_images_cached") == cached + 1
+    # Another image at the same place shares no block with it.
+    other = f"Look ![]({data_url(random_image(48, 48, 8))}){TAIL}{TAIL}"
+    _generate(url, other)
+    assert _metric(url, "tgis_images_encoded") == encoded + 2
+
+
+def test_info_and_models_say_the_model_takes_images(served: Any) -> None:
+    url = served["url"]
+    assert httpx.get(f"{url}/info").json()["input_modalities"] == ["text", "image"]
+    assert httpx.get(f"{url}/info").json()["model_pipeline_tag"] == "image-text-to-text"
+    card = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ("![](data:image/png;base64,aGVsbG8=)", "`inputs (image 1)` is not a PNG, JPEG"),
+        ("![](https://example.com/a.png)", "--allow-image-urls"),
+        ("![](data:text/plain;base64,aGVsbG8=)", "image/png, image/jpeg"),
+    ],
+)
+def test_bad_images_are_422s_naming_them(served: Any, inputs: str, message: str) -> None:
+    url = served["url"]
+    response = httpx.post(
+        f"{url}/generate", json={"inputs": inputs, "parameters": {"max_new_tokens": 2}}
+    )
+    assert response.status_code == 422
+    assert message in response.json()["error"]
+    # The server serves on.
+    assert (
+        httpx.post(
+            f"{url}/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
+
+
+def test_a_placeholder_typed_in_the_text_is_refused(served: Any) -> None:
+    url = served["url"]
+    image = data_url(random_image(32, 32))
+    response = httpx.post(
+        f"{url}/generate",
+        json={"inputs": f"<image> ![]({image})", "parameters": {"max_new_tokens": 2}},
+    )
+    assert response.status_code == 422
+    assert "may not hold the image placeholder" in response.json()["error"]
+
+
+def test_a_text_model_refuses_image_parts(client: Any) -> None:
+    """A text-only model (the scripted engine's app): an image part is a 422 naming it."""
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+                    ],
+                }
+            ]
+        },
+    )
+    assert response.status_code == 422
+    assert (
+        "messages[0].content[0].image_url.url` is an image, and this model takes none"
+        in (response.json()["error"]["message"])
+    )
+
+
+def test_truncate_into_an_image_is_refused(served: Any, tmp_path: Path) -> None:
+    url = served["url"]
+    image = data_url(random_image(32, 32))
+    response = httpx.post(
+        f"{url}/generate",
+        json={
+            "inputs": f"Hello ![]({image}){TAIL}",
+            "parameters": {"max_new_tokens": 2, "truncate": 10},
+        },
+    )
+    assert response.status_code == 422
+    assert "would cut" in response.json()["error"]

@@ -1,0 +1,81 @@
+"""The vision-language families tgis serves, and what each takes: the one table.
+
+A vision-language model is a language model of a family the paged forward runs
+(backends/models/families.py) behind a vision tower and a projector. Its processor (from
+transformers) turns each image into pixels and the prompt's image placeholder into as many
+image tokens as the image has feature rows; the engine puts the features in those rows' place
+(tgis.vision.processor on the host, tgis.vision.encoder on the device).
+
+Reads config.json alone (no torch): the chooser, `serve --check` and the server ask it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """One family of vision-language models (module doc)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    # How the images reach the language model, as docs/models.md says it.
+    describes: str
+    # The attribute of the ForConditionalGeneration's inner model that is the language model.
+    language_model: str
+    # Why tgis cannot serve it yet (None: it can).
+    refusal: str | None = None
+
+
+FAMILIES: tuple[VisionFamily, ...] = (
+    VisionFamily(
+        "llava_next",
+        ("llava_next",),
+        "CLIP tower over any-resolution tiles, a two-layer projector, a newline row per "
+        "tile row; the language model is Llama or Mistral",
+        "language_model",
+    ),
+    VisionFamily(
+        "idefics3",
+        ("idefics3", "smolvlm"),
+        "SigLIP tower over the image split into tiles plus the whole image, pixel shuffle "
+        "and a projection; the language model is Llama",
+        "text_model",
+    ),
+    VisionFamily(
+        "qwen2_vl",
+        ("qwen2_vl", "qwen2_5_vl"),
+        "a vision tower over patches at native resolution, merged 2x2; M-RoPE",
+        "language_model",
+        refusal="its language model rotates with three position streams (M-RoPE), which the "
+        "paged forward does not run yet",
+    ),
+    VisionFamily(
+        "gemma3",
+        ("gemma3",),
+        "SigLIP tower at 896x896, pooled to 256 rows",
+        "language_model",
+        refusal="its image rows attend to each other both ways within an image, which the "
+        "paged forward's causal attention does not do",
+    ),
+)
+_BY_TYPE = {t: family for family in FAMILIES for t in family.model_types}
+VISION_MODEL_TYPES = tuple(_BY_TYPE)
+
+
+def vision_family_of(config: Mapping[str, Any]) -> VisionFamily | None:
+    """The vision family of a config.json's model (None: not a vision-language model tgis
+    knows)."""
+    return _BY_TYPE.get(str(config.get("model_type")))
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a vision-language config.json (the config itself for a
+    text model)."""
+    if vision_family_of(config) is None:
+        return config
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else {}
