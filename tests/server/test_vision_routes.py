@@ -12,7 +12,6 @@ import base64
 import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -225,7 +224,7 @@ def test_a_text_model_refuses_image_parts(client: Any) -> None:
     )
 
 
-def test_truncate_into_an_image_is_refused(served: Any, tmp_path: Path) -> None:
+def test_truncate_into_an_image_is_refused(served: Any) -> None:
     url = served["url"]
     image = data_url(random_image(32, 32))
     response = httpx.post(

@@ -160,8 +160,8 @@ def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> Bac
     return BackendChoice(
         config.backend,
         "paged",
-        f"the paged forward runs {kind}'s language model ({text.get('model_type')}), its "
-        "vision tower encodes the prompts' images",
+        f"the paged forward runs {kind}'s language model ({text.get('model_type')}); its "
+        f"images: {vision.describes}",
     )
 
 

@@ -6,8 +6,6 @@ The model is loaded whole with transformers (AutoModelForImageTextToText). Its l
 and output head become a causal LM of the language family (so the paged forward reads its
 weights like any other), and the rest (vision tower, projector, any-resolution newline) stays
 here, where `encode` runs the model's own `get_image_features` over the step's images at once.
-Under tensor parallelism every rank loads the whole tower (it is small) and the language model's
-slices; only rank 0 encodes, and the features travel with the step's embeddings.
 """
 
 from __future__ import annotations
@@ -93,17 +91,16 @@ def language_model_view(model: PreTrainedModel, family: VisionFamily) -> PreTrai
 
 
 def load_vision_lm(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
+    model_dir: Path, config: Any, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, VisionEncoder]:
-    """The vision-language model in `model_dir` on `device` in `dtype`: its language model
-    (`language_model_view`) and its vision encoder."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    """The vision-language model in `model_dir` (whose transformers config is `config`) on
+    `device` in `dtype`: its language model (`language_model_view`) and its vision encoder."""
+    from transformers import AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(model_dir)
     family = vision_family_of(config.to_dict())
     if family is None:
         raise ValueError(f"{model_dir}: model_type {config.model_type!r} is not a vision family")
-    model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)
+    model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, config=config, dtype=dtype)
     model = model.to(device).eval()
     encoder = VisionEncoder(family, model)
     log.info("vision tower and projector: %.1f MiB", encoder.vision_bytes() / 2**20)

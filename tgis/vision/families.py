@@ -22,7 +22,7 @@ class VisionFamily:
 
     name: str
     model_types: tuple[str, ...]
-    # How the images reach the language model, as docs/models.md says it.
+    # How the images reach the language model (`serve --check` and the start-up log say it).
     describes: str
     # The attribute of the ForConditionalGeneration's inner model that is the language model.
     language_model: str

@@ -22,9 +22,6 @@ if TYPE_CHECKING:
     import torch
     from PIL.Image import Image
 
-# The processor outputs that are the text's, not an image's.
-TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
-
 
 class ProcessorMismatch(ValueError):
     """The processor's outputs do not match what the family expects of them."""

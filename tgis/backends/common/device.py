@@ -200,8 +200,8 @@ def load_model(
         return load_causal_lm(model_dir, device, dtype, num_threads), None
     from tgis.vision.encoder import load_vision_lm
 
-    _, chosen = _prepare(model_dir, device, dtype, num_threads)
-    return load_vision_lm(model_dir, device, chosen)
+    loaded, chosen = _prepare(model_dir, device, dtype, num_threads)
+    return load_vision_lm(model_dir, loaded, device, chosen)
 
 
 def load_causal_lm(
