@@ -111,7 +111,7 @@ def test_compiled_logits_close_to_eager_and_uncompiled_steps_run_eagerly() -> No
     torch.testing.assert_close(backend.forward(step).last, expected, atol=1e-4, rtol=0)
     assert decode.eager_steps == 1
     embeds = model.model.embed_tokens.weight[:1].detach().clone()
-    backend.forward([PackedItem(0, (11,), len(PROMPTS[0]), tables[0], embeds=embeds)])
+    backend.forward([PackedItem(0, (11,), len(PROMPTS[0]), tables[0], embeds=((0, embeds),))])
     assert decode.eager_steps == 1
 
 
