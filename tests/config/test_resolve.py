@@ -687,6 +687,30 @@ def test_playground_is_on_unless_turned_off() -> None:
     assert "TGIS_PLAYGROUND" in error_of(GPT2, {"TGIS_PLAYGROUND": "maybe"})
 
 
+def test_image_settings_default_and_are_checked() -> None:
+    config = build()
+    assert config.allow_image_urls is False
+    assert (config.max_images_per_request, config.max_image_pixels, config.max_image_bytes) == (
+        8,
+        4096 * 4096,
+        20_000_000,
+    )
+    config = build(
+        GPT2,
+        {"TGIS_ALLOW_IMAGE_URLS": "true", "MAX_IMAGE_BYTES": "1000"},
+        max_images_per_request=0,
+        max_image_pixels=64,
+    )
+    assert config.allow_image_urls is True
+    assert (config.max_images_per_request, config.max_image_pixels, config.max_image_bytes) == (
+        0,
+        64,
+        1000,
+    )
+    assert "--max-images-per-request -1 must be >= 0" in error_of(GPT2, max_images_per_request=-1)
+    assert "MAX_IMAGE_PIXELS=0 must be >= 1" in error_of(GPT2, {"MAX_IMAGE_PIXELS": "0"})
+
+
 def test_grpc_port_defaults_and_conflicts() -> None:
     assert build().grpc_port == 8033
     assert build(GPT2, {"GRPC_PORT": "9000"}).grpc_port == 9000

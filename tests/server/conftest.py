@@ -182,16 +182,16 @@ def live_server(
 
 
 @contextmanager
-def demo_app(model_dir: Any, max_total_tokens: int) -> Iterator[Starlette]:
+def demo_app(model_dir: Any, max_total_tokens: int, **flags: Any) -> Iterator[Starlette]:
     """The app `tgis serve` builds for the demo model on cpu (float32, no warmup), with its
-    real engine (stopped on exit)."""
+    real engine (stopped on exit); `flags` are more launcher flags (LauncherArgs' fields)."""
     from tgis.config import LauncherArgs, ModelFacts, build_serve_config
     from tgis.hub import read_model_config
     from tgis.launch import build_service, service_info
     from tgis.server import Metrics
 
     facts = ModelFacts.from_config(*read_model_config(model_dir))
-    args = LauncherArgs(max_total_tokens=max_total_tokens, backend="cpu", dtype="float32")
+    args = LauncherArgs(max_total_tokens=max_total_tokens, backend="cpu", dtype="float32", **flags)
     config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
     service = build_service(config, model_dir, observer=Metrics(max_total_tokens, 8))
     app = create_app(service.engine, service.tokenizer, config, service_info(service),

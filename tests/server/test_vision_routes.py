@@ -236,3 +236,101 @@ def test_truncate_into_an_image_is_refused(served: Any) -> None:
     )
     assert response.status_code == 422
     assert "would cut" in response.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Llava-Next server started with one image per request, 64x64 pixels and 4 KB per
+    image at most, and remote image URLs allowed."""
+    model_dir = make_vision_dir(tmp_path_factory.mktemp("limited"), "llava_next")
+    flags = {
+        "max_images_per_request": 1,
+        "max_image_pixels": 64 * 64,
+        "max_image_bytes": 4096,
+        "allow_image_urls": True,
+    }
+    with demo_app(model_dir, 1024, **flags) as app, live_server(app) as (url, _):
+        yield url
+
+
+def test_the_count_and_pixel_limit_flags_are_applied(limited: str) -> None:
+    from PIL import Image
+
+    def refusal(inputs: str) -> str:
+        response = httpx.post(
+            f"{limited}/generate", json={"inputs": inputs, "parameters": {"max_new_tokens": 2}}
+        )
+        assert response.status_code == 422
+        return str(response.json()["error"])
+
+    two = "".join(f"![]({data_url(Image.new('RGB', (32, 32), c))})" for c in ("red", "blue"))
+    assert "at most 1 are allowed per request (the server's --max-images-per-request)" in (
+        refusal(two)
+    )
+    wide = f"![]({data_url(Image.new('RGB', (65, 64), 'red'))})"  # a few hundred bytes
+    assert (
+        "is 65x64 = 4160 pixels; images may have at most 4096 pixels (the server's "
+        "--max-image-pixels)" in refusal(wide)
+    )
+
+
+def test_the_byte_limit_flag_is_applied(limited: str) -> None:
+    noise = data_url(random_image(60, 60, 3))  # ~11 KB of random pixels as PNG
+    response = httpx.post(
+        f"{limited}/generate",
+        json={"inputs": f"![]({noise})", "parameters": {"max_new_tokens": 2}},
+    )
+    assert response.status_code == 422
+    assert (
+        "images may be at most 4096 bytes (the server's --max-image-bytes)"
+        in (response.json()["error"])
+    )
+    small = data_url(random_image(8, 8, 3))
+    response = httpx.post(
+        f"{limited}/generate",
+        json={"inputs": f"Hi ![]({small})", "parameters": {"max_new_tokens": 2}},
+    )
+    assert response.status_code == 200
+
+
+def test_allowed_image_urls_are_fetched_from_public_addresses_only(limited: str) -> None:
+    """With --allow-image-urls the server fetches, but not from its own loopback: a URL
+    naming 127.0.0.1 is refused before any connection is made."""
+    response = httpx.post(
+        f"{limited}/generate",
+        json={"inputs": "![](http://127.0.0.1:9/a.png)", "parameters": {"max_new_tokens": 2}},
+    )
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert "'127.0.0.1' resolves to 127.0.0.1, an address this server does not fetch" in error
+    assert "--allow-image-urls" not in error
+
+
+def test_tokenize_counts_the_image_tokens(served: Any) -> None:
+    """/tokenize gives the processor's ids, image tokens included; each token spans its text
+    in `inputs`, and the tokens the processor put in the image's place span its markdown."""
+    url, processor = served["url"], served["processor"]
+    image = random_image(40, 60, 1)
+    markdown = f"![a picture]({data_url(image)})"
+    inputs = f"Hello {markdown}{TAIL}"
+    tokens = httpx.post(f"{url}/tokenize", json={"inputs": inputs}).json()
+    ids = processor(text=f"Hello <image>{TAIL}", images=[image], return_tensors="pt")
+    assert [t["id"] for t in tokens] == ids["input_ids"][0].tolist()
+    at = inputs.index(markdown)  # ASCII: characters are bytes
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    in_image = [t for t in tokens if t["start"] == at and t["stop"] == at + len(markdown)]
+    assert sum(t["id"] == image_id for t in in_image) == sum(t["id"] == image_id for t in tokens)
+    assert all(t["text"] == markdown for t in in_image)
+    rest = [t for t in tokens if t not in in_image and t["stop"] > t["start"]]
+    assert "".join(t["text"] for t in rest) == inputs.replace(markdown, "")
+    assert all(inputs[t["start"] : t["stop"]] == t["text"] for t in tokens)
+    # `truncate` keeps the last tokens, and may not cut into the image (or away).
+    first = next(i for i, t in enumerate(tokens) if t["id"] == image_id)
+    keep = len(tokens) - first
+
+    def truncated(n: int) -> httpx.Response:
+        return httpx.post(f"{url}/tokenize", json={"inputs": inputs, "parameters": {"truncate": n}})
+
+    assert truncated(keep).json() == tokens[first:]
+    assert truncated(keep - 1).status_code == 422
+    assert "would cut" in truncated(5).json()["error"]

@@ -348,6 +348,42 @@ MaxStoredResponses = Annotated[
         "dropped first; 0 keeps none).",
     ),
 ]
+AllowImageUrls = Annotated[
+    bool | None,
+    _opt(
+        "allow_image_urls",
+        SERVER,
+        "Vision-language models: fetch images given as http(s) URLs (public addresses only, "
+        "every redirect checked); off: only data URLs are read.",
+        "off",
+    ),
+]
+MaxImagesPerRequest = Annotated[
+    int | None,
+    _opt(
+        "max_images_per_request",
+        LIMITS,
+        "Vision-language models: images one request may hold (0: none).",
+    ),
+]
+MaxImagePixels = Annotated[
+    int | None,
+    _opt(
+        "max_image_pixels",
+        LIMITS,
+        "Vision-language models: pixels (width x height) an image may have, checked before it "
+        "is decoded.",
+    ),
+]
+MaxImageBytes = Annotated[
+    int | None,
+    _opt(
+        "max_image_bytes",
+        LIMITS,
+        "Vision-language models: encoded bytes an image may have (a data URL's, or a fetched "
+        "body's).",
+    ),
+]
 HeaderTimeoutS = Annotated[
     float | None,
     _opt(
@@ -495,6 +531,10 @@ OPTIONS: dict[str, Any] = {
     "max_lora_rank": MaxLoraRank,
     "max_request_body_bytes": MaxRequestBodyBytes,
     "max_stored_responses": MaxStoredResponses,
+    "allow_image_urls": AllowImageUrls,
+    "max_images_per_request": MaxImagesPerRequest,
+    "max_image_pixels": MaxImagePixels,
+    "max_image_bytes": MaxImageBytes,
     "header_timeout_s": HeaderTimeoutS,
     "body_timeout_s": BodyTimeoutS,
     "keep_alive_timeout_s": KeepAliveTimeoutS,

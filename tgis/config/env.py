@@ -27,6 +27,7 @@ ENV_NAMES["compile"] = "TGIS_COMPILE"
 ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"
 ENV_NAMES["grpc"] = "TGIS_GRPC"
 ENV_NAMES["playground"] = "TGIS_PLAYGROUND"
+ENV_NAMES["allow_image_urls"] = "TGIS_ALLOW_IMAGE_URLS"
 # Other launchers' names of a setting (alias -> the field it sets): TGI 1.x's
 # --max-input-length and TGIS's flags and variables, so a deployment's settings move over as
 # they are. Giving both names of one setting is an error.
@@ -50,6 +51,9 @@ DEFAULTS: dict[str, Any] = {
     "master_port": 29500,
     "max_request_body_bytes": 2_000_000,
     "max_stored_responses": 1000,
+    "max_images_per_request": 8,
+    "max_image_pixels": 4096 * 4096,
+    "max_image_bytes": 20_000_000,
     "header_timeout_s": 10.0,
     "body_timeout_s": 60.0,
     "keep_alive_timeout_s": 5.0,

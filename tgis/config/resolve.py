@@ -155,6 +155,12 @@ def build_serve_config(
             o.strip() for o in (values["cors_allow_origin"] or "").split(",") if o.strip()
         ),
         playground=values["playground"] is not False,
+        allow_image_urls=bool(values["allow_image_urls"]),
+        max_images_per_request=DEFAULTS["max_images_per_request"]
+        if values["max_images_per_request"] is None
+        else values["max_images_per_request"],
+        max_image_pixels=values["max_image_pixels"] or DEFAULTS["max_image_pixels"],
+        max_image_bytes=values["max_image_bytes"] or DEFAULTS["max_image_bytes"],
         prefill_mode=prefill_mode,
         model_impl=impl,
         quantize=quantize,

@@ -60,6 +60,8 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "port",
         "max_new_tokens",
         "max_request_body_bytes",
+        "max_image_pixels",
+        "max_image_bytes",
     ):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(
@@ -71,6 +73,7 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "max_top_n_tokens",
         "max_waiting_tokens",
         "max_stored_responses",
+        "max_images_per_request",
     ):
         if values[name] is not None and values[name] < 0:
             raise ConfigError(

@@ -63,6 +63,10 @@ class LauncherArgs:
     api_key: str | None = None
     cors_allow_origin: str | None = None
     playground: bool | None = None
+    allow_image_urls: bool | None = None
+    max_images_per_request: int | None = None
+    max_image_pixels: int | None = None
+    max_image_bytes: int | None = None
     prefill_mode: str | None = None
     model_impl: str | None = None
     quantize: str | None = None
@@ -231,6 +235,13 @@ class ServeConfig:
     cors_allow_origins: tuple[str, ...] = ()
     # The browser page at GET / (tgis.server.playground); --no-playground turns it off.
     playground: bool = True
+    # Images in requests to a vision-language model (tgis.server.images): whether http(s) URLs
+    # are fetched (only public addresses), and the per-request limits: images, pixels per image
+    # and encoded bytes per image.
+    allow_image_urls: bool = False
+    max_images_per_request: int = 8
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20_000_000
     # Static batch prefill mode (tpu, neuron); None: the backend's best (insert where it can).
     prefill_mode: str | None = None
     # cpu/cuda decoder-only models: whose forward runs the model. "auto": the paged engine's

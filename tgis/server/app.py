@@ -46,6 +46,7 @@ from tgis.server.http_errors import (
     error_status,
     shape_of,
 )
+from tgis.server.images import ImageLimits, UrlPolicy
 from tgis.server.info import ModelInfo
 from tgis.server.lifecycle import Lifecycle, LifecycleMiddleware
 from tgis.server.metrics import Metrics
@@ -156,7 +157,19 @@ def create_app(
         metrics.on_weights(runtime.get("quantization"), runtime["weight_bytes"])
     lifecycle = Lifecycle()
     limits = RequestLimits.from_config(config)
-    pipeline = Pipeline(engine, tokenizer, limits, metrics, prefixes, adapters, vision)
+    pipeline = Pipeline(
+        engine,
+        tokenizer,
+        limits,
+        metrics,
+        prefixes,
+        adapters,
+        vision,
+        image_limits=ImageLimits(
+            config.max_images_per_request, config.max_image_pixels, config.max_image_bytes
+        ),
+        url_policy=UrlPolicy() if config.allow_image_urls else None,
+    )
     schemas = RequestSchemas(
         limits,
         max_client_batch_size=model_info.max_client_batch_size,

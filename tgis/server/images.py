@@ -94,7 +94,7 @@ def data_url_bytes(url: str, field: str, limits: ImageLimits) -> bytes:
 def _too_large(field: str, size: int, limits: ImageLimits) -> ApiError:
     return invalid(
         f"`{field}` is {size} bytes; images may be at most {limits.max_bytes} bytes "
-        "(the server's image byte limit): send a smaller or more compressed image"
+        "(the server's --max-image-bytes): send a smaller or more compressed image"
     )
 
 
@@ -104,7 +104,7 @@ def decode_image(data: bytes, field: str, limits: ImageLimits) -> DecodedImage:
     decoded (a decompression bomb never expands)."""
     from PIL import Image, UnidentifiedImageError
 
-    too_many = f"images may have at most {limits.max_pixels} pixels (the server's image pixel limit): resize it"
+    too_many = f"images may have at most {limits.max_pixels} pixels (the server's --max-image-pixels): resize it"
     try:
         with Image.open(io.BytesIO(data), formats=list(FORMATS)) as opened:
             width, height = opened.size
@@ -131,7 +131,7 @@ def count_images(count: int, limits: ImageLimits) -> None:
     if count > limits.max_images:
         raise invalid(
             f"the request has {count} images; at most {limits.max_images} are allowed per "
-            "request (the server's image count limit): send fewer"
+            "request (the server's --max-images-per-request): send fewer"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -11,17 +12,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tgis.engine.types import GenerationRequest
-from tgis.errors import OverloadedError
-from tgis.params import GenerateParameters
+from tgis.errors import InputValidationError, OverloadedError
+from tgis.params import GenerateParameters, truncate_ids
 from tgis.server import playground
 from tgis.server.generation import (
     EventStream,
     Prepared,
     close_iterator,
     pick_best,
+    shift_images,
     timing_headers,
 )
 from tgis.server.http_errors import SHUTTING_DOWN, ApiError, classify, error_response, tgi_body
+from tgis.server.images import markdown_images
 from tgis.server.metrics import CONTENT_TYPE
 from tgis.server.schemas import TgiRequest, parse_tgi_request, read_json
 from tgis.server.sse import (
@@ -33,7 +36,7 @@ from tgis.server.sse import (
 )
 from tgis.server.state import ServerState, get_state
 from tgis.server.tgi_json import generate_response, sse, stream_event
-from tgis.server.tokenize import tokenize_with_offsets
+from tgis.server.tokenize import tokenize_with_images, tokenize_with_offsets
 
 
 async def generate(request: Request) -> Response:
@@ -144,13 +147,35 @@ async def tokenize(request: Request) -> Response:
         req = parse_tgi_request(body)
         state.pipeline.check_length(req.inputs)
         state.contract.check("GenerateRequest", body)
-        tokens = await anyio.to_thread.run_sync(
-            tokenize_with_offsets, state.tokenizer, req.inputs, req.params.truncate
-        )
+        tokens = await _tokens(state, req.inputs, req.params.truncate)
     except Exception as exc:
         return error_response(classify(exc))
     state.metrics.tokenize_request(1, len(tokens), time.monotonic() - start)
     return JSONResponse(tokens)
+
+
+async def _tokens(state: ServerState, inputs: str, truncate: int | None) -> list[dict[str, Any]]:
+    """/tokenize's tokens of `inputs`; a vision-language model's markdown images become the
+    tokens the processor writes for them (which count toward every limit)."""
+    pipeline = state.pipeline
+    text, refs = pipeline.markdown(inputs)
+    if not refs:
+        return await anyio.to_thread.run_sync(
+            tokenize_with_offsets, state.tokenizer, inputs, truncate
+        )
+    if truncate is not None and truncate <= 0:
+        raise InputValidationError(f"`truncate` must be strictly positive. Given: {truncate}")
+    ids, images = await pipeline.process_images(text, refs, add_special_tokens=True)
+    kept = truncate_ids(ids, truncate)
+    shift_images(images, len(ids) - len(kept))  # a 422 when it would cut into an image
+    vision = pipeline.vision
+    assert vision is not None
+    spans = [(start, end) for start, end, _ in markdown_images(inputs)]
+    tokens = await anyio.to_thread.run_sync(
+        tokenize_with_images, state.tokenizer, inputs, spans, vision.placeholder,
+        vision.image_token_id, ids,
+    )  # fmt: skip
+    return tokens[len(ids) - len(kept) :]
 
 
 async def info(request: Request) -> Response:
