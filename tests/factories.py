@@ -275,7 +275,7 @@ def make_lora_adapter(
     return peft_model.merge_and_unload().eval()
 
 
-VisionArch = Literal["llava_next", "idefics3"]
+VisionArch = Literal["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl"]
 # What a tiny vision-language template writes: each image part is the image placeholder.
 VISION_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}:"
@@ -293,6 +293,8 @@ def make_vision_dir(directory: Path, arch: VisionArch = "llava_next", seed: int 
     import torch
     from transformers import AutoModelForImageTextToText
 
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
+        return _make_qwen_vl_dir(directory, arch, seed)
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -359,6 +361,89 @@ def make_vision_dir(directory: Path, arch: VisionArch = "llava_next", seed: int 
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# What a tiny Qwen2-VL template writes for an image part, as Qwen2-VL's own does.
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _make_qwen_vl_dir(directory: Path, arch: str, seed: int) -> Path:
+    """A tiny random Qwen2-VL or Qwen2.5-VL: the tiny tokenizer as a Qwen2 tokenizer with the
+    vision tokens added, 4-pixel patches merged 2x2, two-section multimodal rope."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2TokenizerFast, Qwen2VLImageProcessor
+
+    plain = tiny_tokenizer()
+    tokenizer = Qwen2TokenizerFast(
+        tokenizer_object=plain.backend_tokenizer, bos_token=plain.bos_token,
+        eos_token=plain.eos_token, unk_token=plain.unk_token, pad_token=plain.pad_token,
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+    tokenizer.chat_template = VISION_TEMPLATE.replace("<image>", QWEN_VL_IMAGE)
+    ids = dict(
+        zip(QWEN_VL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS)), strict=True)
+    )
+    text = tiny_config(
+        "qwen2", vocab_size=VOCAB_SIZE + 8, initializer_range=0.2, max_position_embeddings=1024
+    ).to_dict()
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    # Sections of the rotary frequencies: temporal, height, width.
+    third = head_dim // 2 // 3
+    text["rope_scaling"] = {
+        "type": "mrope",
+        "mrope_section": [head_dim // 2 - 2 * third, third, third],
+    }
+    tokens = {
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }  # fmt: skip
+    if arch == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        vision = {
+            "depth": 2, "embed_dim": 16, "hidden_size": text["hidden_size"], "num_heads": 2,
+            "mlp_ratio": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "initializer_range": 0.2,
+        }  # fmt: skip
+        config: Any = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    else:
+        from transformers import Qwen2_5_VLConfig
+
+        vision = {
+            "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+            "out_hidden_size": text["hidden_size"], "patch_size": 4, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+            "initializer_range": 0.2,
+        }  # fmt: skip
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=64 * 64
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(directory)
+    image_processor.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def qwen_vl_processor(model_dir: Path) -> Any:
+    """transformers' own Qwen2VLProcessor over a tiny Qwen2-VL directory, without its video
+    half (which needs torchvision): the oracle of what the served prompt's ids must be."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    processor.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    processor.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor.video_processor = None
+    processor.chat_template = processor.tokenizer.chat_template
+    processor.image_token = "<|image_pad|>"
+    processor.video_token = "<|video_pad|>"
+    processor.image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor.video_token_id = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    return processor
 
 
 def random_image(height: int, width: int, seed: int = 0) -> Any:

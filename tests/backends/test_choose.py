@@ -366,3 +366,48 @@ def test_load_backend_reads_a_pre_quantized_checkpoint(tmp_path: Path) -> None:
         == "quantized: gptq checkpoint, 4-bit weights in groups of 32; lm_head as stored"
     )
     assert isinstance(backend.path.layers[0].qkv_w, Int4Linear)
+
+
+QWEN_VL_TEXT = {
+    "model_type": "qwen2_vl_text", "num_hidden_layers": 2, "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]},
+}  # fmt: skip
+VISION = {
+    "llava_next": {"model_type": "llava_next", "text_config": LLAMA},
+    "qwen2_vl": {"model_type": "qwen2_vl", "text_config": QWEN_VL_TEXT},
+    # Qwen2-VL's first configs: the language model's settings at the top level.
+    "qwen2_vl legacy": {**QWEN_VL_TEXT, "model_type": "qwen2_vl"},
+    "qwen2_5_vl": {
+        "model_type": "qwen2_5_vl",
+        "text_config": {**QWEN_VL_TEXT, "model_type": "qwen2_5_vl_text"},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(VISION))
+def test_vision_language_models_run_their_language_model_in_the_paged_engine(
+    name: str,
+) -> None:
+    choice = choose(VISION[name], backend="cpu")
+    assert choice.design == "paged"
+    kind = VISION[name]["model_type"]
+    assert f"the paged forward runs {kind}'s language model" in choice.reason
+    assert "its images: " in choice.reason
+
+
+def test_vision_language_models_refuse_what_they_cannot_do() -> None:
+    gemma = {"model_type": "gemma3", "text_config": {**LLAMA, "model_type": "gemma3_text"}}
+    text = refusal(gemma, backend="cpu")
+    assert text.startswith("tgis cannot serve gemma3 yet: its image rows attend to each other")
+    llava = VISION["llava_next"]
+    assert "--model-impl transformers: llava_next is a vision-language model" in refusal(
+        llava, backend="cpu", model_impl="transformers"
+    )
+    assert "the tpu backend serves text models; llava_next is a vision-language model" in (
+        refusal(llava, backend="tpu")
+    )
+    unknown_rope = {**QWEN_VL_TEXT, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    assert "rope type 'dynamic'" in refusal(
+        {"model_type": "qwen2_vl", "text_config": unknown_rope}, backend="cpu"
+    )

@@ -20,7 +20,7 @@ import torch
 from openai import OpenAI
 from text_generation import Client
 
-from tests.factories import make_vision_dir, random_image
+from tests.factories import QWEN_VL_IMAGE, make_vision_dir, qwen_vl_processor, random_image
 from tests.server.conftest import demo_app, live_server
 
 NEW_TOKENS = 6
@@ -34,7 +34,7 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.fixture(scope="module", params=["llava_next", "idefics3"])
+@pytest.fixture(scope="module", params=["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
@@ -43,7 +43,8 @@ def served(
 
     arch = request.param
     model_dir = make_vision_dir(tmp_path_factory.mktemp(arch), arch)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    qwen = arch.startswith("qwen")
+    processor = qwen_vl_processor(model_dir) if qwen else AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
 
     def expected(text: str, images: list[Any], chat: bool = False) -> list[int]:
@@ -55,7 +56,14 @@ def served(
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
-        yield {"url": url, "expected": expected, "processor": processor}
+        yield {
+            "url": url,
+            "expected": expected,
+            "processor": processor,
+            # What stands for an image in the processor's text, and the image token.
+            "image": QWEN_VL_IMAGE if qwen else "<image>",
+            "image_token": "<|image_pad|>" if qwen else "<image>",
+        }
 
 
 def _images() -> list[Any]:
@@ -74,17 +82,18 @@ def test_markdown_images_give_generates_tokens(served: Any) -> None:
     text-generation client, each equal to generate() on the processor's inputs."""
     one, two = _images()
     url, expected = served["url"], served["expected"]
+    image = served["image"]
     tokens = _generate(url, f"Hello ![a picture]({data_url(one)}){TAIL}")
-    assert tokens == expected(f"Hello <image>{TAIL}", [one])
+    assert tokens == expected(f"Hello {image}{TAIL}", [one])
     from PIL import Image
 
     jpeg = Image.open(io.BytesIO(base64.b64decode(data_url(two, "JPEG").split(",")[1])))
     both = f"![]({data_url(one)}) and ![]({data_url(two, 'JPEG')}){TAIL}"
     assert _generate(url, both) == expected(
-        f"<image> and <image>{TAIL}", [one, jpeg.convert("RGB")]
+        f"{image} and {image}{TAIL}", [one, jpeg.convert("RGB")]
     )
     # The images change the answer: the oracle is not blind to them.
-    assert expected(f"Hello <image>{TAIL}", [one]) != expected(f"Hello <image>{TAIL}", [two])
+    assert expected(f"Hello {image}{TAIL}", [one]) != expected(f"Hello {image}{TAIL}", [two])
 
 
 def test_openai_image_parts_and_text_requests_batched(served: Any) -> None:
@@ -196,7 +205,10 @@ def test_a_placeholder_typed_in_the_text_is_refused(served: Any) -> None:
     image = data_url(random_image(32, 32))
     response = httpx.post(
         f"{url}/generate",
-        json={"inputs": f"<image> ![]({image})", "parameters": {"max_new_tokens": 2}},
+        json={
+            "inputs": f"{served['image_token']} ![]({image})",
+            "parameters": {"max_new_tokens": 2},
+        },
     )
     assert response.status_code == 422
     assert "may not hold the image placeholder" in response.json()["error"]
@@ -314,10 +326,10 @@ def test_tokenize_counts_the_image_tokens(served: Any) -> None:
     markdown = f"![a picture]({data_url(image)})"
     inputs = f"Hello {markdown}{TAIL}"
     tokens = httpx.post(f"{url}/tokenize", json={"inputs": inputs}).json()
-    ids = processor(text=f"Hello <image>{TAIL}", images=[image], return_tensors="pt")
+    ids = processor(text=f"Hello {served['image']}{TAIL}", images=[image], return_tensors="pt")
     assert [t["id"] for t in tokens] == ids["input_ids"][0].tolist()
     at = inputs.index(markdown)  # ASCII: characters are bytes
-    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    image_id = processor.tokenizer.convert_tokens_to_ids(served["image_token"])
     in_image = [t for t in tokens if t["start"] == at and t["stop"] == at + len(markdown)]
     assert sum(t["id"] == image_id for t in in_image) == sum(t["id"] == image_id for t in tokens)
     assert all(t["text"] == markdown for t in in_image)
@@ -334,3 +346,37 @@ def test_tokenize_counts_the_image_tokens(served: Any) -> None:
     assert truncated(keep).json() == tokens[first:]
     assert truncated(keep - 1).status_code == 422
     assert "would cut" in truncated(5).json()["error"]
+
+
+@pytest.mark.parametrize("arch", ["llava_next", "qwen2_vl"])
+def test_prefill_chunks_that_split_an_image(
+    arch: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill chunks of 16 tokens: an image's rows (and, for Qwen2-VL, its grid positions)
+    split over several steps give the same tokens as generate()."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tgis import launch
+
+    limits = launch.scheduler_limits
+    monkeypatch.setattr(
+        launch,
+        "scheduler_limits",
+        lambda *args: replace(limits(*args), max_batch_prefill_tokens=16),
+    )
+
+    model_dir = make_vision_dir(tmp_path, arch)  # type: ignore[arg-type]
+    qwen = arch.startswith("qwen")
+    processor = qwen_vl_processor(model_dir) if qwen else AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    image = random_image(40, 60, 1)
+    text = f"Hello {QWEN_VL_IMAGE if qwen else '<image>'}{TAIL}"
+    inputs = processor(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert inputs["input_ids"].shape[1] > 3 * 16
+    with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
+        assert _generate(url, f"Hello ![]({data_url(image)}){TAIL}") == expected

@@ -117,6 +117,10 @@ class PackedItem:
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
     # The LoRA adapter the item's tokens go through (backends with `lora`); None: the base.
     adapter: LoraAdapter | None = None
+    # (first position, t, h, w) of each of the sequence's images whose rows fill a grid
+    # (ImageInput.grid): a model with multimodal rope rotates every row of the sequence by
+    # them (tgis.backends.models.mrope); none: rows rotate at their own positions.
+    grids: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,15 @@ class LiveSequence:
         self._details: PromptDetails | None = None
         # Features of the request's images (by index) while its prompt is being computed.
         self.features: dict[int, torch.Tensor] = {}
+        # (first position, t, h, w) of the images whose rows fill a grid (PackedItem.grids).
+        first: dict[int, int] = {}
+        for mark in seq.images:
+            first.setdefault(mark.image, mark.start)
+        self.grids = tuple(
+            (first[index], *image.grid)
+            for index, image in enumerate(request.images)
+            if image.grid is not None and index in first
+        )
         self.started = 0.0
         self.finish_reason: FinishReason | None = None
 

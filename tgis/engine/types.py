@@ -59,11 +59,14 @@ class ImageInput:
     `runs` the (start, length) runs of `input_ids` positions its features fill, in order
     (the features' rows 0.. go to the first run's positions, then the next run's). `digest`
     identifies its pixels: blocks of prompts with the same image at the same place share the
-    prefix cache."""
+    prefix cache. `grid`: the (t, h, w) grid its rows fill, row-major, for a model whose
+    rotary positions follow it (Qwen2-VL's multimodal rope); None: its rows rotate at their own
+    positions, as text does."""
 
     digest: bytes
     runs: tuple[tuple[int, int], ...]
     pixels: Mapping[str, torch.Tensor]
+    grid: tuple[int, int, int] | None = None
 
     @property
     def tokens(self) -> int:

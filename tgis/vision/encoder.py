@@ -66,6 +66,10 @@ class VisionEncoder:
                 masks = torch.cat([p["pixel_attention_mask"] for p in pixels])[None]
             out = self.inner.get_image_features(values, masks)  # [tiles, rows, hidden]
             features = [f.reshape(-1, f.shape[-1]) for f in torch.split(out, tiles)]
+        elif name == "qwen2_vl":
+            values = torch.cat([p["pixel_values"] for p in pixels]).to(self.dtype)
+            grids = torch.cat([p["image_grid_thw"] for p in pixels])
+            features = list(self.inner.get_image_features(values, grids))
         else:  # families.py refuses the others before a model is loaded
             raise ValueError(f"no image encoder for the {name} family")
         for image, rows in zip(images, features, strict=True):
@@ -84,7 +88,16 @@ def language_model_view(model: PreTrainedModel, family: VisionFamily) -> PreTrai
 
     config = model.config.get_text_config()  # type: ignore[union-attr]
     with torch.device("meta"):
-        causal = AutoModelForCausalLM.from_config(config)
+        if family.causal_model_type is None:
+            causal = AutoModelForCausalLM.from_config(config)
+        else:  # a text config transformers maps to no causal LM: its family's class
+            from transformers import AutoConfig
+
+            settings = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+            causal = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(family.causal_model_type, **settings)
+            )
+            causal.config = config
     causal.model = getattr(model.model, family.language_model)  # type: ignore[union-attr]
     causal.lm_head = model.get_output_embeddings()
     return causal.eval()

@@ -28,6 +28,9 @@ class VisionFamily:
     language_model: str
     # Why tgis cannot serve it yet (None: it can).
     refusal: str | None = None
+    # The model type whose causal LM class holds its language model, where transformers
+    # maps its text config to none (None: AutoModelForCausalLM takes the text config).
+    causal_model_type: str | None = None
 
 
 FAMILIES: tuple[VisionFamily, ...] = (
@@ -48,10 +51,11 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily(
         "qwen2_vl",
         ("qwen2_vl", "qwen2_5_vl"),
-        "a vision tower over patches at native resolution, merged 2x2; M-RoPE",
+        "a vision tower over patches at native resolution, merged 2x2 into rows laid out "
+        "as a grid; the language model is Qwen2 rotating with three position streams "
+        "(multimodal rope) that follow the grid",
         "language_model",
-        refusal="its language model rotates with three position streams (M-RoPE), which the "
-        "paged forward does not run yet",
+        causal_model_type="qwen2",
     ),
     VisionFamily(
         "gemma3",
@@ -78,4 +82,9 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     if vision_family_of(config) is None:
         return config
     text = config.get("text_config")
-    return text if isinstance(text, Mapping) else {}
+    if isinstance(text, Mapping):
+        return text
+    # Qwen2-VL's first configs keep the language model's settings at the top level.
+    if "num_hidden_layers" not in config:
+        return {}
+    return {**config, "model_type": f"{config['model_type']}_text"}

@@ -54,7 +54,10 @@ class ImageProcessor:
         config (which names the image token)."""
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(model_dir)
+        if family.name == "qwen2_vl":
+            processor: Any = GridProcessor.load(model_dir, config)
+        else:
+            processor = AutoProcessor.from_pretrained(model_dir)
         token_id = getattr(config, "image_token_id", None)
         if token_id is None:
             token_id = getattr(config, "image_token_index", None)
@@ -68,9 +71,7 @@ class ImageProcessor:
         image part, and what a markdown image in TGI's `inputs` becomes)."""
         processor = self.processor
         if self.family.name == "qwen2_vl":
-            return f"{processor.tokenizer.vision_start_token}{processor.image_token}" + (
-                processor.tokenizer.vision_end_token
-            )
+            return processor.placeholder
         if self.family.name == "gemma3":
             return str(processor.boi_token)
         return str(processor.image_token)
@@ -78,6 +79,8 @@ class ImageProcessor:
     def rows_per_image(self, sizes: Sequence[tuple[int, int]]) -> list[int]:
         """The feature rows (image tokens) of images of these (height, width) sizes, as the
         processor expands them."""
+        if self.family.name == "qwen2_vl":
+            return [self.processor.rows(height, width) for height, width in sizes]
         counts = self.processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
         if self.family.name == "idefics3":
             # Its count holds the tile markers too: image tokens are image_seq_len per tile.
@@ -121,7 +124,12 @@ class ImageProcessor:
         inputs = []
         taken = 0
         for count, digest, own in zip(rows, digests, pixels, strict=True):
-            inputs.append(ImageInput(digest, runs(positions[taken : taken + count]), own))
+            grid = None
+            if "image_grid_thw" in own:  # rows laid out as the merged patch grid
+                t, h, w = (int(n) for n in own["image_grid_thw"][0])
+                merge = int(self.processor.image_processor.merge_size)
+                grid = (t, h // merge, w // merge)
+            inputs.append(ImageInput(digest, runs(positions[taken : taken + count]), own, grid))
             taken += count
         return ProcessedPrompt(ids, tuple(inputs))
 
@@ -178,4 +186,76 @@ def split_pixels(
             out.append(item)
             start += take
         return out
+    if family.name == "qwen2_vl":
+        # pixel_values [patches of every image, patch dims]; image_grid_thw [images, 3].
+        grids = outputs["image_grid_thw"]
+        out = []
+        start = 0
+        for i in range(n):
+            size = int(grids[i].prod())
+            out.append(
+                {
+                    "pixel_values": outputs["pixel_values"][start : start + size],
+                    "image_grid_thw": grids[i : i + 1],
+                }
+            )
+            start += size
+        return out
     raise ProcessorMismatch(f"no split of processed images for the {family.name} family")
+
+
+class GridProcessor:
+    """Qwen2-VL's and Qwen2.5-VL's processor for images: the model's image processor and
+    tokenizer, each image token of the text expanded into as many as the image's merged patch
+    grid has rows, as transformers' Qwen2VLProcessor does (whose video half needs
+    torchvision, which serving images does not)."""
+
+    def __init__(self, image_processor: Any, tokenizer: Any, config: Any) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.image_token = tokenizer.convert_ids_to_tokens(int(config.image_token_id))
+        start, end = (
+            tokenizer.convert_ids_to_tokens(int(config.vision_start_token_id)),
+            tokenizer.convert_ids_to_tokens(int(config.vision_end_token_id)),
+        )
+        # What a chat template writes for an image part.
+        self.placeholder = f"{start}{self.image_token}{end}"
+
+    @classmethod
+    def load(cls, model_dir: Path, config: Any) -> GridProcessor:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        return cls(
+            AutoImageProcessor.from_pretrained(model_dir),
+            AutoTokenizer.from_pretrained(model_dir),
+            config,
+        )
+
+    def rows(self, height: int, width: int) -> int:
+        """Image tokens of an image of this size: its patches, merged merge_size^2 to a row."""
+        merge = int(self.image_processor.merge_size)
+        return int(self.image_processor.get_number_of_image_patches(height, width, {})) // (
+            merge * merge
+        )
+
+    def __call__(
+        self,
+        text: Sequence[str],
+        images: Sequence[Image],
+        return_tensors: str,
+        add_special_tokens: bool = True,
+    ) -> dict[str, Any]:
+        pixels = self.image_processor(images=list(images), return_tensors=return_tensors)
+        merge = int(self.image_processor.merge_size) ** 2
+        grids = iter(pixels["image_grid_thw"])
+        expanded = []
+        for one in text:
+            pieces = one.split(self.image_token)
+            out = [pieces[0]]
+            for piece in pieces[1:]:
+                out += [self.image_token * (int(next(grids).prod()) // merge), piece]
+            expanded.append("".join(out))
+        ids = self.tokenizer(
+            expanded, add_special_tokens=add_special_tokens, return_tensors=return_tensors
+        )
+        return {**ids, **pixels}

@@ -131,8 +131,9 @@ def test_the_refusal_reads_every_spelling_of_a_configs_rope() -> None:
     v5 = {**llama, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}
     assert "rope type 'dynamic'" in (unsupported_reason(v5) or "")
     assert unsupported_reason({"model_type": "gpt2"}) == (
-        "model_type 'gpt2' is not one of the families it runs (llama, mistral, qwen2, qwen3, "
-        "gemma, gemma2, gemma3_text, phi3, granite, olmo2, mixtral, qwen2_moe, qwen3_moe)"
+        "model_type 'gpt2' is not one of the families it runs (llama, mistral, qwen2, "
+        "qwen2_vl_text, qwen2_5_vl_text, qwen3, gemma, gemma2, gemma3_text, phi3, granite, "
+        "olmo2, mixtral, qwen2_moe, qwen3_moe)"
     )
 
 

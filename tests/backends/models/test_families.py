@@ -118,8 +118,10 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-# The llama family has its own tests (test_decoder.py); every other family is tested here.
-NEW_FAMILIES = [f.name for f in FAMILIES if f.name not in ("llama", "mistral", "qwen2")]
+# The llama family has its own tests (test_decoder.py); Qwen2-VL's language model exists only
+# behind its vision tower (tests/server/test_vision_routes.py, tests/backends/models/
+# test_mrope.py); every other family is tested here.
+NEW_FAMILIES = [f.name for f in FAMILIES if f.name not in ("llama", "mistral", "qwen2", "qwen2_vl")]
 
 
 def family_model(name: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -283,8 +285,9 @@ def test_granite_multipliers_are_read_from_its_config() -> None:
 def test_unsupported_settings_name_the_reason() -> None:
     assert paged_unsupported_reason({"model_type": "qwen3"}) is None
     assert paged_unsupported_reason({"model_type": "gemma3"}) == (
-        "model_type 'gemma3' is not one of the families it runs (llama, mistral, qwen2, qwen3, "
-        "gemma, gemma2, gemma3_text, phi3, granite, olmo2, mixtral, qwen2_moe, qwen3_moe)"
+        "model_type 'gemma3' is not one of the families it runs (llama, mistral, qwen2, "
+        "qwen2_vl_text, qwen2_5_vl_text, qwen3, gemma, gemma2, gemma3_text, phi3, granite, "
+        "olmo2, mixtral, qwen2_moe, qwen3_moe)"
     )
     dynamic = {"model_type": "qwen3", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     assert paged_unsupported_reason(dynamic) == (

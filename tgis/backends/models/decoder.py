@@ -53,6 +53,7 @@ from tgis.backends.common.quant import Quantization, QuantLinear, kernel
 from tgis.backends.common.quant_checkpoint import model_quantization, stored
 from tgis.backends.models.families import Family, family_of_model
 from tgis.backends.models.moe import MoeMlp, moe_block, released
+from tgis.backends.models.mrope import sections
 
 if TYPE_CHECKING:
     from tgis.backends.models.parallel import TensorParallel
@@ -257,6 +258,11 @@ class DecoderWeights:
         self.act: Callable[[torch.Tensor], torch.Tensor] = self._activation(base.layers[0])
         windows = sliding_windows(model) or [None] * config.num_hidden_layers
         self.ropes = self._rope_tables(model, max_positions)
+        # Multimodal rope (models/mrope.py): the stream of each rotary dimension; None: the
+        # model rotates with one position per row.
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        self.mrope = sections(section, self.ropes[0][0].shape[1]) if section else None
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(base.layers)]
         self.windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
         self.embed = base.embed_tokens.weight

@@ -160,6 +160,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", ("llama",), "the reference: pre-norm RMSNorm, SwiGLU, rope", static=True),
     Family("mistral", ("mistral",), "a sliding window over every layer", static=True),
     Family("qwen2", ("qwen2",), "biases on q, k and v", static=True),
+    Family(
+        "qwen2_vl",
+        ("qwen2_vl_text", "qwen2_5_vl_text"),
+        "Qwen2's, rotating with multimodal rope: three position streams (temporal, height, "
+        "width) over sections of the rotary dimensions (the language model of Qwen2-VL and "
+        "Qwen2.5-VL)",
+        rope_types=(*STATIC_ROPE_TYPES, "mrope"),
+    ),
     Family("qwen3", ("qwen3",), "RMSNorm on q and k per head; head_dim of its own"),
     Family(
         "gemma", ("gemma",), "norms scale by (1 + w); embeddings by sqrt(hidden); GeGLU", **_GEMMA

@@ -36,6 +36,7 @@ from tgis.backends.common.quant_bnb import BNB_METHODS
 from tgis.backends.common.quant_checkpoint import model_quantization
 from tgis.backends.common.warmup import powers_of_two, run_plan
 from tgis.backends.models.decoder import native_kv_shape
+from tgis.backends.models.mrope import rope_positions
 from tgis.backends.paged.attention import (
     attention_path,
     flash_paged_available,
@@ -463,30 +464,31 @@ class PagedTorchBackend:
             pool.flash,
         )
         ids: list[int] = []
-        positions: list[int] = []
         rows: list[int] = []
         offsets: list[int] = []
         for item, n in zip(items, query_lens, strict=True):
             offset = len(ids)
             offsets.append(offset)
             ids.extend(item.token_ids)
-            positions.extend(range(item.start, item.start + n))
             if item.prompt_logits:
                 rows.extend(range(offset, offset + n))
             elif item.sample:
                 rows.append(offset + n - 1)
+        positions = rope_positions(items, query_lens)
+        streams = len(positions) // len(ids)
         device = self.device_obj
         # The step's token ids, positions and logit rows in one copy.
         inputs = to_device([*ids, *positions, *rows], torch.long, device)
         tokens = len(ids)
-        if self.compiled is not None and self._plain_decode(items):
-            logits = self.compiled.run(inputs[:tokens], inputs[tokens : 2 * tokens], meta)
+        at = inputs[tokens : (1 + streams) * tokens]
+        if self.compiled is not None and self._plain_decode(items) and streams == 1:
+            logits = self.compiled.run(inputs[:tokens], at, meta)
             return PackedOutput(logits, (None,) * len(items))
         logits = self.path.forward(
             inputs[:tokens],
-            inputs[tokens : 2 * tokens],
+            at if streams == 1 else at.view(streams, tokens),
             meta,
-            inputs[2 * tokens :],
+            inputs[(1 + streams) * tokens :],
             [
                 (o + at, rows)
                 for o, item in zip(offsets, items, strict=True)

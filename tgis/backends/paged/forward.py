@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from tgis.backends.common.masks import place_embeds
 from tgis.backends.common.quant import Quantization
 from tgis.backends.models.decoder import DecoderWeights, LayerWeights
+from tgis.backends.models.mrope import rotate_tables
 from tgis.backends.paged.attention import (
     StepMetadata,
     attend,
@@ -136,13 +137,20 @@ class PagedForward(DecoderWeights):
         attention: LayerAttention,
         lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """Every decoder layer over x [tokens, hidden] at `positions`, each one's attention
+        """Every decoder layer over x [tokens, hidden] at `positions` ([tokens], or [3, tokens]
+        for a model with multimodal rope), each one's attention
         (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
         v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
         # Each rope table's rows of the step's positions, [tokens, 1, rotary_dim].
-        ropes = [
-            (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.ropes
-        ]
+        if positions.dim() == 2:  # three streams [3, tokens]: multimodal rope
+            if self.mrope is None:
+                raise ValueError("three-stream positions for a model without multimodal rope")
+            ropes = [rotate_tables(cos, sin, positions, self.mrope) for cos, sin in self.ropes]
+        else:
+            ropes = [
+                (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                for cos, sin in self.ropes
+            ]
         for index, layer in enumerate(self.layers):
             adapted = lora.layer(index) if lora is not None else None
             q, k, v = self._qkv(layer, x, *ropes[layer.rope], adapted)

@@ -128,9 +128,12 @@ class DecodeGraphs:
         positions: Sequence[int],
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        rope: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """One decode step of n = len(token_ids) sequences through the bucket's graph:
-        logits [n, vocab] (float32). The caller checked that n fits a captured bucket."""
+        """One decode step of n = len(token_ids) sequences at `positions` through the bucket's
+        graph: logits [n, vocab] (float32). `rope`: the positions the rows rotate at, where
+        they differ from their own (multimodal rope). The caller checked that n fits a
+        captured bucket."""
         n = len(token_ids)
         bucket = self.graph_for(n)
         if bucket is None:
@@ -141,7 +144,7 @@ class DecodeGraphs:
         host = torch.tensor(
             [
                 [*token_ids, *([0] * pad)],
-                [*positions, *([0] * pad)],
+                [*(positions if rope is None else rope), *([0] * pad)],
                 [*slots, *([self.scratch_slot] * pad)],
                 [*(p + 1 for p in positions), *([1] * pad)],
             ],
