@@ -247,7 +247,13 @@ ASKED = ("model", "max_tokens", "messages")
             {"messages": [{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": "iVBORw0KGgo="}}]}]},
-            "`messages[0].content[0].type` 'image'",
+            "`messages[0].content[0].source.data` is an image, and this model takes none",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [
+                {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                "data": "x"}}]}]},
+            "`messages[0].content[0].type` 'document' is not served here",
         ),
         ({"messages": [{"role": "system", "content": "x"}]}, "`messages[0].role`"),
         ({"top_k": 0}, "`top_k`"),

@@ -4,9 +4,12 @@ Supported:
 - `model` (the served model, "tgi", or a LoRA adapter), `max_tokens`, `stop_sequences`,
   `temperature` (0 to 1; 0 is greedy), `top_p`, `top_k`, `stream`, `metadata.user_id`,
   `service_tier`, `speed: "standard"`.
-- `messages`: user and assistant turns; content as a string or blocks: `text`, `tool_use` in
-  assistant turns, `tool_result` in user turns, `thinking` and `redacted_thinking` in assistant
-  turns. A last assistant turn of text is a prefill the answer continues.
+- `messages`: user and assistant turns; content as a string or blocks: `text`, `image` and
+  `tool_result` in user turns, `tool_use`, `thinking` and `redacted_thinking` in assistant
+  turns. A last assistant turn of text is a prefill the answer continues. An image block's
+  `source` is `base64` (`media_type` image/jpeg, png, gif or webp, and `data`: read as a data
+  URL) or `url` (fetched only under the server's URL policy); it becomes an image part of the
+  turn, read as the chat route reads `image_url` parts (tgis.server.images).
 - `system`: a string or text blocks.
 - `tools` (custom tools: `name`, `description`, `input_schema`) and `tool_choice` (`auto`,
   `any`, `tool` with a `name`, `none`; `disable_parallel_tool_use`).
@@ -16,9 +19,10 @@ Supported:
 - `output_config`: `format` (a JSON schema the answer follows) and `effort` (low, medium, high:
   the template's `reasoning_effort`).
 - `cache_control`, on blocks or the request: every prompt is in the prefix cache here.
-Refused with a 400 naming the field: image, document and other non-text inputs, server tools
-(web search, code execution, ...), `container`, `mcp_servers`, `context_management`, thinking
-between tool calls, `speed: "fast"`, `max_tokens: 0`.
+Refused with a 400 naming the field: `document` blocks, images in `tool_result` or assistant
+turns, image sources of type `file`, server tools (web search, code execution, ...),
+`container`, `mcp_servers`, `context_management`, thinking between tool calls, `speed:
+"fast"`, `max_tokens: 0`. A text model refuses images (check_images).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from tgis.engine.types import Completion, FinishReason
 from tgis.params import GenerateParameters, GrammarSpec
-from tgis.server.chat import ChatOutput
+from tgis.server.chat import IMAGE_MEDIA_TYPES, ChatOutput
 from tgis.server.chat_turn import Segment, TurnRequest
 from tgis.server.http_errors import invalid
 from tgis.server.openai_schemas import temperature_top_p
@@ -172,24 +176,69 @@ def _messages(f: Fields) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _user_turn(blocks: list[Any], path: str) -> list[dict[str, Any]]:
-    """A user turn's blocks: tool results (tool messages, first), then its text."""
+    """A user turn's blocks: tool results (tool messages, first), then its text, or its text
+    and image parts in order when it has images (adjacent text blocks joined either way)."""
     results: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, str]] = []
     for j, raw in enumerate(blocks):
         block = Fields(raw, f"{path}[{j}]")
         kind = block.string("type")
         if kind == "text":
-            texts.append(block.required_string("text"))
+            text = block.required_string("text")
+            if parts and parts[-1]["type"] == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + BLOCK_SEPARATOR + text}
+            else:
+                parts.append({"type": "text", "text": text})
+        elif kind == "image":
+            parts.append(_image(block))
         elif kind == "tool_result":
             text = _result_text(block.data.get("content"), f"{path}[{j}].content")
             if block.boolean("is_error"):
                 text = f"Error: {text}"
             tool_use_id = block.required_string("tool_use_id")
             results.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
+        elif kind == "document":
+            raise invalid(
+                f"`{path}[{j}].type` 'document' is not served here: documents are not read; "
+                "send their text in text blocks"
+            )
         else:
-            raise _unserved(f"{path}[{j}]", kind, "text and tool_result blocks")
-    turn = [{"role": "user", "content": BLOCK_SEPARATOR.join(texts)}] if texts else []
-    return [*results, *turn]
+            raise _unserved(f"{path}[{j}]", kind, "text, image and tool_result blocks")
+    if not parts:
+        return results
+    images = any(p["type"] == "image" for p in parts)
+    return [*results, {"role": "user", "content": parts if images else parts[0]["text"]}]
+
+
+def _image(block: Fields) -> dict[str, str]:
+    """An image block as an image part (its URL is read with the request's images): a base64
+    source as a data URL, a url source as it is."""
+    source = block.obj("source")
+    if source is None:
+        raise invalid(
+            f"missing field `{block.name('source')}`: "
+            '{"type": "base64", "media_type": "image/png", "data": "..."} or '
+            '{"type": "url", "url": "..."}'
+        )
+    kind = source.string("type")
+    if kind == "base64":
+        media_type = source.required_string("media_type")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise invalid(
+                f"`{source.name('media_type')}` must be one of {', '.join(IMAGE_MEDIA_TYPES)}, "
+                f"got {media_type!r}"
+            )
+        data = source.required_string("data")
+        url = f"data:{media_type};base64,{data}"
+        return {"type": "image", "url": url, "field": source.name("data")}
+    if kind == "url":
+        return {"type": "image", "url": source.required_string("url"), "field": source.name("url")}
+    if kind == "file":
+        raise invalid(
+            f"`{source.name('type')}` 'file' is not served here: uploaded files are not stored; "
+            'send the image as a "base64" or "url" source'
+        )
+    raise invalid(f'`{source.name("type")}` must be "base64" or "url", got {kind!r}')
 
 
 def _assistant_turn(blocks: list[Any], path: str) -> dict[str, Any]:
@@ -236,6 +285,12 @@ def _result_text(content: Any, path: str) -> str:
         return content or ""
     if not isinstance(content, list):
         raise invalid(f"`{path}` must be a string or an array of text blocks")
+    for j, raw in enumerate(content):
+        if isinstance(raw, dict) and raw.get("type") == "image":
+            raise invalid(
+                f"`{path}[{j}].type` 'image' is not served here: a tool result takes text "
+                "blocks only; send the image in an image block of the user turn"
+            )
     return BLOCK_SEPARATOR.join(_text_block(raw, f"{path}[{j}]") for j, raw in enumerate(content))
 
 

@@ -88,16 +88,21 @@ async def create_message(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    """POST /v1/messages/count_tokens: the prompt's tokens, as /v1/messages would make it."""
+    """POST /v1/messages/count_tokens: the prompt's tokens, as /v1/messages would make it
+    (a vision-language model's images as the tokens its processor gives them)."""
     start = time.monotonic()
     state = get_state(request)
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
         req = parse_messages_request(body, count_only=True)
         adapter_of(state.pipeline, state.info.model_id, req.turn.model)
-        state.contract.check(COUNT_CONTRACT, body)
         text = await render_turn(state, req.turn)
-        ids = await state.pipeline.encode(text, add_special_tokens=False)
+        state.contract.check(COUNT_CONTRACT, body)
+        images = req.turn.images
+        if images:
+            ids, _ = await state.pipeline.process_images(text, images, add_special_tokens=False)
+        else:
+            ids = await state.pipeline.encode(text, add_special_tokens=False)
     except Exception as exc:
         return error_response(classify(exc), "anthropic")
     state.metrics.tokenize_request(1, len(ids), time.monotonic() - start)

@@ -59,6 +59,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 # `reasoning_effort`'s values (OpenAI's), given to the template under that name.
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+# An image's `detail` (OpenAI's Responses API): checked, and changes nothing here, as the
+# model's image processor decides the resolution.
+IMAGE_DETAILS = ("auto", "low", "high", "original")
+# The `media_type`s of Anthropic's base64 image sources.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 @dataclass(frozen=True)

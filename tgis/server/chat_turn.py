@@ -20,9 +20,10 @@ from starlette.responses import Response
 
 from tgis.engine.types import Completion
 from tgis.params import GenerateParameters
-from tgis.server.chat import ChatOutput, ChatPlan, plan_chat, render_chat
+from tgis.server.chat import ChatOutput, ChatPlan, chat_images, plan_chat, render_chat
 from tgis.server.generation import EventStream, Prepared
 from tgis.server.http_errors import ApiError, Shape, classify, error_response
+from tgis.server.images import ImageRef
 from tgis.server.openai_routes import adapter_of
 from tgis.server.sse import ClientDisconnected, unless_disconnected
 from tgis.server.state import ServerState
@@ -49,6 +50,11 @@ class TurnRequest:
     thinking_budget: int | None = None
     # Whether the reasoning is returned (it is parsed out of the answer anyway).
     include_reasoning: bool = True
+
+    @property
+    def images(self) -> list[ImageRef]:
+        """The images of the messages (their image parts), in order."""
+        return chat_images(self.messages)
 
 
 @dataclass
@@ -79,7 +85,7 @@ async def start_turn(
     adapter = adapter_of(state.pipeline, state.info.model_id, turn.model)
     prepared = await state.pipeline.prepare(
         text, plan.params, arrival=arrival, stream=False, add_special_tokens=False,
-        adapter_id=adapter,
+        adapter_id=adapter, images=turn.images,
     )  # fmt: skip
     state.contract.check(*contract)
     events = await unless_disconnected(request.receive, lambda: state.pipeline.start(prepared))
@@ -118,10 +124,12 @@ async def turn_failed(
 
 
 async def render_turn(state: ServerState, turn: TurnRequest) -> str:
-    """The turn's prompt (the chat template runs in a worker thread)."""
+    """The turn's prompt (the chat template runs in a worker thread); a 422 for images sent
+    to a model that takes none."""
+    state.pipeline.check_images(turn.images)
     return await anyio.to_thread.run_sync(
         render_chat, state.tokenizer, state.chat, turn.messages, turn.tools,
-        turn.template_kwargs, turn.prefill,
+        turn.template_kwargs, turn.prefill, state.pipeline.vision is not None,
     )  # fmt: skip
 
 

@@ -22,7 +22,12 @@ from tgis.params import (
     MIN_POSITIVE,
     RequestLimits,
 )
-from tgis.server.chat import REASONING_EFFORTS, RESERVED_TEMPLATE_KWARGS
+from tgis.server.chat import (
+    IMAGE_DETAILS,
+    IMAGE_MEDIA_TYPES,
+    REASONING_EFFORTS,
+    RESERVED_TEMPLATE_KWARGS,
+)
 from tgis.server.images import ImageLimits
 from tgis.server.tool_calls import NAME_PATTERN
 
@@ -140,6 +145,11 @@ _GRAMMAR_ENDS = (
     "ends with EOS"
 )
 _STREAMED = "a streamed request takes neither `best_of` > 1 nor `decoder_input_details`"
+_IMAGE_URL = (
+    "a data URL (`data:image/png;base64,...`: PNG, JPEG, WebP or GIF), or an http(s) URL the "
+    "server fetches only with --allow-image-urls"
+)
+_IMAGE_DETAIL = "changes nothing here: the model's image processor decides the resolution"
 _PREFIX_ID = (
     "TGIS: a tuned prompt prefix of the server's --prefix-store-path, whose virtual tokens go "
     "before the input (and count toward the token limits)"
@@ -619,11 +629,21 @@ class RequestSchemas:
             ["type", "text"], type={"enum": ["input_text", "output_text", "text"]}, text=STR
         )
         content = {"anyOf": [STR, array(text_part)]}
+        message_content = content
+        if self.images is not None:
+            image_part = obj(
+                ["type", "image_url"],
+                type={"const": "input_image"},
+                image_url={**STR, "minLength": 1, "description": _IMAGE_URL},
+                detail=null({"enum": list(IMAGE_DETAILS), "description": _IMAGE_DETAIL}),
+                file_id=NULL,
+            )
+            message_content = {"anyOf": [STR, array({"anyOf": [text_part, image_part]})]}
         message = obj(
             ["role", "content"],
             type=null({"const": "message"}),
             role={"enum": ["user", "assistant", "system", "developer"]},
-            content=content,
+            content=message_content,
         )
         call = obj(
             ["type", "call_id", "name", "arguments"],
@@ -722,10 +742,28 @@ class RequestSchemas:
             ["type", "thinking"], type={"const": "thinking"}, thinking=STR, signature=null(STR)
         )
         redacted = obj(["type"], type={"const": "redacted_thinking"}, data=null(STR))
+        blocks = [text, result]
+        if self.images is not None:
+            base64 = obj(
+                ["type", "media_type", "data"],
+                type={"const": "base64"},
+                media_type={"enum": list(IMAGE_MEDIA_TYPES)},
+                data={**STR, "description": "the image's bytes in base64"},
+            )
+            url = obj(
+                ["type", "url"], type={"const": "url"}, url={**STR, "description": _IMAGE_URL}
+            )
+            image = obj(
+                ["type", "source"],
+                type={"const": "image"},
+                source={"anyOf": [base64, url]},
+                **cache,
+            )
+            blocks.insert(1, image)
         user = obj(
             ["role", "content"],
             role={"const": "user"},
-            content={"anyOf": [STR, array({"anyOf": [text, result]}, minItems=1)]},
+            content={"anyOf": [STR, array({"anyOf": blocks}, minItems=1)]},
         )
         assistant = obj(
             ["role", "content"],

@@ -1,14 +1,19 @@
 """OpenAI's Responses API: request bodies -> chat turns, output -> response objects, and the
 bounded store that `previous_response_id` reads.
 
-Supported: `input` (a string, or items: messages with text parts, `function_call`,
-`function_call_output`; `reasoning` items are accepted and left out of the prompt, as chat
-templates drop earlier reasoning), `instructions`, `tools` (functions), `tool_choice`,
-`parallel_tool_calls`, `text.format` (text, json_object, json_schema), `max_output_tokens`,
-`temperature`, `top_p`, `reasoning.effort` (given to the chat template as `reasoning_effort`),
-`stream`, `store`, `previous_response_id`, `metadata`, `user`, `model`.
-Refused with a 422 naming the field: tools other than functions, image and file inputs,
-`background`, `conversation`, `prompt`, `truncation: auto`, `top_logprobs`, `include`.
+Supported: `input` (a string, or items: messages with text and `input_image` parts,
+`function_call`, `function_call_output`; `reasoning` items are accepted and left out of the
+prompt, as chat templates drop earlier reasoning), `instructions`, `tools` (functions),
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
+`max_output_tokens`, `temperature`, `top_p`, `reasoning.effort` (given to the chat template as
+`reasoning_effort`), `stream`, `store`, `previous_response_id`, `metadata`, `user`, `model`.
+An `input_image` part's `image_url` (a data URL, or an http(s) URL the server's policy decides
+on) becomes an image part of its message, read as the chat route reads `image_url` parts
+(tgis.server.images); its `detail` (auto, low, high, original) is checked and changes nothing:
+the model's own image processor decides the resolution.
+Refused with a 422 naming the field: tools other than functions, `input_image` by `file_id`,
+`input_file`, images in `function_call_output`, `background`, `conversation`, `prompt`,
+`truncation: auto`, `top_logprobs`, `include`. A text model refuses images (check_images).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tgis.params import GenerateParameters
+from tgis.server.chat import IMAGE_DETAILS
 from tgis.server.chat_turn import Segment, TurnRequest, new_id
 from tgis.server.http_errors import invalid
 from tgis.server.openai_schemas import response_format, temperature_top_p, template_kwargs
@@ -32,6 +38,8 @@ REFUSED = {
     "top_logprobs": "`top_logprobs` is not supported on /v1/responses: use /v1/chat/completions",
     "include": "`include` is not supported: outputs are returned whole",
 }
+# Text content parts (input messages', and the output messages' a client sends back).
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,23 @@ class ResponsesRequest:
         request's input, after its instructions."""
         if not history:
             return self.turn
-        messages = _conversation(self.instructions, (*history, *self.input_messages))
+        earlier = tuple(_earlier(m) for m in history)
+        messages = _conversation(self.instructions, (*earlier, *self.input_messages))
         return replace(self.turn, messages=messages)
+
+
+def _earlier(message: dict[str, Any]) -> dict[str, Any]:
+    """A message of a stored conversation, its images' fields saying where they came from."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [
+        {**p, "field": f"{p['field']} (of previous_response_id's conversation)"}
+        if p["type"] == "image"
+        else p
+        for p in content
+    ]
+    return {**message, "content": parts}
 
 
 def _conversation(
@@ -208,8 +231,9 @@ def _input(f: Fields) -> list[dict[str, Any]]:
                 raise invalid(
                     f"`input[{i}].role` must be user, assistant, system or developer, got {role!r}"
                 )
-            text = _text(item.data.get("content"), f"input[{i}].content")
-            messages.append({"role": "system" if role == "developer" else role, "content": text})
+            content = _content(item.data.get("content"), f"input[{i}].content")
+            role = "system" if role == "developer" else role
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {
                 "id": item.required_string("call_id"),
@@ -225,39 +249,84 @@ def _input(f: Fields) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.data.get("output")
+            output = _content(item.data.get("output"), f"input[{i}].output")
+            if isinstance(output, list):
+                field = next(p["field"] for p in output if p["type"] == "image")
+                raise invalid(
+                    f"`{field.removesuffix('.image_url')}`: images in a function_call_output "
+                    "are not served here; send the image in an input_image part of a user "
+                    "message after it"
+                )
             messages.append(
                 {
                     "role": "tool",
                     "tool_call_id": item.required_string("call_id"),
-                    "content": output if isinstance(output, str) else _text(output, f"input[{i}]"),
+                    "content": output,
                 }
             )
         elif kind != "reasoning":
+            part = kind in (*TEXT_PARTS, "input_image", "input_file")
             raise invalid(
                 f"`input[{i}].type` {kind!r} is not served here: messages, function_call, "
                 "function_call_output and reasoning items are"
+                + (f" (a {kind} part goes in a message's `content`)" if part else "")
             )
     if not messages:
         raise invalid("`input` has no message to answer")
     return messages
 
 
-def _text(content: Any, path: str) -> str:
+def _content(content: Any, path: str) -> str | list[dict[str, str]]:
+    """A message's content: its text, or, when it has input_image parts, its text and image
+    parts in order (`{"type": "image", "url", "field"}`, read later: tgis.server.images)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"`{path}` must be a string or an array of text parts")
-    texts = []
-    for j, raw in enumerate(content):
-        part = Fields(raw, f"{path}[{j}]")
-        kind = part.string("type")
-        if kind not in ("input_text", "output_text", "text"):
-            raise invalid(
-                f"`{path}[{j}].type` {kind!r} is not served here: only text parts (input_text)"
-            )
-        texts.append(part.required_string("text"))
-    return "".join(texts)
+        raise invalid(f"`{path}` must be a string or an array of input_text and input_image parts")
+    parts = [_part(raw, f"{path}[{j}]") for j, raw in enumerate(content)]
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _part(raw: Any, path: str) -> dict[str, str]:
+    part = Fields(raw, path)
+    kind = part.string("type")
+    if kind in TEXT_PARTS:
+        return {"type": "text", "text": part.required_string("text")}
+    if kind == "input_image":
+        return _image(part)
+    if kind == "input_file":
+        raise invalid(
+            f"`{path}.type` 'input_file' is not served here: files are not read; send their "
+            "text as input_text parts, images as input_image parts"
+        )
+    raise invalid(
+        f"`{path}.type` {kind!r} is not served here: text parts (input_text) and images "
+        "(input_image) are"
+    )
+
+
+def _image(part: Fields) -> dict[str, str]:
+    """An input_image part as an image part (its URL is read with the request's images)."""
+    if part.has("file_id"):
+        raise invalid(
+            f"`{part.name('file_id')}`: uploaded files are not stored here; send the image "
+            "itself as `image_url` (a data URL, `data:image/png;base64,...`)"
+        )
+    detail = part.string("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise invalid(
+            f"`{part.name('detail')}` must be one of {', '.join(IMAGE_DETAILS)}, got {detail!r} "
+            "(it changes nothing here: the model's image processor decides the resolution)"
+        )
+    url = part.string("image_url")
+    if not url:
+        raise invalid(
+            f"`{part.name('image_url')}` must be the image's URL: a data URL "
+            "(`data:image/png;base64,...`), or an http(s) URL where the server fetches them"
+        )
+    return {"type": "image", "url": url, "field": part.name("image_url")}
 
 
 # --- output -------------------------------------------------------------------------------
