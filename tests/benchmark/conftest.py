@@ -1,7 +1,10 @@
-"""Fixtures of the benchmark tests: the tiny tokenizer, small sessions, a live FakeEngine server."""
+"""Fixtures of the benchmark tests: the tiny tokenizer, small sessions, a live FakeEngine server,
+and the image a data URL holds."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +24,18 @@ SMALL = Profile(
     prompt=LengthDistribution(12, 8, 16, 3.0),
     decode=LengthDistribution(6, 4, 8, 1.0),
 )
+
+
+def open_data_url(url: str) -> tuple[str, Any]:
+    """The media type of a base64 data URL and its image, opened with Pillow (its `format`
+    is the one the bytes are in)."""
+    from PIL import Image
+
+    head, payload = url.split(",", 1)
+    assert head.startswith("data:") and head.endswith(";base64"), head
+    image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+    image.load()
+    return head[len("data:") : -len(";base64")], image
 
 
 def engine_results(steps: dict[int, tuple[float, float]]) -> dict[str, Any]:

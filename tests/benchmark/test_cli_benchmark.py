@@ -16,9 +16,11 @@ from tests.benchmark.test_results import results
 from tests.conftest import run_tgis
 from tests.server.conftest import live_server, make_config
 from tests.server.fakes import FakeEngine
+from tgis.benchmark.images import ImageSpec
+from tgis.benchmark.profiles import Profile
 from tgis.benchmark.results import validate_results, write_results
 from tgis.cli import app
-from tgis.errors import TgisError
+from tgis.errors import ConfigError, TgisError
 from tgis.server import ModelInfo, create_app
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -263,3 +265,110 @@ def test_ctrl_c_mid_run_still_writes_valid_results_and_exits_130(
     validate_results(data)
     assert data["config"]["interrupted"] is True
     assert len(data["steps"]) == 1 and data["steps"][0]["requests"]["ok"] >= 1
+
+
+UNREACHABLE = ["--url", "http://127.0.0.1:9"]  # image flags are checked before any request
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "hint"),
+    [
+        (["--images-per-prompt", "-1"], "--images-per-prompt -1 must be 0 to 64",
+         "e.g. --images-per-prompt 4"),
+        (["--images-per-prompt", "65"], "--images-per-prompt 65 must be 0 to 64",
+         "--max-images-per-request"),
+        (["--profile", "vision", "--image-size", "0x10"],
+         "--image-size 0x10: each side must be 1 to 8192 pixels", "e.g. --image-size 512x512"),
+        (["--profile", "vision", "--image-size", "640x-2"], "each side must be 1 to 8192",
+         "512x512"),
+        (["--profile", "vision", "--image-size", "9000x10"], "each side must be 1 to 8192",
+         "512x512"),
+        (["--profile", "vision", "--image-size", "640"],
+         "--image-size: '640' is not WIDTHxHEIGHT in pixels", "e.g. --image-size 512x512"),
+        (["--profile", "vision", "--image-format", "gif"], "unknown --image-format 'gif'",
+         "choose one of png, jpeg"),
+        (["--image-size", "64x64"],
+         "--image-size shapes the prompts' images, and this profile sends none",
+         "add --images-per-prompt N or use --profile vision, or drop --image-size"),
+        (["--profile", "vision", "--images-per-prompt", "0", "--repeat-images"],
+         "--unique-images/--repeat-images shapes the prompts' images, and "
+         "--images-per-prompt 0 sends none", "drop --unique-images/--repeat-images"),
+        (["--image-format", "png", "--unique-images"], "--image-format shapes",
+         "drop --image-format and --unique-images/--repeat-images"),
+        (["--images-per-prompt", "8", "--image-size", "4096x4096", "--requests", "4"],
+         "32 distinct images of 4096x4096 (1536 MiB of pixels) are more than the 768 MiB",
+         "lower --requests, --images-per-prompt or --image-size, or send the same images in "
+         "every request with --repeat-images"),
+    ],
+)  # fmt: skip
+def test_bad_image_flags_are_one_clear_error(args: list[str], message: str, hint: str) -> None:
+    result = runner.invoke(app, ["benchmark", *UNREACHABLE, *args])
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert message in str(result.exception) and hint in str(result.exception)
+    assert "\n" not in str(result.exception)
+
+
+class Stop(Exception):
+    """Raised in place of reaching the server, once the workload's profile is chosen."""
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--profile", "vision"], ImageSpec(1, 512, 512, "jpeg", unique=True)),
+        (["--profile", "chat"], None),
+        (["--profile", "vision", "--images-per-prompt", "0"], None),
+        (["--profile", "chat", "--images-per-prompt", "3"], ImageSpec(3, 512, 512, "jpeg")),
+        (["--profile", "vision", "--images-per-prompt", "2", "--image-size", "640x480",
+          "--image-format", "png", "--repeat-images"], ImageSpec(2, 640, 480, "png", False)),
+        (["--profile", "fixed-length", "--images-per-prompt", "1", "--unique-images"],
+         ImageSpec(1, 512, 512, "jpeg", unique=True)),
+    ],
+)  # fmt: skip
+def test_image_flags_shape_the_profile(
+    args: list[str], expected: ImageSpec | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tgis.benchmark import cli_helpers, target
+
+    chosen: list[Profile] = []
+    choose = cli_helpers.choose_profile
+
+    def capture(*a: Any, **k: Any) -> Profile:
+        chosen.append(choose(*a, **k))
+        return chosen[-1]
+
+    def stop(*a: Any, **k: Any) -> None:
+        raise Stop
+
+    monkeypatch.setattr(cli_helpers, "choose_profile", capture)
+    monkeypatch.setattr(target, "detect_target", stop)
+    result = runner.invoke(app, ["benchmark", *args])
+    assert isinstance(result.exception, Stop), (result.output, result.exception)
+    (profile,) = chosen
+    assert profile.images == expected and profile.name == args[1]
+
+
+def test_the_completions_api_refuses_images_naming_the_flags(local_url: str) -> None:
+    args = ["benchmark", "--url", local_url, "--api", "openai-completions", "--profile", "vision"]
+    result = runner.invoke(app, args)
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    text = str(result.exception)
+    assert text.startswith("OpenAI's completions API takes text only, and the prompts carry "
+                           "images (1 image 512x512 jpeg per request, unique)")  # fmt: skip
+    assert "use --api openai-chat or --api tgi, or --images-per-prompt 0" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--images-per-prompt", "1"], "--images-per-prompt"),
+        (["--image-size", "8x8"], "--image-size"),
+        (["--image-format", "png"], "--image-format"),
+        (["--repeat-images"], "--unique-images/--repeat-images"),
+    ],
+)
+def test_engine_mode_refuses_image_flags(args: list[str], flag: str) -> None:
+    result = runner.invoke(app, ["benchmark", "--engine", "--model-id", "x", *args])
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert str(result.exception).startswith(f"{flag} applies to a load test of a server")
+    assert f"drop {flag}, or load-test a server (--url)" in str(result.exception)

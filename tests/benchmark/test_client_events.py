@@ -1,15 +1,19 @@
-"""Stream parsing of BenchmarkClient on canned answers (httpx.MockTransport, no server)."""
+"""Stream parsing of BenchmarkClient on canned answers (httpx.MockTransport, no server), and
+the bodies it sends: images as TGI's markdown images or OpenAI chat's image_url parts."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.benchmark.conftest import open_data_url
 from tgis.benchmark.client import BenchmarkClient, RequestRecord
+from tgis.benchmark.images import data_url, make_image
 from tgis.benchmark.prompts import Turn
 
 
@@ -102,3 +106,109 @@ def test_requests_go_through_the_adapters_in_turn() -> None:
     finally:
         for client in (tgi, chat_client, plain):
             asyncio.run(client.aclose())
+
+
+IMAGES = (
+    data_url(make_image(40, 20, seed=0, index=0), "png"),
+    data_url(make_image(12, 30, seed=0, index=1), "jpeg"),
+)
+TGI_TOKEN = {"id": 1, "text": "ok", "special": False}
+TGI_DETAILS = {"finish_reason": "length", "generated_tokens": 1, "input_length": 97}
+USAGE = {"prompt_tokens": 95, "completion_tokens": 1}
+# One-token answers whose final event gives the prompt's length: 97 (TGI), 95 (OpenAI).
+FINAL: dict[str, list[Any]] = {
+    "tgi": [{"token": TGI_TOKEN, "generated_text": "ok", "details": TGI_DETAILS}],
+    "openai-chat": [chat("ok"), {"choices": [], "usage": USAGE}, "[DONE]"],
+}
+
+
+def sent(
+    api: str, turn: Turn, history: list[tuple[Turn, RequestRecord]] | None = None
+) -> tuple[dict[str, Any], RequestRecord]:
+    """The JSON body one request sent over the wire, and its record."""
+    bodies: list[dict[str, Any]] = []
+    stream = "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in FINAL[api])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=stream.encode())
+
+    async def go() -> RequestRecord:
+        transport = httpx.MockTransport(answer)
+        client = BenchmarkClient("http://test", api=api, transport=transport)  # type: ignore[arg-type]
+        try:
+            return await client.send(turn, history or [])
+        finally:
+            await client.aclose()
+
+    record = asyncio.run(go())
+    assert len(bodies) == 1
+    return bodies[0], record
+
+
+def check_images(urls: list[str]) -> None:
+    """The URLs are the turn's images: a 40x20 PNG, then a 12x30 JPEG."""
+    assert urls == list(IMAGES)
+    assert [open_data_url(u)[0] for u in urls] == ["image/png", "image/jpeg"]
+    assert [open_data_url(u)[1].format for u in urls] == ["PNG", "JPEG"]
+    assert [open_data_url(u)[1].size for u in urls] == [(40, 20), (12, 30)]
+
+
+def test_tgi_sends_markdown_images_before_the_text_and_reads_the_prompts_length() -> None:
+    body, record = sent("tgi", Turn("What is it?", 4, 8, IMAGES))
+    inputs = body["inputs"]
+    assert inputs.endswith(")What is it?")
+    found = re.findall(r"!\[\]\((data:[^)]+)\)", inputs)
+    check_images(found)
+    assert inputs == "".join(f"![]({u})" for u in found) + "What is it?"
+    assert body["parameters"] == {"max_new_tokens": 8, "details": True}
+    assert record.ok and record.prompt_tokens == 97  # the server's count: image tokens too
+
+
+def test_openai_chat_sends_image_url_parts_then_the_text() -> None:
+    body, record = sent("openai-chat", Turn("What is it?", 4, 8, IMAGES))
+    (message,) = body["messages"]
+    assert message["role"] == "user"
+    *images, text = message["content"]
+    assert text == {"type": "text", "text": "What is it?"}
+    assert all(
+        part["type"] == "image_url" and set(part) == {"type", "image_url"} for part in images
+    )
+    check_images([part["image_url"]["url"] for part in images])
+    assert record.ok and record.prompt_tokens == 95  # usage.prompt_tokens
+
+
+def test_later_turns_resend_the_first_turns_images_as_history() -> None:
+    first, second = Turn("Look.", 2, 4, IMAGES), Turn(" And now?", 3, 4)
+    answer = RequestRecord(0.0, 2, 4, output_tokens=1, text=" A dog.")
+    history = [(first, answer)]
+    body, record = sent("tgi", second, history)
+    markdown = "".join(f"![]({u})" for u in IMAGES)
+    assert body["inputs"] == markdown + "Look. A dog. And now?"
+    assert body["parameters"]["details"] is True and record.prompt_tokens == 97
+    body, _ = sent("openai-chat", second, history)
+    user, assistant, last = body["messages"]
+    check_images([p["image_url"]["url"] for p in user["content"][:-1]])
+    assert user["content"][-1] == {"type": "text", "text": "Look."}
+    assert assistant == {"role": "assistant", "content": " A dog."}
+    assert last == {"role": "user", "content": " And now?"}
+
+
+def test_text_turns_keep_their_plain_bodies() -> None:
+    body, record = sent("tgi", Turn("hi", 1, 8))
+    assert body == {"inputs": "hi", "parameters": {"max_new_tokens": 8}}
+    assert record.prompt_tokens == 97  # a final event's input_length is used when sent
+    body, _ = sent("openai-chat", Turn("hi", 1, 8))
+    assert body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_the_completions_api_cannot_carry_images() -> None:
+    client = BenchmarkClient("http://test", api="openai-completions")
+    try:
+        with pytest.raises(ValueError, match="completions API takes text only"):
+            client.body(Turn("hi", 1, 8, IMAGES), ())
+        with pytest.raises(ValueError, match="completions API takes text only"):
+            client.body(Turn("more", 1, 8), [(Turn("hi", 1, 8, IMAGES), RequestRecord(0, 1, 8))])
+        assert client.body(Turn("hi", 1, 8), ())["prompt"] == "hi"
+    finally:
+        asyncio.run(client.aclose())

@@ -6,12 +6,13 @@ import random
 
 import pytest
 
+from tgis.benchmark.images import ImageSpec
 from tgis.benchmark.profiles import PROFILES, LengthDistribution, get_profile
 
 
 def test_builtin_profiles() -> None:
     assert set(PROFILES) == {
-        "chat", "code-generation", "code-editing", "classification", "fixed-length",
+        "chat", "code-generation", "code-editing", "classification", "fixed-length", "vision",
     }  # fmt: skip
     assert get_profile("chat").turns > 1
     assert get_profile("code-generation").prompt.mean == 4096
@@ -63,3 +64,22 @@ def test_with_lengths_and_json_form() -> None:
     short = chat.with_lengths(decode=LengthDistribution.fixed(5))
     assert short.decode.mean == 5 and short.prompt == chat.prompt and short.turns == chat.turns
     assert short.to_dict()["decode"] == {"mean": 5, "minimum": 5, "maximum": 5, "spread": 0.0}
+
+
+def test_the_vision_profile_carries_images_and_the_others_none() -> None:
+    vision = get_profile("vision")
+    assert vision.images == ImageSpec(1, 512, 512, "jpeg", unique=True)
+    assert vision.turns == 1 and vision.prompt.maximum <= 128
+    assert all(p.images is None for name, p in PROFILES.items() if name != "vision")
+    assert vision.to_dict()["images"] == {
+        "per_prompt": 1, "width": 512, "height": 512, "format": "jpeg", "unique": True,
+    }  # fmt: skip
+    assert get_profile("chat").to_dict()["images"] is None
+
+
+def test_with_images_adds_or_removes_them() -> None:
+    spec = ImageSpec(3, 64, 32, "png", unique=False)
+    chat = get_profile("chat").with_images(spec)
+    assert chat.images == spec and chat.turns == get_profile("chat").turns
+    assert chat.with_lengths(decode=LengthDistribution.fixed(5)).images == spec
+    assert get_profile("vision").with_images(None).images is None

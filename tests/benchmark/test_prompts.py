@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.benchmark.conftest import SMALL
+from tests.benchmark.conftest import SMALL, open_data_url
+from tgis.benchmark.images import ImageSpec
 from tgis.benchmark.profiles import LengthDistribution, get_profile
 from tgis.benchmark.prompts import (
     ECHO_REQUEST,
@@ -69,3 +70,37 @@ def test_code_editing_prompts_hold_their_answer(tokenizer: Any) -> None:
         assert rest == code.split("\n", 1)[0] + "\n"  # the answer begins as the code did
         assert count_tokens(tokenizer, code) == 60  # three quarters of the length
         assert turn.tokens == count_tokens(tokenizer, turn.text)
+
+
+def test_images_go_to_each_sessions_first_turn_and_leave_the_texts_alone(tokenizer: Any) -> None:
+    chat = get_profile("chat").with_lengths(prompt=LengthDistribution(20, 10, 30, 5.0))
+    spec = ImageSpec(2, 24, 12, "png")
+    with_images = build_sessions(chat.with_images(spec), tokenizer, 3, seed=4)
+    plain = build_sessions(chat, tokenizer, 3, seed=4)
+    for session, text_only in zip(with_images, plain, strict=True):
+        first, *later = session.turns
+        assert len(first.images) == 2 and all(not t.images for t in later)
+        # Same texts, lengths and answer lengths as without images: another random stream.
+        assert [(t.text, t.tokens, t.max_new_tokens) for t in session.turns] == [
+            (t.text, t.tokens, t.max_new_tokens) for t in text_only.turns
+        ]
+        for url in first.images:
+            media, image = open_data_url(url)
+            assert media == "image/png" and image.size == (24, 12)
+    assert len({url for s in with_images for url in s.turns[0].images}) == 6  # unique
+    assert with_images == build_sessions(chat.with_images(spec), tokenizer, 3, seed=4)
+    repeated = build_sessions(
+        chat.with_images(ImageSpec(2, 24, 12, "png", unique=False)), tokenizer, 3, seed=4
+    )
+    assert len({s.turns[0].images for s in repeated}) == 1
+    assert "data:" not in repr(with_images[0])  # a turn's repr leaves the images out
+
+
+def test_vision_sessions(tokenizer: Any) -> None:
+    vision = get_profile("vision").with_images(ImageSpec(1, 32, 32))
+    sessions = build_sessions(vision, tokenizer, 4, seed=0)
+    for session in sessions:
+        (turn,) = session.turns
+        (url,) = turn.images
+        assert open_data_url(url)[0] == "image/jpeg"
+        assert count_tokens(tokenizer, turn.text) == turn.tokens  # the text's tokens only

@@ -1,4 +1,5 @@
-"""The tables of report.py: --engine runs compared per batch size, the token-check warning."""
+"""The tables of report.py: --engine runs compared per batch size, the token-check warning, the
+images a run's title names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from rich.table import Table
 
 from tests.benchmark.conftest import engine_results
 from tests.benchmark.test_results import results
-from tgis.benchmark.report import engine_compare_table, is_engine, token_check_warning
+from tgis.benchmark.images import ImageSpec
+from tgis.benchmark.profiles import get_profile
+from tgis.benchmark.report import (
+    engine_compare_table,
+    is_engine,
+    results_table,
+    token_check_warning,
+)
 
 # Per batch size: (prefill p50 s, decode-step p50 s).
 A = {1: (0.010, 0.002), 2: (0.016, 0.0025), 4: (0.030, 0.003)}
@@ -103,3 +111,14 @@ def test_engine_runs_compare_the_serving_loop_where_measured() -> None:
         "[green]1.0 → 0.4 (0.40x)[/]",
     ]
     assert cells(table)[1][-2:] == ["-", "-"]  # batch 2 measured no loop
+
+
+def test_the_results_title_names_the_images() -> None:
+    data = copy.deepcopy(results())
+    assert "profile chat)" in str(results_table(data).title)
+    data["config"]["profile"] = (
+        get_profile("vision").with_images(ImageSpec(3, 64, 48, "png", False)).to_dict()
+    )
+    assert str(results_table(data).title).endswith(
+        "(tgi, profile vision, 3 images 64x48 png per request, repeated)"
+    )

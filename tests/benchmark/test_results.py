@@ -116,3 +116,25 @@ def test_read_results_checks_the_version(tmp_path: Path) -> None:
     path = write_results(tmp_path / "old.json", {**results(), "schema_version": 0})
     with pytest.raises(ValueError, match="not a tgis benchmark results file of schema version 1"):
         read_results(path)
+
+
+def test_the_profiles_images_are_recorded_optional_and_checked() -> None:
+    data = copy.deepcopy(results())
+    assert data["config"]["profile"]["images"] is None  # a text profile
+    validate_results(data)
+    data["config"]["profile"] = get_profile("vision").to_dict()
+    assert data["config"]["profile"]["images"] == {
+        "per_prompt": 1, "width": 512, "height": 512, "format": "jpeg", "unique": True,
+    }  # fmt: skip
+    validate_results(data)
+    del data["config"]["profile"]["images"]  # a file written before the field existed
+    validate_results(data)
+    for breakage, where in (
+        ({"format": "gif"}, r"at config/profile/images/format: 'gif' is not one of"),
+        ({"per_prompt": 0}, r"at config/profile/images/per_prompt: 0 is less than"),
+        ({"unique": "yes"}, r"at config/profile/images/unique: 'yes' is not of type"),
+    ):
+        data["config"]["profile"] = get_profile("vision").to_dict()
+        data["config"]["profile"]["images"].update(breakage)
+        with pytest.raises(ValueError, match=where):
+            validate_results(data)

@@ -2,12 +2,14 @@
 offline with the target's tokenizer, streaming clients, load kinds, metrics, results files.
 
     sessions = build_sessions(get_profile("chat"), tokenizer, count=64, seed=0)
+    # or prompts with images: get_profile("vision"), or any profile .with_images(ImageSpec(...))
     client = BenchmarkClient(url, api="openai-chat", model="tgi")
     step = await run_throughput(client, sessions, users=8, duration=60, warmup=10)
     data = build_results(config, [summarize(step, parse_slos("ttft=500ms,itl=50ms"))])
 """
 
 from tgis.benchmark.client import APIS, BenchmarkClient, RequestRecord
+from tgis.benchmark.images import ImageSpec, image_sets
 from tgis.benchmark.load import StepResult, run_rate, run_sweep, run_throughput
 from tgis.benchmark.metrics import parse_slos, percentile, summarize
 from tgis.benchmark.profiles import PROFILES, LengthDistribution, Profile, get_profile
@@ -28,6 +30,7 @@ __all__ = [
     "RESULTS_SCHEMA",
     "SCHEMA_VERSION",
     "BenchmarkClient",
+    "ImageSpec",
     "LengthDistribution",
     "Profile",
     "RequestRecord",
@@ -37,6 +40,7 @@ __all__ = [
     "build_results",
     "build_sessions",
     "get_profile",
+    "image_sets",
     "make_prompt",
     "parse_slos",
     "percentile",

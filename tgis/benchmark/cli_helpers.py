@@ -11,6 +11,16 @@ from typing import Any
 
 from rich.console import Console
 
+from tgis.benchmark.images import (
+    DEFAULT_IMAGE_FORMAT,
+    DEFAULT_IMAGE_SIZE,
+    FORMATS,
+    MAX_IMAGE_SIDE,
+    MAX_IMAGES_PER_PROMPT,
+    MAX_POOL_PIXELS,
+    ImageSpec,
+    parse_size,
+)
 from tgis.benchmark.metrics import parse_slos
 from tgis.benchmark.profiles import LengthDistribution, Profile, get_profile
 from tgis.benchmark.prompts import Session, build_sessions
@@ -63,15 +73,80 @@ def check_options(
     return rate_list, slos
 
 
-def build_workload(
+def image_spec(
+    base: ImageSpec | None,
+    images_per_prompt: int | None,
+    image_size: str | None,
+    image_format: str | None,
+    unique_images: bool | None,
+) -> ImageSpec | None:
+    """The images of each prompt: the profile's (`base`) with --images-per-prompt,
+    --image-size, --image-format and --unique-images/--repeat-images applied; None for text
+    only. A flag that would shape no image is an error, not ignored."""
+    if images_per_prompt is not None and not 0 <= images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+        raise ConfigError(
+            f"--images-per-prompt {images_per_prompt} must be 0 to {MAX_IMAGES_PER_PROMPT}",
+            "e.g. --images-per-prompt 4 (tgis serve takes 8 per request by default, "
+            "--max-images-per-request; 0 sends text only)",
+        )
+    if images_per_prompt is not None:
+        per_prompt = images_per_prompt
+    else:
+        per_prompt = base.per_prompt if base else 0
+    if not per_prompt:
+        given = [
+            flag
+            for flag, value in (
+                ("--image-size", image_size),
+                ("--image-format", image_format),
+                ("--unique-images/--repeat-images", unique_images),
+            )
+            if value is not None
+        ]
+        if given:
+            why = "--images-per-prompt 0 sends" if images_per_prompt == 0 else "this profile sends"
+            flags = " and ".join(given)
+            raise ConfigError(
+                f"{given[0]} shapes the prompts' images, and {why} none",
+                f"add --images-per-prompt N or use --profile vision, or drop {flags}",
+            )
+        return None
+    width, height = (base.width, base.height) if base else DEFAULT_IMAGE_SIZE
+    if image_size is not None:
+        try:
+            width, height = parse_size(image_size)
+        except ValueError as exc:
+            raise ConfigError(f"--image-size: {exc}", "e.g. --image-size 512x512") from None
+        if not (1 <= width <= MAX_IMAGE_SIDE and 1 <= height <= MAX_IMAGE_SIDE):
+            raise ConfigError(
+                f"--image-size {image_size}: each side must be 1 to {MAX_IMAGE_SIDE} pixels",
+                "e.g. --image-size 512x512",
+            )
+    if image_format is not None and image_format not in FORMATS:
+        raise ConfigError(
+            f"unknown --image-format {image_format!r}", f"choose one of {', '.join(FORMATS)}"
+        )
+    return ImageSpec(
+        per_prompt,
+        width,
+        height,
+        format=image_format or (base.format if base else DEFAULT_IMAGE_FORMAT),
+        unique=unique_images if unique_images is not None else (base.unique if base else True),
+    )
+
+
+def choose_profile(
     name: str,
     prompt_tokens: int | None,
     decode_tokens: int | None,
-    tokenizer: Any,
-    requests: int,
-    seed: int,
-) -> tuple[Profile, list[Session]]:
-    """The profile `name` with --prompt-tokens/--decode-tokens applied, and its sessions."""
+    requests: int = 1,
+    images_per_prompt: int | None = None,
+    image_size: str | None = None,
+    image_format: str | None = None,
+    unique_images: bool | None = None,
+) -> Profile:
+    """The profile `name` with the --prompt-tokens/--decode-tokens and image flags applied;
+    `requests` sessions of its images must fit in MAX_POOL_PIXELS (they are built up front)."""
     try:
         profile = get_profile(name)
     except ValueError as exc:
@@ -79,12 +154,36 @@ def build_workload(
     for flag, value in (("--prompt-tokens", prompt_tokens), ("--decode-tokens", decode_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
-    profile = profile.with_lengths(
+    images = image_spec(profile.images, images_per_prompt, image_size, image_format, unique_images)
+    if images is not None and images.pool_pixels(requests) > MAX_POOL_PIXELS:
+        mib = images.pool_pixels(requests) * 3 // 2**20
+        raise ConfigError(
+            f"{images.distinct(requests)} distinct images of {images.size} ({mib} MiB of "
+            f"pixels) are more than the {MAX_POOL_PIXELS * 3 // 2**20} MiB of images the "
+            "benchmark builds before a run",
+            "lower --requests, --images-per-prompt or --image-size, or send the same images "
+            "in every request with --repeat-images",
+        )
+    return profile.with_lengths(
         prompt=LengthDistribution.fixed(prompt_tokens) if prompt_tokens else None,
         decode=LengthDistribution.fixed(decode_tokens) if decode_tokens else None,
-    )
+    ).with_images(images)
+
+
+def check_images_api(api: str, images: ImageSpec | None) -> None:
+    """Images need an API that carries them: TGI's (markdown images) or OpenAI's chat API."""
+    if images is not None and api == "openai-completions":
+        raise ConfigError(
+            "OpenAI's completions API takes text only, and the prompts carry images "
+            f"({images.describe()})",
+            "use --api openai-chat or --api tgi, or --images-per-prompt 0 for text only",
+        )
+
+
+def build_workload(profile: Profile, tokenizer: Any, requests: int, seed: int) -> list[Session]:
+    """The `requests` sessions of `profile` (from choose_profile), cut with `tokenizer`."""
     try:
-        return profile, build_sessions(profile, tokenizer, requests, seed)
+        return build_sessions(profile, tokenizer, requests, seed)
     except ValueError as exc:
         raise TgisError(f"cannot build the prompts: {exc}", "try other --prompt-tokens") from None
 

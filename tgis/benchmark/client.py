@@ -16,6 +16,13 @@ marker or an event that is not the JSON the API promises becomes the record's `e
     client = BenchmarkClient("http://127.0.0.1:3000", api="openai-chat", model="tgi")
     record = await client.send(turn, history=[])
     await client.aclose()
+
+A turn's images (data URLs) go before its text: OpenAI chat's user message is a list of
+`image_url` parts and then the text part; TGI's `inputs` starts with markdown images
+(`![](data:...)`). OpenAI's completions API takes text only, so a turn with images cannot be
+sent through it (ValueError). The prompt tokens of a request with images are the server's
+count, image tokens included: OpenAI's `usage.prompt_tokens`, TGI's `details.input_length`
+(such requests ask for `details`); a server that sends neither leaves the text's tokens.
 """
 
 from __future__ import annotations
@@ -79,12 +86,30 @@ class RequestRecord:
         return self.end - self.start
 
 
+def markdown_images(urls: Sequence[str]) -> str:
+    """Images as TGI's `inputs` writes them: one markdown image `![](url)` per URL."""
+    return "".join(f"![]({url})" for url in urls)
+
+
 def prompt_text(turn: Turn, history: Sequence[tuple[Turn, RequestRecord]]) -> str:
-    """The prompt of a plain-text API: earlier prompts and answers, then this turn's text.
+    """The prompt of a plain-text API: earlier prompts and answers, then this turn's text,
+    each turn's images as markdown images before its text.
 
     `history` pairs each earlier turn with the record of its answer.
     """
-    return "".join(t.text + answer.text for t, answer in history) + turn.text
+    earlier = "".join(markdown_images(t.images) + t.text + answer.text for t, answer in history)
+    return earlier + markdown_images(turn.images) + turn.text
+
+
+def user_message(turn: Turn) -> dict[str, Any]:
+    """OpenAI chat's user message of `turn`: its text, or its images' `image_url` parts and
+    then a text part."""
+    if not turn.images:
+        return {"role": "user", "content": turn.text}
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": url}} for url in turn.images
+    ]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": turn.text}]}
 
 
 class BenchmarkClient:
@@ -130,11 +155,20 @@ class BenchmarkClient:
 
     def body(self, turn: Turn, history: Sequence[tuple[Turn, RequestRecord]]) -> dict[str, Any]:
         """The JSON body of a streaming request for `turn` after `history`."""
+        images = bool(turn.images) or any(t.images for t, _ in history)
+        if images and self.api == "openai-completions":
+            raise ValueError(
+                "OpenAI's completions API takes text only: send images through the chat API "
+                "or TGI's"
+            )
         adapter = self.adapters[next(self._sent) % len(self.adapters)] if self.adapters else ""
         if self.api == "tgi":
             parameters = {"max_new_tokens": turn.max_new_tokens, **self.extra_parameters}
             if adapter:
                 parameters["adapter_id"] = adapter
+            if images:
+                # The final event's details then hold the prompt's length, image tokens included.
+                parameters["details"] = True
             return {"inputs": prompt_text(turn, history), "parameters": parameters}
         body: dict[str, Any] = {
             "model": adapter or self.model,
@@ -146,11 +180,11 @@ class BenchmarkClient:
         if self.api == "openai-completions":
             body["prompt"] = prompt_text(turn, history)
             return body
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         for t, answer in history:
-            messages.append({"role": "user", "content": t.text})
+            messages.append(user_message(t))
             messages.append({"role": "assistant", "content": answer.text})
-        body["messages"] = [*messages, {"role": "user", "content": turn.text}]
+        body["messages"] = [*messages, user_message(turn)]
         return body
 
     async def send(
@@ -225,6 +259,10 @@ class BenchmarkClient:
             record.special_tokens += 1
         else:
             record.text += str(token.get("text", ""))
+        details = event.get("details")
+        if isinstance(details, dict) and details.get("input_length") is not None:
+            # The server's count of the prompt (sent when asked for details) beats ours.
+            record.prompt_tokens = int(details["input_length"])
         return event.get("generated_text") is not None
 
     def _openai_event(self, event: Any, record: RequestRecord) -> None:

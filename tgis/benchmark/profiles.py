@@ -1,4 +1,5 @@
-"""Workload profiles: the length distributions of prompts and answers, and how many turns.
+"""Workload profiles: the length distributions of prompts and answers, how many turns, and the
+images each prompt carries (none but for the `vision` profile, unless asked for).
 
 A `LengthDistribution` is a normal distribution (`mean`, standard deviation `spread`) clamped to
 `[minimum, maximum]` and rounded to whole tokens; `spread=0` gives fixed lengths. Sampling only
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+
+from tgis.benchmark.images import DEFAULT_IMAGE_FORMAT, DEFAULT_IMAGE_SIZE, ImageSpec
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ class Profile:
 
     For multi-turn profiles (`turns > 1`), `prompt` is the length of each new user message; the
     request of turn k carries the prompts and answers of turns 1..k-1 before it.
+
+    With `images`, the first message of each session carries `images.per_prompt` images before
+    its text; later turns resend them with the rest of the history, so every request of the
+    session carries them. `prompt` counts text tokens only.
     """
 
     name: str
@@ -68,6 +75,7 @@ class Profile:
     # The prompt is a piece of code, a request to write it again, and its beginning: the
     # answer is mostly in the prompt (editing, reformatting, quoting).
     echo: bool = False
+    images: ImageSpec | None = None
 
     def __post_init__(self) -> None:
         if self.turns < 1:
@@ -87,6 +95,10 @@ class Profile:
             turns=turns or self.turns,
         )
 
+    def with_images(self, images: ImageSpec | None) -> Profile:
+        """A copy whose prompts carry `images` (None: text only)."""
+        return dataclasses.replace(self, images=images)
+
     def to_dict(self) -> dict[str, object]:
         """The JSON form used in results files."""
         return {
@@ -96,6 +108,7 @@ class Profile:
             "decode": self.decode.to_dict(),
             "turns": self.turns,
             "echo": self.echo,
+            "images": None if self.images is None else self.images.to_dict(),
         }
 
 
@@ -134,6 +147,14 @@ PROFILES: dict[str, Profile] = {
             "every request has the same prompt and answer lengths",
             prompt=LengthDistribution.fixed(200),
             decode=LengthDistribution.fixed(800),
+        ),
+        Profile(
+            "vision",
+            "short questions about images: by default one 512x512 jpeg per request, each "
+            "session's images new to the server",
+            prompt=LengthDistribution(mean=64, minimum=16, maximum=128, spread=24),
+            decode=LengthDistribution(mean=128, minimum=32, maximum=256, spread=48),
+            images=ImageSpec(1, *DEFAULT_IMAGE_SIZE, format=DEFAULT_IMAGE_FORMAT, unique=True),
         ),
     )
 }

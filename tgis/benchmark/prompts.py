@@ -9,17 +9,23 @@ A prompt of n tokens is a slice of the corpus, starting at a line picked by the 
 whose encoding with the target's tokenizer (without special tokens: no BOS) is exactly n ids.
 The slice is cut in text, not by decoding ids, so the server re-encodes the same n ids even
 for tokenizers that map unknown characters to `<unk>`.
+
+A profile with images gives the first turn of each session its images (data URLs, see
+`images.image_sets`), drawn from the same seed but not from the text's random stream: the texts
+of a seed are the same with images or without.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from tgis.benchmark.images import image_sets
 from tgis.benchmark.profiles import Profile
 
 CORPUS_CHARS = 4_000_000
@@ -28,11 +34,13 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib
 
 @dataclass(frozen=True)
 class Turn:
-    """One user message of `tokens` tokens, answered with at most `max_new_tokens` tokens."""
+    """One user message of `tokens` tokens, answered with at most `max_new_tokens` tokens;
+    `images` (data URLs) come before its text. `tokens` counts the text only."""
 
     text: str
     tokens: int
     max_new_tokens: int
+    images: tuple[str, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -115,10 +123,11 @@ def make_prompt(
 def build_sessions(
     profile: Profile, tokenizer: Any, count: int, seed: int, corpus: str | None = None
 ) -> list[Session]:
-    """`count` sessions of `profile`, all lengths and texts fixed by `seed`."""
+    """`count` sessions of `profile`, all lengths, texts and images fixed by `seed`."""
     rng = random.Random(seed)
+    images = image_sets(profile.images, count, seed) if profile.images else [()] * count
     sessions = []
-    for _ in range(count):
+    for index in range(count):
         turns = []
         for _ in range(profile.turns):
             tokens = profile.prompt.sample(rng)
@@ -127,6 +136,8 @@ def build_sessions(
                 turns.append(_echo_turn(tokenizer, tokens, new_tokens, rng, corpus))
                 continue
             turns.append(Turn(make_prompt(tokenizer, tokens, rng, corpus), tokens, new_tokens))
+        if images[index]:
+            turns[0] = dataclasses.replace(turns[0], images=images[index])
         sessions.append(Session(tuple(turns)))
     return sessions
 

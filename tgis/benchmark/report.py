@@ -18,6 +18,8 @@ from typing import Any
 
 from rich.table import Table
 
+from tgis.benchmark.images import describe_images
+
 # A step's token_check ratio further than this from 1 is worth a warning.
 TOKEN_CHECK_TOLERANCE = 0.10
 
@@ -40,6 +42,11 @@ def target_label(step: dict[str, Any]) -> str:
     return f"{step['target']:.2f} req/s"
 
 
+def images_label(images: Any) -> str | None:
+    """A profile's `images` in words (see images.describe_images); None without images."""
+    return describe_images(images) if isinstance(images, dict) else None
+
+
 def _get(step: dict[str, Any], path: tuple[str, ...]) -> float | None:
     value: Any = step
     for key in path:
@@ -59,10 +66,13 @@ def results_table(data: dict[str, Any], title: str | None = None) -> Table:
     steps = data["steps"]
     with_goodput = any(step.get("goodput") for step in steps)
     config = data.get("config", {})
+    profile = config.get("profile", {})
+    images = images_label(profile.get("images"))
     table = Table(
         title=title
         or f"tgis benchmark: {config.get('kind', '?')} on {config.get('url', '?')} "
-        f"({config.get('api', '?')}, profile {config.get('profile', {}).get('name', '?')})"
+        f"({config.get('api', '?')}, profile {profile.get('name', '?')}"
+        f"{', ' + images if images else ''})"
     )
     for header in ("step", "target", "requests", "errors", "output tok/s"):
         table.add_column(header, justify="left" if header in ("step", "target") else "right")

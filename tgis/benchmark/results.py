@@ -3,7 +3,8 @@
 An in-process run (`--engine`) has a config with `mode: "engine"`, no `steps` and an
 `engine_steps` array (prefill and decode timings per batch size): both fields added within
 version 1, so older files still validate. So is a step's optional `token_check` (the stream's
-token counts against the re-tokenized answers, null when no tokenizer was given).
+token counts against the re-tokenized answers, null when no tokenizer was given), and the
+profile's optional `images` (what each request carried: count, size, format, unique or not).
 
     data = build_results(config, [summarize(step, slos) for step in steps])
     validate_results(data)          # ValueError naming the offending field (needs jsonschema)
@@ -134,7 +135,24 @@ _HTTP_CONFIG = {
         "url": {"type": "string"},
         "api": {"enum": ["tgi", "openai-chat", "openai-completions"]},
         "kind": {"enum": ["throughput", "rate", "sweep"]},
-        "profile": {"type": "object", "required": ["name", "prompt", "decode", "turns"]},
+        "profile": {
+            "type": "object",
+            "required": ["name", "prompt", "decode", "turns"],
+            "properties": {
+                # Optional (added within version 1): the images of each request, or null.
+                "images": {
+                    "type": ["object", "null"],
+                    "required": ["per_prompt", "width", "height", "format", "unique"],
+                    "properties": {
+                        "per_prompt": {"type": "integer", "minimum": 1},
+                        "width": {"type": "integer", "minimum": 1},
+                        "height": {"type": "integer", "minimum": 1},
+                        "format": {"enum": ["png", "jpeg"]},
+                        "unique": {"type": "boolean"},
+                    },
+                },
+            },
+        },
         "seed": {"type": "integer"},
         # The schema every answer had to match (--json-schema), or null.
         "json_schema": {"type": ["object", "null"]},

@@ -48,7 +48,8 @@ def command(
         str,
         typer.Option(
             "--profile",
-            help="chat, code-generation, classification or fixed-length.",
+            help="chat, code-generation, code-editing, classification, fixed-length or vision "
+            "(prompts with images).",
             rich_help_panel=WORKLOAD,
         ),
     ] = "chat",
@@ -66,6 +67,44 @@ def command(
             "--decode-tokens",
             help="Fixed answer length (max_new_tokens) instead of the profile's.",
             rich_help_panel=WORKLOAD,
+        ),
+    ] = None,
+    images_per_prompt: Annotated[
+        int | None,
+        typer.Option(
+            "--images-per-prompt",
+            help="Images in every request, before the prompt's text (0: text only), with any "
+            "profile: OpenAI chat's image_url parts, TGI's markdown images.",
+            rich_help_panel=WORKLOAD,
+            show_default="vision: 1, other profiles: 0",
+        ),
+    ] = None,
+    image_size: Annotated[
+        str | None,
+        typer.Option(
+            "--image-size",
+            help="WIDTHxHEIGHT of the images, in pixels (each side 1 to 8192).",
+            rich_help_panel=WORKLOAD,
+            show_default="512x512",
+        ),
+    ] = None,
+    image_format: Annotated[
+        str | None,
+        typer.Option(
+            "--image-format",
+            help="png or jpeg: how the images are encoded.",
+            rich_help_panel=WORKLOAD,
+            show_default="jpeg",
+        ),
+    ] = None,
+    unique_images: Annotated[
+        bool | None,
+        typer.Option(
+            "--unique-images/--repeat-images",
+            help="New images for every session (the server decodes and encodes each), or the "
+            "same ones in every request (the server's prefix cache may hold them).",
+            rich_help_panel=WORKLOAD,
+            show_default="unique",
         ),
     ] = None,
     requests: Annotated[
@@ -97,7 +136,7 @@ def command(
     seed: Annotated[
         int,
         typer.Option(
-            "--seed", help="Fixes prompts, lengths and arrivals.", rich_help_panel=WORKLOAD
+            "--seed", help="Fixes prompts, images, lengths and arrivals.", rich_help_panel=WORKLOAD
         ),
     ] = 0,
     kind: Annotated[
@@ -247,6 +286,8 @@ def command(
 
       tgis benchmark --url http://127.0.0.1:3000 --profile chat --kind sweep --duration 60 \\
           --slo ttft=500ms,itl=50ms --output results.json --plot results.png
+      tgis benchmark --url http://127.0.0.1:3000 --profile vision --images-per-prompt 2 \\
+          --image-size 640x480 --kind throughput --output vision.json
       tgis benchmark --compare before.json after.json --plot compare.png
       tgis benchmark --engine --model-id MODEL --batch-sizes 1,2,4,8 --prompt-tokens 128 \\
           --decode-tokens 16 --runs 5 --output engine.json --plot engine.png
@@ -258,7 +299,9 @@ def command(
     from tgis.benchmark.cli_helpers import (
         adapter_list,
         build_workload,
+        check_images_api,
         check_options,
+        choose_profile,
         load_compared,
         read_json_schema,
         save,
@@ -287,7 +330,14 @@ def command(
             save(console, None, plot, [(name_a, a), (name_b, b)])
         return
     if engine:
-        for given, flag in ((json_schema is not None, "--json-schema"), (adapters, "--adapters")):
+        for given, flag in (
+            (json_schema is not None, "--json-schema"),
+            (adapters, "--adapters"),
+            (images_per_prompt is not None, "--images-per-prompt"),
+            (image_size is not None, "--image-size"),
+            (image_format is not None, "--image-format"),
+            (unique_images is not None, "--unique-images/--repeat-images"),
+        ):
             if given:
                 from tgis.errors import ConfigError
 
@@ -319,9 +369,14 @@ def command(
     rate_list, slos = check_options(
         kind, rates, slo, duration, warmup, max_vus, num_rates, requests
     )
+    chosen = choose_profile(
+        profile, prompt_tokens, decode_tokens, requests,
+        images_per_prompt, image_size, image_format, unique_images,
+    )  # fmt: skip
     target = detect_target(url, api, api_key)
+    check_images_api(target.api, chosen.images)
     tok, tokenizer_name = load_tokenizer(tokenizer, target.model_id)
-    chosen, sessions = build_workload(profile, prompt_tokens, decode_tokens, tok, requests, seed)
+    sessions = build_workload(chosen, tok, requests, seed)
     schema = read_json_schema(json_schema)
     client = BenchmarkClient(
         target.url,
