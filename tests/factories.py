@@ -186,7 +186,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     Deterministic: the same corpus always trains the same vocabulary.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk"]))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -195,6 +194,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS.values()), show_progress=False
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return _fast(tokenizer)
+
+
+def _fast(tokenizer: Any) -> PreTrainedTokenizerFast:
+    """A trained `tokenizers` tokenizer as transformers' fast tokenizer with SPECIAL_TOKENS."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         unk_token=SPECIAL_TOKENS["unk"],
@@ -203,6 +209,27 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         pad_token=SPECIAL_TOKENS["pad"],
         model_input_names=["input_ids", "attention_mask"],  # causal LMs take no token_type_ids
     )
+
+
+# The byte-level tokenizer's vocabulary: the specials, the 256 bytes, and merges.
+BYTE_VOCAB_SIZE = 384
+
+
+def tiny_byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's alphabet: any text round-trips) trained on `CORPUS`,
+    with <unk>=0 <s>=1 </s>=2 <pad>=3 and BYTE_VOCAB_SIZE tokens: the kind structured output
+    (llguidance) can take, which `tiny_tokenizer`'s Metaspace is not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BYTE_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return _fast(tokenizer)
 
 
 def save_model(
@@ -275,7 +302,7 @@ def make_lora_adapter(
     return peft_model.merge_and_unload().eval()
 
 
-VisionArch = Literal["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl"]
+VisionArch = Literal["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 # What a tiny vision-language template writes: each image part is the image placeholder.
 VISION_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}:"
@@ -285,21 +312,27 @@ VISION_TEMPLATE = (
 )
 
 
-def make_vision_dir(directory: Path, arch: VisionArch = "llava_next", seed: int = 0) -> Path:
+def make_vision_dir(
+    directory: Path, arch: VisionArch = "llava_next", seed: int = 0, *, byte_level: bool = False
+) -> Path:
     """A tiny random vision-language model of `arch` with its processor (the tiny tokenizer
     with the image token added, the family's image processor at 32-pixel tiles and a chat
     template whose image parts write `<image>`), saved to `directory`. Its weights are drawn
-    wider than transformers' default so that images change the greedy text."""
+    wider than transformers' default so that images change the greedy text. `byte_level`:
+    the tokenizer is `tiny_byte_level_tokenizer` instead (structured output can use it)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     if arch in ("qwen2_vl", "qwen2_5_vl"):
-        return _make_qwen_vl_dir(directory, arch, seed)
-    tokenizer = tiny_tokenizer()
+        return _make_qwen_vl_dir(directory, arch, seed, byte_level)
+    if arch == "gemma3":
+        return _make_gemma3_dir(directory, seed)
+    tokenizer = tiny_byte_level_tokenizer() if byte_level else tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tokenizer.convert_tokens_to_ids("<image>")
+    vocab = (BYTE_VOCAB_SIZE if byte_level else VOCAB_SIZE) + 8
     text = tiny_config(
-        "llama", vocab_size=VOCAB_SIZE + 8, initializer_range=0.2, max_position_embeddings=1024
+        "llama", vocab_size=vocab, initializer_range=0.2, max_position_embeddings=1024
     ).to_dict()
     if arch == "llava_next":
         from transformers import (
@@ -368,13 +401,14 @@ QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def _make_qwen_vl_dir(directory: Path, arch: str, seed: int) -> Path:
-    """A tiny random Qwen2-VL or Qwen2.5-VL: the tiny tokenizer as a Qwen2 tokenizer with the
-    vision tokens added, 4-pixel patches merged 2x2, two-section multimodal rope."""
+def _make_qwen_vl_dir(directory: Path, arch: str, seed: int, byte_level: bool = False) -> Path:
+    """A tiny random Qwen2-VL or Qwen2.5-VL: the tiny tokenizer (or the byte-level one) as a
+    Qwen2 tokenizer with the vision tokens added, 4-pixel patches merged 2x2, two-section
+    multimodal rope."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2TokenizerFast, Qwen2VLImageProcessor
 
-    plain = tiny_tokenizer()
+    plain = tiny_byte_level_tokenizer() if byte_level else tiny_tokenizer()
     tokenizer = Qwen2TokenizerFast(
         tokenizer_object=plain.backend_tokenizer, bos_token=plain.bos_token,
         eos_token=plain.eos_token, unk_token=plain.unk_token, pad_token=plain.pad_token,
@@ -384,8 +418,9 @@ def _make_qwen_vl_dir(directory: Path, arch: str, seed: int) -> Path:
     ids = dict(
         zip(QWEN_VL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS)), strict=True)
     )
+    vocab = (BYTE_VOCAB_SIZE if byte_level else VOCAB_SIZE) + 8
     text = tiny_config(
-        "qwen2", vocab_size=VOCAB_SIZE + 8, initializer_range=0.2, max_position_embeddings=1024
+        "qwen2", vocab_size=vocab, initializer_range=0.2, max_position_embeddings=1024
     ).to_dict()
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     # Sections of the rotary frequencies: temporal, height, width.
@@ -426,6 +461,65 @@ def _make_qwen_vl_dir(directory: Path, arch: str, seed: int) -> Path:
     model.save_pretrained(directory)
     image_processor.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    return directory
+
+
+# What a tiny Gemma 3 template writes for an image part, as Gemma 3's own does.
+GEMMA3_IMAGE = "<start_of_image>"
+
+
+def _make_gemma3_dir(directory: Path, seed: int) -> Path:
+    """A tiny random Gemma 3 vision-language model: the tiny tokenizer as a Gemma tokenizer
+    with the image tokens, 32-pixel images pooled to 4 rows, a sliding layer and a global one."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        Gemma3Config,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        GemmaTokenizerFast,
+    )
+
+    plain = tiny_tokenizer()
+    names = {
+        "boi_token": GEMMA3_IMAGE, "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }  # fmt: skip
+    tokenizer = GemmaTokenizerFast(
+        tokenizer_object=plain.backend_tokenizer, bos_token=plain.bos_token,
+        eos_token=plain.eos_token, unk_token=plain.unk_token, pad_token=plain.pad_token,
+        extra_special_tokens=names,
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
+    ids = tokenizer.convert_tokens_to_ids(list(names.values()))
+    text = {
+        "model_type": "gemma3_text", "vocab_size": VOCAB_SIZE + 8, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.2,
+        "max_position_embeddings": 1024, "rope_local_base_freq": 100.0,
+        "query_pre_attn_scalar": 8, "tie_word_embeddings": False,
+    }  # fmt: skip
+    vision = {
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+    }  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        boi_token_index=ids[0], eoi_token_index=ids[1], image_token_index=ids[2],
+    )  # fmt: skip
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, image_seq_length=4,
+        chat_template=VISION_TEMPLATE.replace("<image>", GEMMA3_IMAGE),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # transformers starts the projection at zero: images would not count
+        for param in model.model.multi_modal_projector.parameters():
+            param.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
     return directory
 
 

@@ -12,6 +12,14 @@ holding an adapter, loaded the first time a request names it. An adapter directo
 model's. Loaded adapters live on the serving device in the serving dtype, the factors
 transposed and scaled once (tgis.engine.types.LoraAdapter); at most --max-loras of them stay
 cached (least recently used first out; a request holding one keeps it until it ends).
+
+A vision-language model's adapters adapt its language model (`VisionNames`): PEFT on the whole
+model names its layers `base_model.model.model.language_model.layers.N...` (Llava-Next,
+Qwen2-VL and Qwen2.5-VL; Idefics3's `model.text_model`), Llava-Next adapters made before
+transformers 4.52 `base_model.model.language_model.model.layers.N...`, and an adapter of the
+text model of the same family `base_model.model.model.layers.N...` (what Qwen2-VL's
+adapters named before 4.52 too): all three apply to the language model. An adapter that
+adapts a module of the vision tower or the projector is refused, naming the module.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,13 +46,57 @@ from tgis.peft_files import PEFT_CONFIG, PeftFileError, read_config, read_weight
 ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 
 
-def _weight_pattern(modules: Iterable[str]) -> re.Pattern[str]:
+# What PEFT puts before the adapted model's own module names.
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class VisionNames:
+    """Where a vision-language model's adapters name its parts: the model type (for
+    messages), the attribute of the inner model that is the language model
+    (`VisionFamily.language_model`) and the inner model's other modules (vision tower,
+    projector: `VisionEncoder.parts`)."""
+
+    model_type: str
+    language_model: str
+    vision_parts: tuple[str, ...]
+
+    def language_prefixes(self) -> tuple[str, ...]:
+        """The module paths (less PEFT's prefix) the language model's layers may sit under:
+        transformers' layout, Llava-Next's before 4.52, and a text model's (module doc)."""
+        lm = self.language_model
+        return (f"model.{lm}.", f"{lm}.model.", "model.")
+
+    def vision_part(self, module: str) -> str | None:
+        """The vision tower or projector module path `module` (less PEFT's prefix) lies in,
+        as the model names it, or None."""
+        for part in self.vision_parts:
+            for where in (f"model.{part}", part):  # transformers' layout, the one before 4.52
+                if module == where or module.startswith(f"{where}."):
+                    return where
+        return None
+
+
+def _weight_pattern(modules: Iterable[str], vision: VisionNames | None) -> re.Pattern[str]:
     """A PEFT LoRA weight on one of `modules`:
-    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight."""
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight. A text model's may sit
+    under any prefix; a vision-language model's under its language model's alone (its vision
+    tower has layers with projections of the same names)."""
+    where = r"(?:.*\.)?"
+    if vision is not None:
+        prefixes = "|".join(re.escape(p) for p in vision.language_prefixes())
+        where = f"(?:{re.escape(PEFT_PREFIX)})?(?:{prefixes})"
     return re.compile(
-        r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(modules) + r")\.lora_([AB])"
+        rf"{where}layers\.(\d+)\.(self_attn|mlp)\.(" + "|".join(modules) + r")\.lora_([AB])"
         r"(?:\.[\w\-]+)?\.weight"
     )
+
+
+def _module_of(key: str) -> str:
+    """The module path a PEFT weight name adapts, less PEFT's prefix:
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight ->
+    model.layers.3.self_attn.q_proj."""
+    return key.split(".lora_", 1)[0].removeprefix(PEFT_PREFIX)
 
 
 class AdapterStore:
@@ -60,11 +113,14 @@ class AdapterStore:
         max_loras: int,
         max_rank: int,
         model_thread: Callable[[Callable[[], LoraAdapter]], LoraAdapter] | None = None,
+        vision: VisionNames | None = None,
     ) -> None:
         """model_thread: runs a load (which moves tensors to the device) on the thread that
-        runs the model (`Engine.call`); None: on the calling thread."""
+        runs the model (`Engine.call`); None: on the calling thread. vision: the model is a
+        vision-language one whose language model `shapes` describes (module doc)."""
         self.shapes = shapes
-        self._weight = _weight_pattern(shapes.modules)
+        self.vision = vision
+        self._weight = _weight_pattern(shapes.modules, vision)
         self.named = dict(named or {})
         self.directory = directory.resolve() if directory is not None else None
         self.dtype, self.device = dtype, device
@@ -149,17 +205,15 @@ class AdapterStore:
         for key, tensor in state.items():
             match = self._weight.fullmatch(key)
             if match is None or not isinstance(tensor, torch.Tensor):
-                raise PeftFileError(
-                    f"{file} holds {key!r}: only LoRA on the projections "
-                    f"{', '.join(self.shapes.modules)} is served for {self.shapes.family.name}"
-                )
-            layer, block, module, side = int(match[1]), match[2], match[3], match[4]
+                raise PeftFileError(self._refusal(file, key))
+            layer, module, side = int(match[1]), match[3], match[4]
             if layer >= self.shapes.num_layers:
                 raise PeftFileError(
                     f"{key} is for layer {layer}; the model has {self.shapes.num_layers} layers"
                 )
             pairs.setdefault((layer, module), {})[side] = tensor
-            paths[(layer, module)] = f"model.layers.{layer}.{block}.{module}"
+            # As PEFT matches rank_pattern and alpha_pattern: the module's path in the model.
+            paths[(layer, module)] = _module_of(key)
         if not pairs:
             raise PeftFileError(f"{file} holds no LoRA weights")
         layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -198,6 +252,30 @@ class AdapterStore:
         key = b"lora:" + name.encode() + b":" + digest.digest()[:16]
         return LoraAdapter(name, tuple(layers), key, rank)
 
+    def _refusal(self, file: str, key: str) -> str:
+        """Why weight `key` of `file` cannot be served: it adapts the vision tower or the
+        projector of a vision-language model, or a module that is not a projection."""
+        projections = ", ".join(self.shapes.modules)
+        vision = self.vision
+        if vision is not None:
+            module = _module_of(key)
+            part = vision.vision_part(module)
+            if part is not None:
+                return (
+                    f"{file} holds {key!r}, LoRA on {module}, which is in {vision.model_type}'s "
+                    f"vision tower or projector ({part}): only the language model's projections "
+                    f"({projections}) can be adapted; train the adapter with target_modules "
+                    f"that match modules under model.{vision.language_model} alone"
+                )
+            return (
+                f"{file} holds {key!r}: only LoRA on the language model's projections "
+                f"({projections}) is served for {vision.model_type}"
+            )
+        return (
+            f"{file} holds {key!r}: only LoRA on the projections {projections} is served for "
+            f"{self.shapes.family.name}"
+        )
+
 
 def _scale(config: Mapping[str, Any], module_path: str, rank: int) -> float:
     """The update's scale: lora_alpha (or alpha_pattern's match for this module) over the
@@ -210,4 +288,4 @@ def _scale(config: Mapping[str, Any], module_path: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-__all__ = ["ADAPTER_NAME", "AdapterStore", "LoraShapes"]
+__all__ = ["ADAPTER_NAME", "AdapterStore", "LoraShapes", "VisionNames"]

@@ -169,6 +169,7 @@ def scheduler_limits(
         waiting_served_ratio=ratio,
         max_waiting_tokens=steps,
         prefill_step_tokens=capacity.prefill_step_tokens,
+        whole_images=capacity.whole_images,
         queue_threshold_ms=config.gaudi.queue_threshold_ms if config.gaudi else None,
     )
 
@@ -352,13 +353,21 @@ def adapter_store(
         return None
     from transformers import AutoConfig
 
-    from tgis.adapter_store import AdapterStore, LoraShapes
+    from tgis.adapter_store import AdapterStore, LoraShapes, VisionNames
     from tgis.errors import InputValidationError
     from tgis.hub import resolve_model_dir
 
     named = {name: resolve_model_dir(path) for name, path in config.lora_adapters}
+    model_config = AutoConfig.from_pretrained(model_dir)
+    # A vision-language model's adapters adapt its language model (tgis.adapter_store).
+    encoder = getattr(backend, "vision", None)
+    vision = None
+    if encoder is not None:
+        vision = VisionNames(
+            model_config.model_type, encoder.family.language_model, encoder.parts()
+        )
     store = AdapterStore(
-        LoraShapes.of(AutoConfig.from_pretrained(model_dir).get_text_config()),
+        LoraShapes.of(model_config.get_text_config()),
         named=named,
         directory=Path(config.lora_adapter_dir) if config.lora_adapter_dir else None,
         dtype=backend.dtype,  # type: ignore[union-attr]
@@ -366,6 +375,7 @@ def adapter_store(
         max_loras=config.max_loras,
         max_rank=config.max_lora_rank,
         model_thread=engine.call,
+        vision=vision,
     )
     for name, path in config.lora_adapters:
         try:

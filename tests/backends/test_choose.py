@@ -382,6 +382,7 @@ VISION = {
         "model_type": "qwen2_5_vl",
         "text_config": {**QWEN_VL_TEXT, "model_type": "qwen2_5_vl_text"},
     },
+    "gemma3": {"model_type": "gemma3", "text_config": {**LLAMA, "model_type": "gemma3_text"}},
 }
 
 
@@ -397,9 +398,6 @@ def test_vision_language_models_run_their_language_model_in_the_paged_engine(
 
 
 def test_vision_language_models_refuse_what_they_cannot_do() -> None:
-    gemma = {"model_type": "gemma3", "text_config": {**LLAMA, "model_type": "gemma3_text"}}
-    text = refusal(gemma, backend="cpu")
-    assert text.startswith("tgis cannot serve gemma3 yet: its image rows attend to each other")
     llava = VISION["llava_next"]
     assert "--model-impl transformers: llava_next is a vision-language model" in refusal(
         llava, backend="cpu", model_impl="transformers"
@@ -410,4 +408,36 @@ def test_vision_language_models_refuse_what_they_cannot_do() -> None:
     unknown_rope = {**QWEN_VL_TEXT, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
     assert "rope type 'dynamic'" in refusal(
         {"model_type": "qwen2_vl", "text_config": unknown_rope}, backend="cpu"
+    )
+    # Tensor parallelism is the text models' alone.
+    assert refusal(llava, backend="cpu", num_shard=2) == (
+        "--num-shard 2: tensor parallelism of a vision-language model is not available yet; "
+        "llava_next is one (drop --num-shard (NUM_SHARD), or serve a text model)"
+    )
+    # A pre-quantized checkpoint: the loader reads a text model's names.
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    text = refusal({**llava, "quantization_config": gptq}, backend="cpu")
+    assert text.startswith(
+        "config.json's quantization_config (gptq): tgis reads pre-quantized checkpoints of text "
+        "models; llava_next is a vision-language model"
+    )
+    assert "serve llava_next's float checkpoint, with --quantize int8 or int4" in text
+
+
+@pytest.mark.parametrize("name", list(VISION))
+def test_vision_language_models_take_lora_adapters_and_quantize_their_language_model(
+    name: str, tmp_path: Path
+) -> None:
+    model = VISION[name]
+    kind = model["model_type"]
+    for flags in (
+        {"lora_adapters": "a=/x"},
+        {"lora_adapter_dir": str(tmp_path)},
+        {"lora_adapters": "a=/x", "quantize": "int8"},
+    ):
+        assert choose(model, backend="cpu", **flags).design == "paged", flags
+    reason = choose(model, backend="cuda", quantize="int4").reason
+    assert reason.startswith(f"the paged forward runs {kind}'s language model (")
+    assert ") over int4 (groups of 64) weights (the vision tower's unquantized); its images: " in (
+        reason
     )

@@ -196,7 +196,7 @@ def demo_app(model_dir: Any, max_total_tokens: int, **flags: Any) -> Iterator[St
     service = build_service(config, model_dir, observer=Metrics(max_total_tokens, 8))
     app = create_app(service.engine, service.tokenizer, config, service_info(service),
                      metrics=service.engine.observer,  # type: ignore[arg-type]
-                     vision=service.vision)  # fmt: skip
+                     adapters=service.adapters, vision=service.vision)  # fmt: skip
     try:
         yield app
     finally:

@@ -20,7 +20,13 @@ import torch
 from openai import OpenAI
 from text_generation import Client
 
-from tests.factories import QWEN_VL_IMAGE, make_vision_dir, qwen_vl_processor, random_image
+from tests.factories import (
+    GEMMA3_IMAGE,
+    QWEN_VL_IMAGE,
+    make_vision_dir,
+    qwen_vl_processor,
+    random_image,
+)
 from tests.server.conftest import demo_app, live_server
 
 NEW_TOKENS = 6
@@ -34,7 +40,9 @@ def data_url(image: Any, fmt: str = "PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.fixture(scope="module", params=["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(
+    scope="module", params=["llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl", "gemma3"]
+)
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
@@ -44,6 +52,7 @@ def served(
     arch = request.param
     model_dir = make_vision_dir(tmp_path_factory.mktemp(arch), arch)
     qwen = arch.startswith("qwen")
+    gemma = arch == "gemma3"
     processor = qwen_vl_processor(model_dir) if qwen else AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
 
@@ -55,19 +64,56 @@ def served(
             out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
+    def logprobs(text: str, images: list[Any]) -> list[float]:
+        """The greedy tokens' log-probabilities under transformers."""
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        tokens = out.sequences[0, inputs["input_ids"].shape[1] :]
+        return [
+            float(torch.log_softmax(score[0].float(), -1)[token])
+            for score, token in zip(out.scores, tokens, strict=True)
+        ]
+
     with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
         yield {
+            "logprobs": logprobs,
             "url": url,
             "expected": expected,
             "processor": processor,
             # What stands for an image in the processor's text, and the image token.
-            "image": QWEN_VL_IMAGE if qwen else "<image>",
-            "image_token": "<|image_pad|>" if qwen else "<image>",
+            "image": QWEN_VL_IMAGE if qwen else GEMMA3_IMAGE if gemma else "<image>",
+            "image_token": "<|image_pad|>"
+            if qwen
+            else "<image_soft_token>"
+            if gemma
+            else "<image>",
+            # What a prompt may not type: what the processor expands.
+            "typed": "<|image_pad|>" if qwen else GEMMA3_IMAGE if gemma else "<image>",
         }
 
 
 def _images() -> list[Any]:
     return [random_image(h, w, seed) for h, w, seed in IMAGES]
+
+
+def _logprobs(url: str, inputs: str) -> list[float]:
+    response = Client(url, timeout=60).generate(
+        inputs, max_new_tokens=NEW_TOKENS, decoder_input_details=False
+    )
+    return [t.logprob for t in response.details.tokens]
+
+
+def test_logprobs_equal_transformers(served: Any) -> None:
+    """The served tokens' log-probabilities are transformers' (to float32 rounding): every
+    row of the image counts as the model's attention has it (Gemma 3's both ways)."""
+    image = random_image(40, 60, 1)
+    got = _logprobs(served["url"], f"Hello ![]({data_url(image)}){TAIL}")
+    want = served["logprobs"](f"Hello {served['image']}{TAIL}", [image])
+    assert got == pytest.approx(want, abs=2e-4)
 
 
 def _generate(url: str, inputs: str) -> list[int]:
@@ -206,7 +252,7 @@ def test_a_placeholder_typed_in_the_text_is_refused(served: Any) -> None:
     response = httpx.post(
         f"{url}/generate",
         json={
-            "inputs": f"{served['image_token']} ![]({image})",
+            "inputs": f"{served['typed']} ![]({image})",
             "parameters": {"max_new_tokens": 2},
         },
     )
@@ -348,12 +394,13 @@ def test_tokenize_counts_the_image_tokens(served: Any) -> None:
     assert "would cut" in truncated(5).json()["error"]
 
 
-@pytest.mark.parametrize("arch", ["llava_next", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava_next", "qwen2_vl", "gemma3"])
 def test_prefill_chunks_that_split_an_image(
     arch: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill chunks of 16 tokens: an image's rows (and, for Qwen2-VL, its grid positions)
-    split over several steps give the same tokens as generate()."""
+    split over several steps give the same tokens as generate(); Gemma 3's image, whose rows
+    attend to each other both ways, is computed in one chunk."""
     from dataclasses import replace
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -368,15 +415,35 @@ def test_prefill_chunks_that_split_an_image(
     )
 
     model_dir = make_vision_dir(tmp_path, arch)  # type: ignore[arg-type]
-    qwen = arch.startswith("qwen")
+    qwen, gemma = arch.startswith("qwen"), arch == "gemma3"
     processor = qwen_vl_processor(model_dir) if qwen else AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     image = random_image(40, 60, 1)
-    text = f"Hello {QWEN_VL_IMAGE if qwen else '<image>'}{TAIL}"
-    inputs = processor(text=text, images=[image], return_tensors="pt")
+    placeholder = QWEN_VL_IMAGE if qwen else GEMMA3_IMAGE if gemma else "<image>"
+    image_id = processor.tokenizer.convert_tokens_to_ids(
+        "<|image_pad|>" if qwen else "<image_soft_token>" if gemma else "<image>"
+    )
+    # Words before the image until its rows cross a chunk's end (position 16).
+    for words in range(24):
+        lead = "Hello" + " a" * words
+        inputs = processor(text=f"{lead} {placeholder}{TAIL}", images=[image], return_tensors="pt")
+        rows = (inputs["input_ids"][0] == image_id).nonzero().flatten().tolist()
+        if rows[0] < 16 <= rows[-1]:
+            break
+    else:
+        raise AssertionError("no prompt puts the image across a chunk's end")
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
-    assert inputs["input_ids"].shape[1] > 3 * 16
+        out = model.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    expected = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    want = [
+        float(torch.log_softmax(score[0], -1)[token])
+        for score, token in zip(out.scores, expected, strict=True)
+    ]
+    assert inputs["input_ids"].shape[1] > 2 * 16
     with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
-        assert _generate(url, f"Hello ![]({data_url(image)}){TAIL}") == expected
+        served = f"{lead} ![]({data_url(image)}){TAIL}"
+        assert _generate(url, served) == expected
+        assert _logprobs(url, served) == pytest.approx(want, abs=2e-4)

@@ -10,6 +10,9 @@ print:
 - cpu / cuda, a model of a family the paged forward runs (models/families.py): the paged engine (paged/), over
   --num-shard tensor-parallel processes when more than one.
 - cpu / cuda, any other causal LM: transformers' forward over the slot cache (fallback/).
+- cpu / cuda, a vision-language model (tgis.vision): its language model in the paged engine,
+  with LoRA adapters and --quantize on the language model's projections; one device, and a
+  float checkpoint (a pre-quantized one is refused).
 
 It refuses, naming the setting and the fix, every option the chosen design cannot honour: the
 paged engine's options (prefix caching, CUDA graphs, speculation, LoRA) anywhere else, and what
@@ -31,6 +34,7 @@ from tgis.backends.models.families import (
     static_unsupported_reason,
 )
 from tgis.config import ENV_NAMES, ModelFacts, ServeConfig
+from tgis.config.checkpoint_quant import vision_checkpoint_refusal
 from tgis.config.parse import flag
 from tgis.errors import BackendUnavailableError, ConfigError
 from tgis.vision.families import VisionFamily, text_config, vision_family_of
@@ -113,8 +117,7 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
         return BackendChoice(config.backend, "fallback", why)
     runs = f"the paged forward runs {kind}"
     if config.quantize is not None:
-        group = f" (groups of {config.quantize_group_size})" if config.quantize_group_size else ""
-        runs = f"{runs} over {config.quantize}{group} weights"
+        runs = f"{runs} over {_quantized(config)} weights"
     if config.num_shard == 1:
         return BackendChoice(config.backend, "paged", runs)
     from tgis.backends.paged.tensor_parallel import shard_unsupported_reason
@@ -135,8 +138,9 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
 
 
 def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> BackendChoice:
-    """cpu / cuda, a vision-language model: its language model in the paged engine, when its
-    family and its language model's are ones tgis runs."""
+    """cpu / cuda, a vision-language model: its language model in the paged engine (LoRA
+    adapters and --quantize apply to its projections), when its family and its language
+    model's are ones tgis runs; on one device, from a float checkpoint."""
     kind = facts.model_type
     text = text_config(facts.config)
     reason = vision.refusal or paged_unsupported_reason(text)
@@ -151,18 +155,24 @@ def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> Bac
             "model, which only the paged engine serves",
             "drop --model-impl (TGIS_MODEL_IMPL)",
         )
+    if config.quantized_checkpoint:
+        raise vision_checkpoint_refusal(kind, config.quantize)
     _refuse(
         config,
-        ("num_shard", "lora_adapters", "lora_adapter_dir", "quantize"),
+        ("num_shard",),
         "{given}: {what} of a vision-language model is not available yet; " + f"{kind} is one",
         ", or serve a text model",
     )
-    return BackendChoice(
-        config.backend,
-        "paged",
-        f"the paged forward runs {kind}'s language model ({text.get('model_type')}); its "
-        f"images: {vision.describes}",
-    )
+    runs = f"the paged forward runs {kind}'s language model ({text.get('model_type')})"
+    if config.quantize is not None:
+        runs = f"{runs} over {_quantized(config)} weights (the vision tower's unquantized)"
+    return BackendChoice(config.backend, "paged", f"{runs}; its images: {vision.describes}")
+
+
+def _quantized(config: ServeConfig) -> str:
+    """--quantize's method as the reason says it: `int4 (groups of 64)`."""
+    group = f" (groups of {config.quantize_group_size})" if config.quantize_group_size else ""
+    return f"{config.quantize}{group}"
 
 
 def _static(config: ServeConfig, facts: ModelFacts, kind: str) -> BackendChoice:

@@ -53,6 +53,22 @@ def declared_quantization(model_dir: Path, config: Mapping[str, Any]) -> dict[st
     return {"quant_method": "gptq", **autogptq} if isinstance(autogptq, dict) else None
 
 
+def vision_checkpoint_refusal(model_type: str | None, method: str | None) -> ConfigError:
+    """Why a pre-quantized vision-language checkpoint is not served: the loader
+    (tgis.backends.common.quant_checkpoint) builds a text model's causal LM and reads its
+    projections by a text model's tensor names, and a vision-language checkpoint names its
+    language model's under its own prefix, beside a vision tower it may have quantized too."""
+    kind = model_type or "this model"
+    return ConfigError(
+        f"config.json's quantization_config ({method or 'no quant_method'}): tgis reads "
+        f"pre-quantized checkpoints of text models; {kind} is a vision-language model, whose "
+        "checkpoint stores its language model's (and maybe its vision tower's) quantized "
+        "weights under names the loader does not read",
+        f"serve {kind}'s float checkpoint, with --quantize int8 or int4 to quantize its "
+        "language model at load",
+    )
+
+
 def checkpoint_scheme(model_dir: Path, config: Mapping[str, Any]) -> CheckpointQuant | None:
     """The quantization the checkpoint in `model_dir` (its config.json `config`) declares."""
     declared = declared_quantization(model_dir, config)

@@ -60,6 +60,9 @@ class BackendCapacity:
     # Whether prompts may hold images (GenerationRequest.images): a paged backend over a
     # vision-language model, whose `encode_images` gives their features.
     images: bool = False
+    # Whether an image's rows attend to each other both ways (Gemma 3): a prefill chunk never
+    # ends inside an image, so its rows are computed together (PackedItem.spans).
+    whole_images: bool = False
     # A paged backend (`PagedBackend`): tokens per KV block; kv_tokens is then the pool's size
     # (num_blocks * block_size) and max_sequences the most sequences one step may hold.
     block_size: int | None = None
@@ -121,6 +124,10 @@ class PackedItem:
     # (ImageInput.grid): a model with multimodal rope rotates every row of the sequence by
     # them (tgis.backends.models.mrope); none: rows rotate at their own positions.
     grids: tuple[tuple[int, int, int, int], ...] = ()
+    # (start, length) positions of each of the sequence's images: a model whose image rows
+    # attend to each other both ways (BackendCapacity.whole_images) lets them; others ignore
+    # them.
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

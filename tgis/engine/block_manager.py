@@ -60,6 +60,15 @@ class ImageMark:
     image: int = 0
 
 
+def image_spans(marks: Sequence[ImageMark]) -> tuple[tuple[int, int], ...]:
+    """(start, length) of each image's positions, from its first row to its last, in order."""
+    extent: dict[int, tuple[int, int]] = {}
+    for mark in marks:
+        lo, hi = extent.get(mark.image, (mark.start, mark.start))
+        extent[mark.image] = (min(lo, mark.start), max(hi, mark.start + mark.length))
+    return tuple(sorted((lo, hi - lo) for lo, hi in extent.values()))
+
+
 def block_hash(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
     """The key of a full block: its tokens (and `extra`, what fills rows that are not their
     tokens' embeddings), chained to the key of everything before it."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tgis.engine.backend import PrefillItem
+from tgis.engine.block_manager import image_spans
 from tgis.engine.output import SampledToken
 from tgis.engine.sampling import (
     PromptDetails,
@@ -130,6 +131,7 @@ class LiveSequence:
             for index, image in enumerate(request.images)
             if image.grid is not None and index in first
         )
+        self.spans = image_spans(seq.images)
         self.started = 0.0
         self.finish_reason: FinishReason | None = None
 

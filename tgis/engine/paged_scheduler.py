@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tgis.engine.block_manager import BlockKeys, BlockManager
+from tgis.engine.block_manager import BlockKeys, BlockManager, image_spans
 from tgis.engine.scheduler import SchedulerLimits, StepKind
 from tgis.engine.sequence import SeqStatus, Sequence
 
@@ -152,9 +152,10 @@ class PagedScheduler:
             if need == 1:
                 chunks.append(self._decode(seq))
             elif need > 1 and budget > 0:
-                take = self._fit(seq, int(min(need, budget)), keep)
-                budget -= take
-                chunks.append(self._chunk(seq, take))
+                take = self._whole(seq, self._fit(seq, int(min(need, budget)), keep), keep)
+                if take:
+                    budget -= take
+                    chunks.append(self._chunk(seq, take))
         admitted = False
         held = self._held()
         while (
@@ -178,8 +179,10 @@ class PagedScheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             take = self._fit(seq, int(min(seq.uncomputed, budget)), reserve)
-            budget -= take
-            chunks.append(self._chunk(seq, take))
+            take = self._whole(seq, take, reserve)
+            if take:
+                budget -= take
+                chunks.append(self._chunk(seq, take))
             admitted = True
         self.waiting_steps = 0 if admitted else self.waiting_steps + 1
         if not chunks:
@@ -232,6 +235,24 @@ class PagedScheduler:
         block table maps them, else as many as the blocks it can take now (beyond `keep` free
         ones) give slots for; at least one (`_extend_blocks` saw to its next token's)."""
         return min(take, self.blocks.grow(seq.seq_id, seq.computed + take, keep) - seq.computed)
+
+    def _whole(self, seq: Sequence, take: int, keep: int) -> int:
+        """`take` moved so that the chunk does not end inside an image, where images are
+        computed whole (`limits.whole_images`): back to the image's start, or, for a chunk
+        that starts inside or at it, on to its end (past the prefill budget: an image is never
+        split) when blocks for it can be had now; 0: nothing this step."""
+        if not self.limits.whole_images or not seq.images:
+            return take
+        start = seq.computed
+        end = start + take
+        for lo, length in image_spans(seq.images):
+            hi = lo + length
+            if not lo < end < hi:
+                continue
+            if lo > start:
+                return lo - start
+            return hi - start if self.blocks.grow(seq.seq_id, hi, keep) >= hi else 0
+        return take
 
     def _chunk(self, seq: Sequence, count: int) -> Chunk:
         return Chunk(seq, seq.computed, count, tuple(self.blocks.block_table(seq.seq_id)))

@@ -52,6 +52,9 @@ class SchedulerLimits:
     # bigger steps gain no throughput but delay every first token of the step. The first
     # sequence of a step is admitted whatever its length (up to max_batch_prefill_tokens).
     prefill_step_tokens: int | None = None
+    # The paged engine: a prefill chunk never ends inside an image (a model whose image rows
+    # attend to each other both ways, BackendCapacity.whole_images).
+    whole_images: bool = False
     # None: first come, first served. Otherwise overdue requests first, then shortest prompts.
     queue_threshold_ms: int | None = None
 

@@ -248,7 +248,7 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
                     (live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft)
                     or bool(chunk.draft),
                     live.row_embeds(chunk.start, chunk.count), live.handle.request.adapter,
-                    live.grids,
+                    live.grids, live.spans,
                 )
                 for chunk, live in zip(step.chunks, lives, strict=True)
             ]  # fmt: skip

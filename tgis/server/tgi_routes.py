@@ -172,9 +172,8 @@ async def _tokens(state: ServerState, inputs: str, truncate: int | None) -> list
     assert vision is not None
     spans = [(start, end) for start, end, _ in markdown_images(inputs)]
     tokens = await anyio.to_thread.run_sync(
-        tokenize_with_images, state.tokenizer, inputs, spans, vision.placeholder,
-        vision.image_token_id, ids,
-    )  # fmt: skip
+        tokenize_with_images, state.tokenizer, inputs, spans, vision.placeholder, ids
+    )
     return tokens[len(ids) - len(kept) :]
 
 

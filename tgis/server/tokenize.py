@@ -55,20 +55,23 @@ def tokenize_with_images(
     inputs: str,
     images: Sequence[tuple[int, int]],
     placeholder: str,
-    image_token_id: int,
     ids: Sequence[int],
 ) -> list[dict[str, Any]]:
     """The SimpleTokens of a prompt with markdown images: `ids` are the processor's tokens
     of `inputs` with each image's markdown (character spans `images`) replaced by
-    `placeholder` (which holds `image_token_id`). The text tokens keep their spans in `inputs`; the tokens the processor
-    put in a placeholder's place span that image's markdown. (The tokenizer splits at the
-    placeholder, a special token, so the text on either side tokenizes alike in both.)"""
-    text, to_inputs = _with_placeholders(inputs, images, placeholder)
+    `placeholder`. The text tokens keep their spans in `inputs`; the tokens the processor put
+    in a placeholder's place (its image tokens, and the markers it writes around them) span
+    that image's markdown. (The tokenizer splits at the placeholder, made of special tokens,
+    so the text on either side tokenizes alike in both.)"""
+    text, marks, to_inputs = _with_placeholders(inputs, images, placeholder)
     encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
-    # The placeholder's image token matches none of the processor's: the whole expansion
-    # then replaces it.
-    plain = [-1 if i == image_token_id else i for i in encoding["input_ids"]]
     plain_spans = list(encoding["offset_mapping"])
+    # A placeholder's own tokens match none of the processor's: its whole expansion then
+    # replaces them.
+    plain = [
+        -1 if any(t0 <= start < t1 for t0, t1 in marks) else token
+        for token, (start, _) in zip(encoding["input_ids"], plain_spans, strict=True)
+    ]
     spans: list[tuple[int, int]] = []
     matcher = SequenceMatcher(None, plain, list(ids), autojunk=False)
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():
@@ -85,9 +88,10 @@ def tokenize_with_images(
 
 def _with_placeholders(
     inputs: str, images: Sequence[tuple[int, int]], placeholder: str
-) -> tuple[str, Any]:
-    """`inputs` with each image span replaced by `placeholder`, and the map of a character
-    span of that text back to `inputs` (a span touching a placeholder widens to its image)."""
+) -> tuple[str, list[tuple[int, int]], Any]:
+    """`inputs` with each image span replaced by `placeholder`, the placeholders' character
+    spans in that text, and the map of a character span of that text back to `inputs` (a
+    span touching a placeholder widens to its image)."""
     parts: list[str] = []
     # (start in text, end in text, start in inputs, end in inputs) of each placeholder.
     marks: list[tuple[int, int, int, int]] = []
@@ -115,4 +119,4 @@ def _with_placeholders(
     def to_inputs(start: int, stop: int) -> tuple[int, int]:
         return position(start, False), max(position(stop, True), position(start, False))
 
-    return "".join(parts), to_inputs
+    return "".join(parts), [(t0, t1) for t0, t1, _, _ in marks], to_inputs

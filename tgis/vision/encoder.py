@@ -37,6 +37,15 @@ class VisionEncoder:
         self.device = parameter.device
         self.dtype = parameter.dtype
 
+    def parts(self) -> tuple[str, ...]:
+        """The inner model's modules other than the language model, by attribute name: the
+        vision tower and the projector (what a LoRA adapter may not adapt)."""
+        return tuple(
+            name
+            for name, _module in self.inner.named_children()
+            if name != self.family.language_model
+        )
+
     def vision_bytes(self) -> int:
         """Bytes of the weights that are not the language model's."""
         language = getattr(self.inner, self.family.language_model)
@@ -70,6 +79,9 @@ class VisionEncoder:
             values = torch.cat([p["pixel_values"] for p in pixels]).to(self.dtype)
             grids = torch.cat([p["image_grid_thw"] for p in pixels])
             features = list(self.inner.get_image_features(values, grids))
+        elif name == "gemma3":
+            values = torch.cat([p["pixel_values"] for p in pixels]).to(self.dtype)
+            features = list(self.inner.get_image_features(values))  # [images, rows, hidden]
         else:  # families.py refuses the others before a model is loaded
             raise ValueError(f"no image encoder for the {name} family")
         for image, rows in zip(images, features, strict=True):

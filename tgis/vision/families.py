@@ -31,6 +31,8 @@ class VisionFamily:
     # The model type whose causal LM class holds its language model, where transformers
     # maps its text config to none (None: AutoModelForCausalLM takes the text config).
     causal_model_type: str | None = None
+    # Whether an image's rows attend to each other both ways (not only to earlier rows).
+    bidirectional: bool = False
 
 
 FAMILIES: tuple[VisionFamily, ...] = (
@@ -60,10 +62,10 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily(
         "gemma3",
         ("gemma3",),
-        "SigLIP tower at 896x896, pooled to 256 rows",
+        "SigLIP tower at 896x896, pooled to 256 rows that attend to each other both ways; "
+        "the language model is Gemma 3",
         "language_model",
-        refusal="its image rows attend to each other both ways within an image, which the "
-        "paged forward's causal attention does not do",
+        bidirectional=True,
     ),
 )
 _BY_TYPE = {t: family for family in FAMILIES for t in family.model_types}

@@ -98,7 +98,9 @@ class ImageProcessor:
         the digests that identify them) -> token ids and one ImageInput per image.
         ProcessorMismatch when the image tokens the processor wrote are not the images' rows
         (a placeholder missing or extra)."""
-        written = text.count(str(self.processor.image_token))
+        # Gemma 3's processor expands its begin-of-image token; the others their image token.
+        marker = self.placeholder if self.family.name == "gemma3" else self.processor.image_token
+        written = text.count(str(marker))
         if written != len(images):
             raise ProcessorMismatch(
                 f"the text holds {written} image placeholders for {len(images)} images"
@@ -201,6 +203,14 @@ def split_pixels(
             )
             start += size
         return out
+    if family.name == "gemma3":
+        # pixel_values [images, 3, h, w]: one resized image each (no pan-and-scan crops).
+        if len(outputs["pixel_values"]) != n:
+            raise ProcessorMismatch(
+                f"the processor made {len(outputs['pixel_values'])} images of {n} (pan and "
+                "scan crops are not taken)"
+            )
+        return [{"pixel_values": outputs["pixel_values"][i : i + 1]} for i in range(n)]
     raise ProcessorMismatch(f"no split of processed images for the {family.name} family")
 
 

@@ -19,7 +19,11 @@ import torch
 
 from tgis.backends.common.gemm import decode_matmul_seconds
 from tgis.config import DTYPES
-from tgis.config.checkpoint_quant import checkpoint_scheme
+from tgis.config.checkpoint_quant import (
+    checkpoint_scheme,
+    declared_quantization,
+    vision_checkpoint_refusal,
+)
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -192,12 +196,17 @@ def load_model(
     model_dir: Path, device: torch.device, dtype: str | None, num_threads: int | None = None
 ) -> tuple[PreTrainedModel, VisionEncoder | None]:
     """The causal LM in `model_dir` (as `load_causal_lm`), or a vision-language model's
-    language model with its vision encoder (tgis.vision.encoder)."""
+    language model with its vision encoder (tgis.vision.encoder); a ConfigError for a
+    pre-quantized vision-language checkpoint (`vision_checkpoint_refusal`)."""
     from tgis.vision.families import vision_family_of
 
     config = json.loads((model_dir / "config.json").read_text())
     if vision_family_of(config) is None:
         return load_causal_lm(model_dir, device, dtype, num_threads), None
+    declared = declared_quantization(model_dir, config)
+    if declared is not None:
+        method = declared.get("quant_method") if isinstance(declared, dict) else None
+        raise vision_checkpoint_refusal(config.get("model_type"), method)
     from tgis.vision.encoder import load_vision_lm
 
     loaded, chosen = _prepare(model_dir, device, dtype, num_threads)

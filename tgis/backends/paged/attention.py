@@ -277,12 +277,16 @@ def step_metadata(
     num_blocks: int = 0,
     kv_heads: int = 1,
     flash: bool = False,
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> StepMetadata:
     """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
     `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
     model's layers use (None: full attention); `num_blocks` / `kv_heads`: the pool's, which
     the plain-torch path's gather indices need; `flash`: the pool is laid out for flash
-    attention (`KVPool.flash`)."""
+    attention (`KVPool.flash`). `spans[i]`: (start, length) position runs of sequence i whose
+    rows attend to each other both ways (a Gemma 3 image's; plain torch only)."""
+    if spans is not None and flash:
+        raise ValueError("flash attention over KV pages has only causal masks")
     width = max(len(t) for t in block_tables)
     table = torch.tensor(
         [list(blocks) + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.int32
@@ -310,6 +314,7 @@ def step_metadata(
                 slots_of(block_tables[i], 0, kv_lens[i], block_size),
                 device,
                 windows,
+                spans[i] if spans is not None else (),
             )
             for i, q in enumerate(query_lens)
             if q > 1
@@ -370,15 +375,22 @@ def _prefill_run(
     slots: list[int],
     device: torch.device,
     windows: Sequence[int | None],
+    spans: Sequence[tuple[int, int]] = (),
 ) -> _PrefillRun:
     kv_len, q = len(slots), q_end - q_start
     positions = torch.arange(kv_len - q, kv_len)[None]
-    masks = {
-        w: None
-        if q == kv_len and (w is None or q <= w)
-        else host_to_device(causal_mask(positions, kv_len, w), device)
-        for w in set(windows)
-    }
+    # Rows of a span among the queries see the span's every row (both ways).
+    both = [(lo, lo + n) for lo, n in spans if lo + n > kv_len - q and lo < kv_len]
+    masks = {}
+    for w in set(windows):
+        if not both and q == kv_len and (w is None or q <= w):
+            masks[w] = None
+            continue
+        mask = causal_mask(positions, kv_len, w)
+        for lo, hi in both:
+            rows = slice(max(lo - (kv_len - q), 0), min(hi, kv_len) - (kv_len - q))
+            mask[..., rows, lo : min(hi, kv_len)] = True
+        masks[w] = host_to_device(mask, device)
     return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
 
 

@@ -150,6 +150,11 @@ class PagedTorchBackend:
         self.kv_shape = native_kv_shape(model)
         # Flash attention where it runs and the model's attention allows it.
         self.model_needs = torch_attention_reason(model.config)
+        # Gemma 3's image rows attend to each other both ways: masks flash attention's varlen
+        # kernel has no form for.
+        self.bidirectional = vision is not None and vision.family.bidirectional
+        if self.bidirectional:
+            self.model_needs = "its image rows attend to each other both ways"
         self.kv_dtype = kv_cache_dtype or self.dtype
         if kv_cache_dtype is not None and kv_cache_dtype != self.dtype:
             self.model_needs = (
@@ -230,6 +235,7 @@ class PagedTorchBackend:
             # Adapters are not sharded: tensor parallelism serves the base model only.
             lora=parallel is None,
             images=vision is not None,
+            whole_images=self.bidirectional,
         )
         self.vision = vision
         logger.info(
@@ -462,6 +468,7 @@ class PagedTorchBackend:
             pool.num_blocks,
             pool.kv_heads,
             pool.flash,
+            [item.spans for item in items] if self.bidirectional else None,
         )
         ids: list[int] = []
         rows: list[int] = []
