@@ -371,7 +371,7 @@ def test_load_backend_reads_a_pre_quantized_checkpoint(tmp_path: Path) -> None:
 QWEN_VL_TEXT = {
     "model_type": "qwen2_vl_text", "num_hidden_layers": 2, "hidden_size": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]},
+    "intermediate_size": 128, "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]},
 }  # fmt: skip
 VISION = {
     "llava_next": {"model_type": "llava_next", "text_config": LLAMA},
@@ -395,6 +395,11 @@ def test_vision_language_models_run_their_language_model_in_the_paged_engine(
     kind = VISION[name]["model_type"]
     assert f"the paged forward runs {kind}'s language model" in choice.reason
     assert "its images: " in choice.reason
+    sharded = choose(VISION[name], backend="cpu", num_shard=2)
+    assert (sharded.design, sharded.shards) == ("paged", 2)
+    assert "tensor-parallel (the vision tower whole on the first shard); its images: " in (
+        sharded.reason
+    )
 
 
 def test_vision_language_models_refuse_what_they_cannot_do() -> None:
@@ -409,10 +414,10 @@ def test_vision_language_models_refuse_what_they_cannot_do() -> None:
     assert "rope type 'dynamic'" in refusal(
         {"model_type": "qwen2_vl", "text_config": unknown_rope}, backend="cpu"
     )
-    # Tensor parallelism is the text models' alone.
-    assert refusal(llava, backend="cpu", num_shard=2) == (
-        "--num-shard 2: tensor parallelism of a vision-language model is not available yet; "
-        "llava_next is one (drop --num-shard (NUM_SHARD), or serve a text model)"
+    # Sharded: the language model's widths must divide, and LoRA runs on one device.
+    assert "--num-shard 3: " in refusal(llava, backend="cpu", num_shard=3)
+    assert refusal(llava, backend="cpu", num_shard=2, lora_adapters="a=/x").startswith(
+        "--lora-adapters a=/x: LoRA adapters runs on one device; --num-shard 2 runs sharded"
     )
     # A pre-quantized checkpoint: the loader reads a text model's names.
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}

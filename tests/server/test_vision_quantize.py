@@ -74,11 +74,19 @@ def served(
     model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     reference = dequantized_reference(model, quantization)
 
-    def expected(text: str, images: list[Any]) -> list[int]:
+    def expected(text: str, images: list[Any]) -> tuple[list[int], list[float]]:
+        """The reference's greedy tokens, and at each the gap between its two likeliest."""
         inputs = processor(text=text, images=images or None, return_tensors="pt")
         with torch.no_grad():
-            out = reference.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
+            out = reference.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        gaps = [
+            float(score[0].float().log_softmax(-1).topk(2).values.diff().abs())
+            for score in out.scores
+        ]
+        return out.sequences[0, inputs["input_ids"].shape[1] :].tolist(), gaps
 
     flags = {"quantize": quantization.method, "quantize_group_size": quantization.group_size}
     with demo_app(model_dir, 1024, **flags) as app, live_server(app) as (url, _):
@@ -103,7 +111,8 @@ def _generate(url: str, inputs: str) -> list[int]:
 
 
 def test_image_prompts_give_the_dequantized_references_tokens(served: dict[str, Any]) -> None:
-    """Two image prompts and a text-only one at once: each is the reference's generate()."""
+    """Two image prompts and a text-only one, one at a time: each is the reference's
+    generate(); then at once, in one batch."""
     url, expected, image = served["url"], served["expected"], served["image"]
     one, two = random_image(40, 60, 1), random_image(64, 30, 2)
     prompts = [
@@ -113,10 +122,22 @@ def test_image_prompts_give_the_dequantized_references_tokens(served: dict[str, 
          [one, two]),
     ]  # fmt: skip
     wanted = [expected(text, images) for _, text, images in prompts]
+    assert [_generate(url, p[0]) for p in prompts] == [tokens for tokens, _ in wanted]
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: _generate(url, p[0]), prompts))
-    assert got == wanted
-    assert wanted[0] != wanted[2]  # the images count
+    for tokens, (reference, gaps) in zip(got, wanted, strict=True):
+        # Equal, up to a near-tie that a batch may break the other way: int8's kernel runs
+        # steps of few rows, and a step of more rows multiplies the dequantized weight
+        # (common/quant.py, INT8_KERNEL_ROWS), which rounds otherwise; the tokens before it
+        # agree.
+        differ = next(
+            (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None
+        )
+        if differ is None:
+            assert tokens == reference
+        else:
+            assert gaps[differ] < 0.05, (tokens, reference, gaps)
+    assert wanted[0][0] != wanted[2][0]  # the images count
 
 
 def test_the_language_model_is_quantized_and_the_vision_tower_untouched(

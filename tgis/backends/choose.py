@@ -120,11 +120,17 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
         runs = f"{runs} over {_quantized(config)} weights"
     if config.num_shard == 1:
         return BackendChoice(config.backend, "paged", runs)
+    return _sharded(config, dict(facts.config), f"{runs}, tensor-parallel")
+
+
+def _sharded(config: ServeConfig, model_config: dict[str, Any], runs: str) -> BackendChoice:
+    """The paged engine over --num-shard processes, for the (language) model whose config.json
+    is `model_config`, when its widths divide and the options run sharded."""
     from tgis.backends.paged.tensor_parallel import shard_unsupported_reason
 
     sharded = config.label("num_shard", config.num_shard)
     shard_reason = shard_unsupported_reason(
-        dict(facts.config), config.num_shard, config.quantize_group_size
+        model_config, config.num_shard, config.quantize_group_size
     )
     if shard_reason is not None:
         raise ConfigError(f"{sharded}: {shard_reason}", "pick one of the values named")
@@ -134,7 +140,7 @@ def choose_backend(config: ServeConfig, facts: ModelFacts) -> BackendChoice:
         "{given}: {what} runs on one device; " + f"{sharded} runs sharded steps eagerly",
         ", or serve on one device (--num-shard 1)",
     )
-    return BackendChoice(config.backend, "paged", f"{runs}, tensor-parallel", config.num_shard)
+    return BackendChoice(config.backend, "paged", runs, config.num_shard)
 
 
 def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> BackendChoice:
@@ -157,15 +163,12 @@ def _vision(config: ServeConfig, facts: ModelFacts, vision: VisionFamily) -> Bac
         )
     if config.quantized_checkpoint:
         raise vision_checkpoint_refusal(kind, config.quantize)
-    _refuse(
-        config,
-        ("num_shard",),
-        "{given}: {what} of a vision-language model is not available yet; " + f"{kind} is one",
-        ", or serve a text model",
-    )
     runs = f"the paged forward runs {kind}'s language model ({text.get('model_type')})"
     if config.quantize is not None:
         runs = f"{runs} over {_quantized(config)} weights (the vision tower's unquantized)"
+    if config.num_shard > 1:
+        runs = f"{runs}, tensor-parallel (the vision tower whole on the first shard)"
+        return _sharded(config, dict(text), f"{runs}; its images: {vision.describes}")
     return BackendChoice(config.backend, "paged", f"{runs}; its images: {vision.describes}")
 
 

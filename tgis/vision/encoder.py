@@ -11,7 +11,7 @@ here, where `encode` runs the model's own `get_image_features` over the step's i
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ class VisionEncoder:
         self.family = family
         self.model = model  # the whole ForConditionalGeneration (its language model is shared)
         self.inner = model.model  # type: ignore[union-attr]
-        parameter = next(self.inner.get_input_embeddings().parameters())
+        parameter = next(getattr(self.inner, self.parts()[0]).parameters())
         self.device = parameter.device
         self.dtype = parameter.dtype
 
@@ -50,7 +50,7 @@ class VisionEncoder:
         """Bytes of the weights that are not the language model's."""
         language = getattr(self.inner, self.family.language_model)
         shared = {id(p) for p in language.parameters()}
-        shared |= {id(p) for p in self.model.get_output_embeddings().parameters()}
+        shared |= {id(p) for p in self.model.lm_head.parameters()}
         return sum(
             p.numel() * p.element_size() for p in self.model.parameters() if id(p) not in shared
         )
@@ -96,23 +96,63 @@ class VisionEncoder:
 def language_model_view(model: PreTrainedModel, family: VisionFamily) -> PreTrainedModel:
     """The language model of `model` with its output head, as a causal LM of its own family:
     the same modules (no copy), so the paged forward reads them like any text model's."""
-    from transformers import AutoModelForCausalLM
 
     config = model.config.get_text_config()  # type: ignore[union-attr]
     with torch.device("meta"):
-        if family.causal_model_type is None:
-            causal = AutoModelForCausalLM.from_config(config)
-        else:  # a text config transformers maps to no causal LM: its family's class
-            from transformers import AutoConfig
-
-            settings = {k: v for k, v in config.to_dict().items() if k != "model_type"}
-            causal = AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(family.causal_model_type, **settings)
-            )
-            causal.config = config
+        causal = causal_lm(config, family)
     causal.model = getattr(model.model, family.language_model)  # type: ignore[union-attr]
     causal.lm_head = model.get_output_embeddings()
     return causal.eval()
+
+
+def causal_lm(config: Any, family: VisionFamily, **kwargs: Any) -> PreTrainedModel:
+    """A causal LM of the language model's family with text config `config` (built where
+    torch's default device says; `kwargs` for from_config), which keeps `config` itself."""
+    from transformers import AutoModelForCausalLM
+
+    if family.causal_model_type is None:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    # A text config transformers maps to no causal LM: its family's class.
+    from transformers import AutoConfig
+
+    settings = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    causal = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(family.causal_model_type, **settings), **kwargs
+    )
+    causal.config = config
+    return causal
+
+
+def checkpoint_name(family: VisionFamily, name: str, present: Container[str]) -> str:
+    """The checkpoint's name of the language model's tensor `name` (as a causal LM names it:
+    `model.layers.0...`, `lm_head.weight`): under `model.<language model>.` (transformers'
+    layout since 4.52), `<language model>.model.` (before), or the causal LM's own name
+    (Qwen2-VL's first checkpoints); `name` itself when none is present."""
+    lm = family.language_model
+    if name.startswith("model."):
+        rest = name.removeprefix("model.")
+        candidates = [f"model.{lm}.{rest}", f"{lm}.model.{rest}", name]
+    else:
+        candidates = [name, f"{lm}.{name}"]
+    return next((c for c in candidates if c in present), name)
+
+
+def load_vision_tower(model_dir: Path, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    """The vision tower and projector of the vision-language model in `model_dir` alone, on
+    `device` in `dtype` (the language model dropped once read: tensor parallelism's first
+    shard, whose language model is its slices)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    family = vision_family_of(config.to_dict())
+    if family is None:
+        raise ValueError(f"{model_dir}: model_type {config.model_type!r} is not a vision family")
+    model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, config=config, dtype=dtype)
+    setattr(model.model, family.language_model, torch.nn.Module())
+    model.lm_head = torch.nn.Module()
+    encoder = VisionEncoder(family, model.to(device).eval())
+    log.info("vision tower and projector: %.1f MiB", encoder.vision_bytes() / 2**20)
+    return encoder
 
 
 def load_vision_lm(

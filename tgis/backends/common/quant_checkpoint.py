@@ -344,18 +344,21 @@ def float_state(
     checkpoint: Checkpoint,
     quantized: set[str],
     read: Callable[[str, str, torch.Tensor], torch.Tensor],
+    rename: Callable[[str], str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`model`'s float tensors from `checkpoint`: `read(name, source, target)` for each entry
     of its state but the `quantized` ones (a tied lm_head read from the embeddings); a
-    ConfigError naming the parameters the checkpoint lacks."""
+    ConfigError naming the parameters the checkpoint lacks. `rename`: the checkpoint's name of
+    the model's tensor (a vision-language checkpoint's language model); None: the same."""
     tied = bool(model.config.tie_word_embeddings)
+    named = rename or (lambda name: name)
     state: dict[str, torch.Tensor] = {}
     for name, target in model.state_dict().items():
         if name in quantized:
             continue
-        source = name
+        source = named(name)
         if source not in checkpoint and name == "lm_head.weight" and tied:
-            source = "model.embed_tokens.weight"
+            source = named("model.embed_tokens.weight")
         if source in checkpoint:  # buffers (rotary tables) are built by the model itself
             state[name] = read(name, source, target)
     missing = [n for n, _ in model.named_parameters() if n not in state and n not in quantized]

@@ -108,6 +108,7 @@ class PagedTorchBackend:
         quantization: Quantization | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         vision: VisionEncoder | None = None,
+        bidirectional_images: bool = False,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -126,7 +127,9 @@ class PagedTorchBackend:
         packed. kv_cache_dtype: the pool's dtype where it is not the model's (a float8 one,
         `--kv-cache-dtype`: attention through plain torch, which widens what it gathers).
         vision: the vision tower of a vision-language model whose language model `model` is
-        (tgis.vision.encoder): prompts may hold images."""
+        (tgis.vision.encoder): prompts may hold images. bidirectional_images: the model's
+        image rows attend to each other both ways (Gemma 3), as `vision`'s family says, or,
+        for a tensor-parallel shard without the tower, as given."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -152,7 +155,9 @@ class PagedTorchBackend:
         self.model_needs = torch_attention_reason(model.config)
         # Gemma 3's image rows attend to each other both ways: masks flash attention's varlen
         # kernel has no form for.
-        self.bidirectional = vision is not None and vision.family.bidirectional
+        self.bidirectional = bidirectional_images or (
+            vision is not None and vision.family.bidirectional
+        )
         if self.bidirectional:
             self.model_needs = "its image rows attend to each other both ways"
         self.kv_dtype = kv_cache_dtype or self.dtype

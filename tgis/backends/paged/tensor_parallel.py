@@ -46,6 +46,7 @@ from tgis.backends.models.parallel import TensorParallel
 from tgis.config import ServeConfig
 from tgis.config.checkpoint_quant import checkpoint_scheme
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.types import ImageInput
 from tgis.errors import ConfigError
 
 log = logging.getLogger("tgis.backends.paged.tensor_parallel")
@@ -172,11 +173,18 @@ def load_shard(
     model_dir: Path, rank: int, world: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Any, TensorParallel]:
     """Rank `rank`'s part of the model, read slice by slice from the safetensors files (a
-    pre-quantized checkpoint's projections read whole, then cut, common/quant_checkpoint.py)."""
+    pre-quantized checkpoint's projections read whole, then cut, common/quant_checkpoint.py;
+    a vision-language model's language model under its checkpoint's names)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
+    from tgis.vision.encoder import causal_lm, checkpoint_name
+    from tgis.vision.families import vision_family_of
+
     config = AutoConfig.from_pretrained(model_dir)
+    vision = vision_family_of(config.to_dict())
+    if vision is not None:
+        config = config.get_text_config()
     scheme = checkpoint_scheme(model_dir, config.to_dict())
     group = scheme.group_size if scheme is not None else None
     reason = shard_unsupported_reason(config.to_dict(), world, group)
@@ -187,11 +195,14 @@ def load_shard(
         model = empty_model(local, dtype, device)
     else:
         with no_init_weights(), torch.device(device):
-            model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+            if vision is None:
+                model = AutoModelForCausalLM.from_config(local, dtype=dtype)
+            else:
+                model = causal_lm(local, vision, dtype=dtype)
 
     def read(name: str, source: str, target: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `source`, the vocabulary padded, a row-parallel bias once."""
-        part = _slice_of(source, config, rank, world)
+        part = _slice_of(name, config, rank, world)
         view = checkpoint.view(source)
         if part is None:
             tensor = view[:]
@@ -199,7 +210,7 @@ def load_shard(
             dim, ranges = part
             pieces = [view[a:b] if dim == 0 else view[:, a:b] for a, b in ranges]
             tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-        if source in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
             padded = torch.zeros(target.shape, dtype=tensor.dtype)
             padded[: tensor.shape[0]] = tensor
             tensor = padded
@@ -210,7 +221,14 @@ def load_shard(
     parallel = TensorParallel(rank, world, config.vocab_size)
     with Checkpoint(model_dir) as checkpoint:
         if scheme is None:
-            model.load_state_dict(float_state(model, checkpoint, set(), read), strict=False)
+            rename = None
+            if vision is not None:
+                family = vision
+
+                def rename(name: str) -> str:
+                    return checkpoint_name(family, name, checkpoint)
+
+            model.load_state_dict(float_state(model, checkpoint, set(), read, rename), strict=False)
             return model.eval(), parallel
         quantized = attach_stored(
             model, checkpoint, scheme, lambda name: _slice_of(name, config, rank, world)
@@ -298,10 +316,17 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
     from tgis.backends.common.device import resolve_dtype
     from tgis.backends.common.kv import kv_dtype
     from tgis.backends.paged.backend import PagedTorchBackend
+    from tgis.vision.encoder import load_vision_tower
+    from tgis.vision.families import vision_family_of
 
     device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
     dtype = resolve_dtype(device, settings.dtype, None)
-    model, tp = load_shard(Path(settings.model_dir), rank, settings.world, dtype, device)
+    model_dir = Path(settings.model_dir)
+    model, tp = load_shard(model_dir, rank, settings.world, dtype, device)
+    # A vision-language model: the first shard encodes the images (whole), and the features
+    # reach the others with each step (PackedItem.embeds).
+    family = vision_family_of(json.loads((model_dir / "config.json").read_text()))
+    vision = load_vision_tower(model_dir, device, dtype) if family and rank == 0 else None
     return PagedTorchBackend(
         model,
         max_sequences=settings.max_sequences,
@@ -314,6 +339,8 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         packed_weights=None,
         quantization=settings.quantization,
         kv_cache_dtype=kv_dtype(settings.kv_cache_dtype),
+        vision=vision,
+        bidirectional_images=family is not None and family.bidirectional,
     )
 
 
@@ -429,6 +456,10 @@ class TensorParallelBackend:
     @property
     def capacity(self) -> BackendCapacity:
         return self.inner.capacity
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """The images' features, from the first shard's vision tower."""
+        return self.inner.encode_images(images)
 
     def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
         payload = [_with_cpu_embeds(item) if item.embeds else item for item in items]
