@@ -66,17 +66,7 @@ def served(
 
     def logprobs(text: str, images: list[Any]) -> list[float]:
         """The greedy tokens' log-probabilities under transformers."""
-        inputs = processor(text=text, images=images, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(
-                **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-        tokens = out.sequences[0, inputs["input_ids"].shape[1] :]
-        return [
-            float(torch.log_softmax(score[0].float(), -1)[token])
-            for score, token in zip(out.scores, tokens, strict=True)
-        ]
+        return greedy_oracle(model, processor(text=text, images=images, return_tensors="pt"))[1]
 
     with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
         yield {
@@ -98,6 +88,21 @@ def served(
 
 def _images() -> list[Any]:
     return [random_image(h, w, seed) for h, w, seed in IMAGES]
+
+
+def greedy_oracle(model: Any, inputs: Any) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens on processed `inputs`, and their log-probabilities."""
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = [
+        float(torch.log_softmax(score[0].float(), -1)[token])
+        for score, token in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
 
 
 def _logprobs(url: str, inputs: str) -> list[float]:
@@ -432,16 +437,7 @@ def test_prefill_chunks_that_split_an_image(
             break
     else:
         raise AssertionError("no prompt puts the image across a chunk's end")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-            return_dict_in_generate=True,
-        )  # fmt: skip
-    expected = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    want = [
-        float(torch.log_softmax(score[0], -1)[token])
-        for score, token in zip(out.scores, expected, strict=True)
-    ]
+    expected, want = greedy_oracle(model, inputs)
     assert inputs["input_ids"].shape[1] > 2 * 16
     with demo_app(model_dir, 1024) as app, live_server(app) as (url, _):
         served = f"{lead} ![]({data_url(image)}){TAIL}"

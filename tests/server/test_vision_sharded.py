@@ -23,7 +23,7 @@ from tests.factories import (
     random_image,
 )
 from tests.server.conftest import demo_app, live_server
-from tests.server.test_vision_routes import NEW_TOKENS, TAIL, data_url
+from tests.server.test_vision_routes import NEW_TOKENS, TAIL, data_url, greedy_oracle
 from tgis.backends.paged.tensor_parallel import TensorParallelBackend
 
 PLACEHOLDERS = {"llava_next": "<image>", "qwen2_vl": QWEN_VL_IMAGE, "gemma3": GEMMA3_IMAGE}
@@ -44,16 +44,7 @@ def test_two_shards_serve_images_as_transformers_does(arch: VisionArch, tmp_path
     inputs = processor(
         text=f"Hello {PLACEHOLDERS[arch]}{TAIL}", images=[image], return_tensors="pt"
     )
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-            return_dict_in_generate=True,
-        )  # fmt: skip
-    expected = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(score[0], -1)[token])
-        for score, token in zip(out.scores, expected, strict=True)
-    ]
+    expected, logprobs = greedy_oracle(model, inputs)
     text_only = processor.tokenizer("Hello world", return_tensors="pt")
     with torch.no_grad():
         plain = model.generate(**text_only, max_new_tokens=NEW_TOKENS, do_sample=False)
