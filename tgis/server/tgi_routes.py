@@ -145,7 +145,7 @@ async def tokenize(request: Request) -> Response:
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
         req = parse_tgi_request(body)
-        state.pipeline.check_length(req.inputs)
+        state.pipeline.check_length(state.pipeline.markdown(req.inputs)[0])
         state.contract.check("GenerateRequest", body)
         tokens = await _tokens(state, req.inputs, req.params.truncate)
     except Exception as exc:
