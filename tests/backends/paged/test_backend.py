@@ -482,3 +482,28 @@ def test_a_float8_pool_gives_generates_tokens_over_rounded_keys_and_values(
     torch.testing.assert_close(last, hf.float(), atol=1e-4, rtol=0)
     unrounded = hf_logits(model, (*prompt, 11))[-1]
     assert (last - unrounded).abs().max() > 1e-3  # the rounding shows
+
+
+def test_a_decode_graph_rotates_rows_after_an_image_at_their_grid_positions() -> None:
+    """A decode row of a sequence with an image grid (multimodal rope): the graph's position
+    buffer holds the row's rotary position (its index less the grid's rope delta) while its
+    KV length stays its index + 1, and the logits are the eager step's."""
+    kw = {"max_sequences": 4, "max_sequence_tokens": 64, "max_prefill_tokens": 64}
+    api = EagerDecodeApi()
+    eager = PagedTorchBackend(fresh("llama", seed=6), kv_tokens=32 * 4, block_size=4, **kw)
+    graphed = PagedTorchBackend(
+        fresh("llama", seed=6), kv_tokens=32 * 4, block_size=4, graph_api=api, **kw
+    )
+    graphed.warmup(4, 20)
+    prompt, table = PROMPTS[0], tuple(range(31, 11, -4))
+    grids = ((1, 1, 2, 3),)  # rows 1..6 a 2x3 grid: later rows sit 6 - 3 = 3 positions back
+    for backend in (eager, graphed):  # (a llama model: the prompt's rows rotate as text)
+        backend.forward([PackedItem(0, tuple(prompt), 0, table)])
+    step = [PackedItem(0, (5,), len(prompt), table, grids=grids)]
+    expected = eager.forward(step).last
+    api.replays_asked.clear()
+    torch.testing.assert_close(graphed.forward(step).last, expected, atol=1e-5, rtol=0)
+    assert api.replays_asked == [1]
+    assert graphed.graphs is not None
+    assert graphed.graphs.positions[0].item() == len(prompt) - 3
+    assert graphed.graphs.seqused_k[0].item() == len(prompt) + 1

@@ -538,6 +538,7 @@ class PagedTorchBackend:
             [item.start for item in items],
             [slots_of(item.block_table, item.start, item.start + 1, size)[0] for item in items],
             [item.block_table for item in items],
+            rope_positions(items, [1] * len(items)) if any(i.grids for i in items) else None,
         )
 
     @staticmethod
