@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tgis.engine.types import GenerationRequest
-from tgis.errors import InputValidationError, OverloadedError
+from tgis.errors import OverloadedError
 from tgis.params import GenerateParameters, truncate_ids
 from tgis.server import playground
 from tgis.server.generation import (
@@ -24,7 +24,7 @@ from tgis.server.generation import (
     timing_headers,
 )
 from tgis.server.http_errors import SHUTTING_DOWN, ApiError, classify, error_response, tgi_body
-from tgis.server.images import markdown_images
+from tgis.server.images import ImageRef, markdown_images
 from tgis.server.metrics import CONTENT_TYPE
 from tgis.server.schemas import TgiRequest, parse_tgi_request, read_json
 from tgis.server.sse import (
@@ -36,7 +36,7 @@ from tgis.server.sse import (
 )
 from tgis.server.state import ServerState, get_state
 from tgis.server.tgi_json import generate_response, sse, stream_event
-from tgis.server.tokenize import tokenize_with_images, tokenize_with_offsets
+from tgis.server.tokenize import check_truncate, tokenize_with_images, tokenize_with_offsets
 
 
 async def generate(request: Request) -> Response:
@@ -145,26 +145,28 @@ async def tokenize(request: Request) -> Response:
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
         req = parse_tgi_request(body)
-        state.pipeline.check_length(state.pipeline.markdown(req.inputs)[0])
+        text, refs = state.pipeline.markdown(req.inputs)
+        state.pipeline.check_length(text)
         state.contract.check("GenerateRequest", body)
-        tokens = await _tokens(state, req.inputs, req.params.truncate)
+        tokens = await _tokens(state, req.inputs, text, refs, req.params.truncate)
     except Exception as exc:
         return error_response(classify(exc))
     state.metrics.tokenize_request(1, len(tokens), time.monotonic() - start)
     return JSONResponse(tokens)
 
 
-async def _tokens(state: ServerState, inputs: str, truncate: int | None) -> list[dict[str, Any]]:
-    """/tokenize's tokens of `inputs`; a vision-language model's markdown images become the
-    tokens the processor writes for them (which count toward every limit)."""
+async def _tokens(
+    state: ServerState, inputs: str, text: str, refs: list[ImageRef], truncate: int | None
+) -> list[dict[str, Any]]:
+    """/tokenize's tokens of `inputs` (`text` and `refs`: as `Pipeline.markdown` reads it); a
+    vision-language model's markdown images become the tokens the processor writes for them
+    (which count toward every limit)."""
     pipeline = state.pipeline
-    text, refs = pipeline.markdown(inputs)
     if not refs:
         return await anyio.to_thread.run_sync(
             tokenize_with_offsets, state.tokenizer, inputs, truncate
         )
-    if truncate is not None and truncate <= 0:
-        raise InputValidationError(f"`truncate` must be strictly positive. Given: {truncate}")
+    check_truncate(truncate)
     ids, images = await pipeline.process_images(text, refs, add_special_tokens=True)
     kept = truncate_ids(ids, truncate)
     shift_images(images, len(ids) - len(kept))  # a 422 when it would cut into an image

@@ -14,6 +14,12 @@ from tgis.errors import InputValidationError
 from tgis.params import truncate_ids
 
 
+def check_truncate(truncate: int | None) -> None:
+    """TGI's refusal of a `truncate` that keeps no token."""
+    if truncate is not None and truncate <= 0:
+        raise InputValidationError(f"`truncate` must be strictly positive. Given: {truncate}")
+
+
 def tokenize_with_offsets(tokenizer: Any, text: str, truncate: int | None) -> list[dict[str, Any]]:
     """TGI's SimpleToken list: {id, text, start, stop}, with `start`/`stop` in bytes of `text`.
 
@@ -21,8 +27,7 @@ def tokenize_with_offsets(tokenizer: Any, text: str, truncate: int | None) -> li
     tokens, as generation does. Tokenizers without offsets (slow, Python ones) give each
     token's decoded text and a 0..0 span, as TGI does without a fast tokenizer.
     """
-    if truncate is not None and truncate <= 0:
-        raise InputValidationError(f"`truncate` must be strictly positive. Given: {truncate}")
+    check_truncate(truncate)
     try:
         encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
         offsets: list[tuple[int, int]] | None = list(encoding["offset_mapping"])
