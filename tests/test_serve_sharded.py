@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,22 +16,9 @@ import grpc
 import httpx
 import pytest
 
-from tests.server.conftest import live_server
-from tgis.config import LauncherArgs, ModelFacts, build_serve_config
+from tests.shards import PARAMETERS, PROMPTS, free_port, one_shard_answers
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
-from tgis.hub import read_model_config
-from tgis.launch import build_service, service_info
-from tgis.server import Metrics, create_app
-
-PROMPTS = ["def fibonacci(n):", "import os", "class Tree:"]
-PARAMETERS = {"max_new_tokens": 12, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shards(pid: int) -> list[int]:
@@ -65,21 +51,7 @@ def children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def one_shard(demo_model_dir: Path) -> list[str]:
     """The answers of the same server settings on one device, in process."""
-    facts = ModelFacts.from_config(*read_model_config(demo_model_dir))
-    args = LauncherArgs(max_total_tokens=256, backend="cpu", dtype="float32")
-    config = build_serve_config(args, facts, {"WARMUP_ENABLED": "false"})
-    svc = build_service(config, demo_model_dir, observer=Metrics(256, 8))
-    app = create_app(svc.engine, svc.tokenizer, config, service_info(svc))
-    try:
-        with live_server(app) as (url, _):
-            return [
-                httpx.post(
-                    f"{url}/generate", json={"inputs": p, "parameters": PARAMETERS}, timeout=60
-                ).json()["generated_text"]
-                for p in PROMPTS
-            ]
-    finally:
-        svc.stop()
+    return one_shard_answers(demo_model_dir)
 
 
 @contextmanager

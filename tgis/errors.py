@@ -43,5 +43,9 @@ class OverloadedError(TgisError):
     """More requests in flight than --max-concurrent-requests (HTTP 429)."""
 
 
+class NodeError(TgisError):
+    """A node of a multi-node server that never joined, does not match the others, or is gone."""
+
+
 class GenerationError(TgisError):
     """The backend failed while generating (HTTP 424)."""

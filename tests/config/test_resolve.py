@@ -760,3 +760,60 @@ def test_lora_adapter_settings(tmp_path: Path) -> None:
     assert f"--lora-adapter-dir {tmp_path / 'none'} is not a directory" in error_of(
         backend="cpu", lora_adapter_dir=str(tmp_path / "none")
     )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_multi_node_settings_from_torchrun_variables(backend: str) -> None:
+    env = {
+        "NUM_SHARD": "16", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29600", "TGIS_SOCKET_IFNAME": "eth1", "TGIS_JOIN_TIMEOUT_S": "90",
+        "TGIS_NODE_TIMEOUT_S": "12",
+    }  # fmt: skip
+    config = build(LLAMA31, env, backend=backend)
+    assert (config.num_shard, config.nnodes, config.node_rank) == (16, 2, 1)
+    assert (config.master_addr, config.master_port, config.socket_ifname) == (
+        "10.0.0.1", 29600, "eth1",
+    )  # fmt: skip
+    assert (config.join_timeout_s, config.node_timeout_s) == (90.0, 12.0)
+    # A flag wins over its variable; one node by default.
+    assert build(LLAMA31, env, backend=backend, node_rank=0).node_rank == 0
+    plain = build(LLAMA31, backend=backend, num_shard=2)
+    assert (plain.nnodes, plain.node_rank, plain.socket_ifname) == (1, 0, None)
+    assert (plain.join_timeout_s, plain.node_timeout_s) == (600.0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            {"num_shard": 3, "nnodes": 2, "master_addr": "10.0.0.1"},
+            "--num-shard 3 does not divide over --nnodes 2: every node runs the same number "
+            "of shards (set --num-shard to a multiple of 2",
+        ),
+        (
+            {"num_shard": 4, "nnodes": 2, "node_rank": 2, "master_addr": "10.0.0.1"},
+            "--node-rank 2 is not a node of --nnodes 2 (number the nodes 0 to 1",
+        ),
+        (
+            {"num_shard": 4, "nnodes": 2},
+            "--master-addr (derived: 127.0.0.1) is a loopback address, which the other nodes "
+            "of --nnodes 2 cannot reach (set --master-addr (MASTER_ADDR) to node 0's address",
+        ),
+        (
+            {"num_shard": 4, "nnodes": 2, "master_addr": "localhost"},
+            "--master-addr localhost is a loopback address",
+        ),
+        ({"nnodes": 0}, "--nnodes 0 must be >= 1"),
+        ({"node_rank": -1}, "--node-rank -1 must be >= 0"),
+        ({"num_shard": 2, "node_timeout_s": 0.0}, "--node-timeout-s 0.0 must be a positive"),
+        ({"num_shard": 2, "join_timeout_s": -1.0}, "--join-timeout-s -1.0 must be a positive"),
+    ],
+)
+def test_multi_node_settings_are_checked(flags: dict[str, object], expected: str) -> None:
+    assert error_of(LLAMA31, backend="cpu", **flags).startswith(expected)
+
+
+def test_multi_node_is_refused_on_the_one_host_backends() -> None:
+    message = error_of(LLAMA31, backend="tpu", nnodes=2, node_rank=1)
+    assert message.startswith("--nnodes 2: the tpu backend runs on one host")
+    assert "drop --nnodes and --node-rank" in message

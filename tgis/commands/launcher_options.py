@@ -75,6 +75,44 @@ MasterAddr = Annotated[
     str | None, _opt("master_addr", DEVICE, "Where the shards of --num-shard meet.")
 ]
 MasterPort = Annotated[int | None, _opt("master_port", DEVICE, "The shards' rendezvous port.")]
+Nnodes = Annotated[
+    int | None,
+    _opt(
+        "nnodes",
+        DEVICE,
+        "Hosts the --num-shard shards span (num-shard / nnodes on each); node 0 serves, the "
+        "others only compute.",
+    ),
+]
+NodeRank = Annotated[
+    int | None,
+    _opt(
+        "node_rank",
+        DEVICE,
+        "This host's node: 0 serves (at --master-addr), 1 to nnodes-1 run their shards only.",
+    ),
+]
+SocketIfname = Annotated[
+    str | None,
+    _opt(
+        "socket_ifname",
+        DEVICE,
+        "Network interface the shards talk over (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME).",
+        "those variables; across nodes gloo's is the interface towards --master-addr",
+    ),
+]
+JoinTimeoutS = Annotated[
+    float | None,
+    _opt("join_timeout_s", DEVICE, "Seconds start-up waits for every node to join."),
+]
+NodeTimeoutS = Annotated[
+    float | None,
+    _opt(
+        "node_timeout_s",
+        DEVICE,
+        "Seconds a node may stay silent before the server (and every node) stops.",
+    ),
+]
 Sharded = Annotated[
     str | None, _opt("sharded", DEVICE, "Shard the model: true or false.", "false", metavar="BOOL")
 ]
@@ -487,6 +525,11 @@ OPTIONS: dict[str, Any] = {
     "sharded": Sharded,
     "master_addr": MasterAddr,
     "master_port": MasterPort,
+    "nnodes": Nnodes,
+    "node_rank": NodeRank,
+    "socket_ifname": SocketIfname,
+    "join_timeout_s": JoinTimeoutS,
+    "node_timeout_s": NodeTimeoutS,
     "prefill_mode": PrefillMode,
     "model_impl": ModelImpl,
     "quantize": Quantize,

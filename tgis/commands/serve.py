@@ -43,6 +43,10 @@ def command(
       tgis serve                       # the bundled demo model, port 3000
       tgis serve --model-id bigscience/bloom-560m --max-total-tokens 2048 --port 8080
       tgis serve --check --backend tpu --max-batch-size 4 --max-total-tokens 1024
+
+      # one model over two hosts' GPUs: node 0 serves, node 1 runs its shards
+      tgis serve --model-id MODEL --num-shard 16 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+      tgis serve --model-id MODEL --num-shard 16 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1
     """
     import logging
 
@@ -63,6 +67,17 @@ def command(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.node_rank > 0:
+        from tgis.backends.paged.tensor_parallel import ShardSettings, serve_node
+
+        settings = ShardSettings.of(config, model_dir)
+        ranks = settings.layout.describe(config.node_rank)
+        console.print(
+            f"[green]Running[/] {ranks} of {config.model_id} over {config.nnodes} nodes; "
+            f"node 0 at {config.master_addr}:{config.master_port} serves"
+        )
+        serve_node(settings)
+        return
     metrics = Metrics(config.max_total_tokens, config.batch_slots)
     # The model loads, warms up and runs on this thread: torch keeps one OpenMP team.
     service = build_service(config, model_dir, observer=metrics, start_engine=False, choice=choice)

@@ -28,6 +28,9 @@ ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"
 ENV_NAMES["grpc"] = "TGIS_GRPC"
 ENV_NAMES["playground"] = "TGIS_PLAYGROUND"
 ENV_NAMES["allow_image_urls"] = "TGIS_ALLOW_IMAGE_URLS"
+ENV_NAMES["socket_ifname"] = "TGIS_SOCKET_IFNAME"
+ENV_NAMES["join_timeout_s"] = "TGIS_JOIN_TIMEOUT_S"
+ENV_NAMES["node_timeout_s"] = "TGIS_NODE_TIMEOUT_S"
 # Other launchers' names of a setting (alias -> the field it sets): TGI 1.x's
 # --max-input-length and TGIS's flags and variables, so a deployment's settings move over as
 # they are. Giving both names of one setting is an error.
@@ -49,6 +52,10 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 1024,
     "master_addr": "127.0.0.1",
     "master_port": 29500,
+    "nnodes": 1,
+    "node_rank": 0,
+    "join_timeout_s": 600.0,
+    "node_timeout_s": 30.0,
     "max_request_body_bytes": 2_000_000,
     "max_stored_responses": 1000,
     "max_images_per_request": 8,

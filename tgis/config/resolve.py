@@ -186,6 +186,11 @@ def build_serve_config(
         prefix_store_path=values["prefix_store_path"],
         master_addr=values["master_addr"] or DEFAULTS["master_addr"],
         master_port=values["master_port"] or DEFAULTS["master_port"],
+        nnodes=values["nnodes"] or DEFAULTS["nnodes"],
+        node_rank=values["node_rank"] or DEFAULTS["node_rank"],
+        socket_ifname=values["socket_ifname"] or None,
+        join_timeout_s=values["join_timeout_s"] or DEFAULTS["join_timeout_s"],
+        node_timeout_s=values["node_timeout_s"] or DEFAULTS["node_timeout_s"],
         max_request_body_bytes=values["max_request_body_bytes"]
         or DEFAULTS["max_request_body_bytes"],
         max_stored_responses=DEFAULTS["max_stored_responses"]

@@ -57,6 +57,7 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "max_batch_total_tokens",
         "max_batch_size",
         "num_shard",
+        "nnodes",
         "port",
         "max_new_tokens",
         "max_request_body_bytes",
@@ -74,6 +75,7 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
         "max_waiting_tokens",
         "max_stored_responses",
         "max_images_per_request",
+        "node_rank",
     ):
         if values[name] is not None and values[name] < 0:
             raise ConfigError(
@@ -90,7 +92,13 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
             f"{r.label('speculate', speculate)} must be in [0, {MAX_SPECULATE}]",
             f"set {flag('speculate')} to the draft tokens to verify per step, such as 4 (0: off)",
         )
-    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+    for name in (
+        "header_timeout_s",
+        "body_timeout_s",
+        "keep_alive_timeout_s",
+        "join_timeout_s",
+        "node_timeout_s",
+    ):
         seconds = values[name]
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
             raise ConfigError(
@@ -216,7 +224,14 @@ def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
             raise ConfigError(
                 f"{r.label('master_port', port)} is not a port", "use a port from 1 to 65535"
             )
+        check_nodes(values, r, num_shard)
         return num_shard
+    if (values["nnodes"] or 1) > 1:
+        raise ConfigError(
+            f"{r.label('nnodes', values['nnodes'])}: the {backend} backend runs on one host "
+            "(multi-node tensor parallelism is the cpu and cuda backends')",
+            "drop --nnodes and --node-rank (NNODES, NODE_RANK)",
+        )
     if backend != "neuron":
         if num_shard > 1 or sharded:
             given = r.label("num_shard", num_shard) if num_shard > 1 else r.label("sharded", "true")
@@ -239,6 +254,44 @@ def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
             "drop --sharded, or re-export the model with tgis export-neuron --num-cores 2 or more",
         )
     return num_shard
+
+
+def check_nodes(values: dict[str, Any], r: Sources, num_shard: int) -> None:
+    """--nnodes K and --node-rank R: --num-shard N's ranks over K hosts, N / K on each."""
+    nnodes = values["nnodes"] or 1
+    node_rank = values["node_rank"] or 0
+    if node_rank >= nnodes:
+        raise ConfigError(
+            f"{r.label('node_rank', node_rank)} is not a node of {r.label('nnodes', nnodes)}",
+            f"number the nodes 0 to {nnodes - 1}: 0 where the server runs (--master-addr), "
+            "1 and up on the others",
+        )
+    if nnodes == 1:
+        return
+    if num_shard % nnodes:
+        raise ConfigError(
+            f"{r.label('num_shard', num_shard)} does not divide over {r.label('nnodes', nnodes)}: "
+            "every node runs the same number of shards",
+            f"set --num-shard to a multiple of {nnodes} (the shards of one node times {nnodes})",
+        )
+    addr = values["master_addr"] or DEFAULTS["master_addr"]
+    if _loopback(addr):
+        raise ConfigError(
+            f"{r.label('master_addr', addr)} is a loopback address, which the other nodes of "
+            f"{r.label('nnodes', nnodes)} cannot reach",
+            "set --master-addr (MASTER_ADDR) to node 0's address on the network the nodes share",
+        )
+
+
+def _loopback(addr: str) -> bool:
+    import ipaddress
+
+    if addr.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:  # a host name: resolved when the nodes meet
+        return False
 
 
 def check_draft_model(values: dict[str, Any], r: Sources, num_shard: int) -> None:

@@ -92,6 +92,14 @@ class LauncherArgs:
     # Tensor parallelism's rendezvous (torch.distributed), as TGI and TGIS name it.
     master_addr: str | None = None
     master_port: int | None = None
+    # Multi-node tensor parallelism (torchrun's names): the hosts the shards span, this host's
+    # place among them, the network interface the shards talk over, and how long start-up
+    # waits for every node and a running server for a silent one.
+    nnodes: int | None = None
+    node_rank: int | None = None
+    socket_ifname: str | None = None
+    join_timeout_s: float | None = None
+    node_timeout_s: float | None = None
     # TGIS's names for the same settings (tgis.config.env.ALIASES).
     model_name: str | None = None
     max_sequence_length: int | None = None
@@ -311,6 +319,15 @@ class ServeConfig:
     # Where the shards of --num-shard > 1 meet (torch.distributed's TCP rendezvous).
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Multi-node: --num-shard's ranks over `nnodes` hosts, num_shard / nnodes on each; this
+    # host is node `node_rank` (0 serves HTTP/gRPC, the others only compute). The interface
+    # gloo and NCCL bind (None: theirs to pick, or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME);
+    # seconds start-up waits for every node; seconds a running node may stay silent.
+    nnodes: int = 1
+    node_rank: int = 0
+    socket_ifname: str | None = None
+    join_timeout_s: float = 600.0
+    node_timeout_s: float = 30.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     # Where each setting given by the user came from: field -> `--flag` or `ENV_NAME`.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from tests.engine.test_engine import PROMPTS, collect, request, run
 from tests.factories import save_model, tiny_model
 from tgis.backends.common.quant import Quantization
+from tgis.backends.paged import tensor_parallel
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.tensor_parallel import (
     ShardSettings,
@@ -186,6 +187,28 @@ def test_a_killed_shard_ends_the_server_naming_it(demo_model_dir: Path) -> None:
         assert failures == ["shard 1 exited with code -9"]
     finally:
         sharded.close()  # the dead rank is not waited for
+
+
+def test_a_failed_step_ends_the_group_with_its_error(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank runs each step: one that fails on rank 0 leaves the others out of step."""
+    failures: list[str] = []
+    sharded = TensorParallelBackend(settings(demo_model_dir), on_failure=failures.append)
+    try:
+
+        def lost(message: object) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+        monkeypatch.setattr(tensor_parallel, "_broadcast", lost)
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            sharded.forward([])
+        assert failures == [
+            "a step failed on rank 0, which leaves the shards out of step: "
+            "Connection closed by peer"
+        ]
+    finally:
+        sharded.close()
 
 
 def test_shard_counts_must_divide_the_heads() -> None:

@@ -43,11 +43,22 @@ from tgis.backends.common.quant_checkpoint import (
 )
 from tgis.backends.models.families import family_of
 from tgis.backends.models.parallel import TensorParallel
+from tgis.backends.paged.nodes import (
+    SHAPE_FIELDS,
+    Layout,
+    NodeWatch,
+    connect_store,
+    gather_nodes,
+    host_store,
+    identity,
+    join_nodes,
+    socket_interface,
+)
 from tgis.config import ServeConfig
 from tgis.config.checkpoint_quant import checkpoint_scheme
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.engine.types import ImageInput
-from tgis.errors import ConfigError
+from tgis.errors import ConfigError, NodeError
 
 log = logging.getLogger("tgis.backends.paged.tensor_parallel")
 
@@ -254,6 +265,36 @@ class ShardSettings:
     world: int
     quantization: Quantization | None = None
     kv_cache_dtype: str | None = None  # --kv-cache-dtype's float8 name (None: the model's)
+    # Multi-node (tgis.backends.paged.nodes): the world's ranks over `nnodes` hosts, this
+    # process's node, the interface the shards talk over, and the nodes' time limits.
+    nnodes: int = 1
+    node_rank: int = 0
+    socket_ifname: str | None = None
+    join_timeout_s: float = 600.0
+    node_timeout_s: float = 30.0
+    # What the nodes compare: the model as given (and its revision).
+    model_id: str = ""
+    revision: str | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world, self.nnodes, self.node_rank)
+
+    def identity(self) -> dict[str, str]:
+        """What this node would load and how (the other nodes must agree)."""
+        return identity(
+            self.model_id or self.model_dir,
+            Path(self.model_dir),
+            self.revision,
+            {
+                "device": self.device,
+                "dtype": self.dtype,
+                "num_shard": self.world,
+                "nnodes": self.nnodes,
+                "quantize": None if self.quantization is None else self.quantization.method,
+                "kv_cache_dtype": self.kv_cache_dtype,
+            },
+        )
 
     @staticmethod
     def of(config: ServeConfig, model_dir: Path) -> ShardSettings:
@@ -262,9 +303,11 @@ class ShardSettings:
         from tgis.backends.common.device import layer_shape, resolve_dtype
 
         world = config.num_shard
-        if config.backend == "cuda" and torch.cuda.device_count() < world:
+        local = world // config.nnodes
+        if config.backend == "cuda" and torch.cuda.device_count() < local:
+            across = f" over {config.label('nnodes', config.nnodes)}" if config.nnodes > 1 else ""
             raise ConfigError(
-                f"{config.label('num_shard', world)} needs {world} GPUs; "
+                f"{config.label('num_shard', world)}{across} needs {local} GPUs on this host; "
                 f"{torch.cuda.device_count()} are visible",
                 "lower --num-shard, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
             )
@@ -288,22 +331,44 @@ class ShardSettings:
             world=world,
             quantization=Quantization.of(config),
             kv_cache_dtype=config.kv_cache_dtype,
+            nnodes=config.nnodes,
+            node_rank=config.node_rank,
+            socket_ifname=config.socket_ifname,
+            join_timeout_s=config.join_timeout_s,
+            node_timeout_s=config.node_timeout_s,
+            model_id=config.model_id,
+            revision=config.revision,
         )
 
 
-def _join(settings: ShardSettings, rank: int) -> torch.device:
-    """Join the group; this rank's device."""
+def rank_device(settings: ShardSettings, rank: int) -> torch.device:
+    """`rank`'s device: its local GPU on cuda (ranks count on from node to node)."""
     if settings.device == "cuda":
-        device = torch.device("cuda", rank)
+        return torch.device("cuda", settings.layout.local(rank))
+    return torch.device("cpu")
+
+
+def _join(settings: ShardSettings, rank: int, store: dist.Store | None = None) -> torch.device:
+    """Join the group over node 0's store (`store` on rank 0, which hosts it); this rank's
+    device."""
+    device = rank_device(settings, rank)
+    socket_interface(
+        os.environ, settings.socket_ifname, settings.master_addr, settings.master_port,
+        settings.nnodes,
+    )  # fmt: skip
+    if settings.device == "cuda":
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.layout.per_node))
         backend = "gloo"
+    if store is None:
+        store = connect_store(
+            settings.master_addr, settings.master_port, COLLECTIVE_TIMEOUT, settings.node_rank
+        )
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{settings.master_addr}:{settings.master_port}",
+        store=dist.PrefixStore("group", store),
         rank=rank,
         world_size=settings.world,
         timeout=COLLECTIVE_TIMEOUT,
@@ -319,7 +384,7 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
     from tgis.vision.encoder import load_vision_tower
     from tgis.vision.families import vision_family_of
 
-    device = torch.device("cuda", rank) if settings.device == "cuda" else torch.device("cpu")
+    device = rank_device(settings, rank)
     dtype = resolve_dtype(device, settings.dtype, None)
     model_dir = Path(settings.model_dir)
     model, tp = load_shard(model_dir, rank, settings.world, dtype, device)
@@ -381,11 +446,19 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class ShardGroup:
-    """Rank 0's view of the other ranks: starts them, watches them, stops them."""
+    """A node's view of its other ranks: starts them, watches them, stops them. A rank that
+    exits 0 was stopped (rank 0 broadcast `stop`); any other exit is a failure."""
 
-    def __init__(self, settings: ShardSettings, on_failure: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        settings: ShardSettings,
+        on_failure: Callable[[str], None],
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self.errors = context.Queue()
+        self.ranks = list(range(1, settings.world) if ranks is None else ranks)
+        self.layout = settings.layout
         self.workers = [
             context.Process(
                 target=worker_main,
@@ -393,7 +466,7 @@ class ShardGroup:
                 name=f"tgis-shard-{rank}",
                 daemon=True,
             )
-            for rank in range(1, settings.world)
+            for rank in self.ranks
         ]
         for worker in self.workers:
             worker.start()
@@ -401,19 +474,28 @@ class ShardGroup:
         self._stopping = False
         threading.Thread(target=self._watch, name="tgis-shard-watch", daemon=True).start()
 
+    def _name(self, rank: int) -> str:
+        if self.layout.nnodes == 1:
+            return f"shard {rank}"
+        return f"rank {rank} on node {self.layout.node_of(rank)}"
+
     def _watch(self) -> None:
         while not self._stopping:
-            for rank, worker in enumerate(self.workers, start=1):
-                if worker.exitcode is not None and not self._stopping:
-                    message = f"shard {rank} exited with code {worker.exitcode}"
+            for rank, worker in zip(self.ranks, self.workers, strict=True):
+                if worker.exitcode not in (None, 0) and not self._stopping:
+                    message = f"{self._name(rank)} exited with code {worker.exitcode}"
                     try:
                         failed, error, _ = self.errors.get(timeout=1.0)
-                        message = f"shard {failed} failed: {error}"
+                        message = f"{self._name(failed)} failed: {error}"
                     except Exception:  # no report: it was killed
                         pass
                     self._on_failure(message)
                     return
             time.sleep(0.2)
+
+    def stopped(self) -> bool:
+        """Every rank has exited 0: rank 0 stopped the group."""
+        return all(worker.exitcode == 0 for worker in self.workers)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -431,22 +513,52 @@ def fail_server(message: str) -> None:
 
 
 class TensorParallelBackend:
-    """Rank 0's PagedBackend: each step is broadcast to the other ranks, then run here."""
+    """Rank 0's PagedBackend: each step is broadcast to the other ranks, then run here. Across
+    nodes it hosts the rendezvous, waits for and checks the other nodes, and watches them."""
 
     def __init__(
         self, settings: ShardSettings, on_failure: Callable[[str], None] = fail_server
     ) -> None:
         self.settings = settings
-        self.group = ShardGroup(settings, on_failure)
+        self._failures: list[str] = []
+
+        def failed(message: str) -> None:
+            self._failures.append(message)
+            on_failure(message)
+
+        self._on_failure = failed
+        layout = settings.layout
+        self.store = host_store(
+            settings.master_addr, settings.master_port, layout.nnodes,
+            timedelta(seconds=settings.join_timeout_s),
+        )  # fmt: skip
+        self.watch: NodeWatch | None = None
+        self.group: ShardGroup | None = None
         try:
-            _join(settings, 0)
+            if layout.nnodes > 1:
+                shape = {name: getattr(settings, name) for name in SHAPE_FIELDS}
+                log.info("waiting for %d more nodes to join", layout.nnodes - 1)
+                gather_nodes(
+                    self.store, layout, settings.identity(), shape, settings.join_timeout_s
+                )
+                self.watch = NodeWatch(
+                    settings.master_addr, settings.master_port, layout,
+                    settings.node_timeout_s, failed,
+                )  # fmt: skip
+            self.group = ShardGroup(settings, failed, ranks=layout.ranks[1:])
+            _join(settings, 0, self.store)
             self.inner = build_rank_backend(settings, 0)
         except BaseException:
-            self.group.stop(1.0)
+            if self.watch is not None:
+                self.watch.stop()
+            if self.group is not None:
+                self.group.stop(1.0)
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self.name = f"{self.inner.name} x{settings.world}"
+        self.name = f"{self.inner.name} x{settings.world}" + (
+            f" over {layout.nnodes} nodes" if layout.nnodes > 1 else ""
+        )
         self.device = self.inner.device
         self.vocab_size = self.inner.vocab_size
         self.dtype = self.inner.dtype
@@ -457,14 +569,39 @@ class TensorParallelBackend:
     def capacity(self) -> BackendCapacity:
         return self.inner.capacity
 
+    def runtime(self) -> dict[str, Any]:
+        """Rank 0's runtime, and how the shards are spread: ranks in all, nodes, ranks on each."""
+        layout = self.settings.layout
+        return {
+            **self.inner.runtime(),
+            "shards": layout.world,
+            "nodes": layout.nnodes,
+            "shards_per_node": layout.per_node,
+        }
+
     def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """The images' features, from the first shard's vision tower."""
         return self.inner.encode_images(images)
 
     def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
         payload = [_with_cpu_embeds(item) if item.embeds else item for item in items]
-        _broadcast(("forward", payload))
-        return self.inner.forward(items)
+        try:
+            _broadcast(("forward", payload))
+            return self.inner.forward(items)
+        except Exception as exc:
+            self._broken(exc)
+            raise
+
+    def _broken(self, exc: Exception) -> None:
+        """A step failed: every rank runs the same step, so the group is out of step (or a
+        rank is gone). Give the watches a moment to name the rank or node, else report the
+        step's error: either way the server cannot go on."""
+        settle = self.settings.node_timeout_s + 2 if self.watch is not None else 3.0
+        deadline = time.monotonic() + settle
+        while not self._failures and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not self._failures:
+            self._on_failure(f"a step failed on rank 0, which leaves the shards out of step: {exc}")
 
     def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
         return self.inner.warmup_plan(max_batch_size, max_input_tokens)
@@ -475,22 +612,88 @@ class TensorParallelBackend:
         max_input_tokens: int,
         on_shape: Callable[[ShapeTiming], None] | None = None,
     ) -> list[ShapeTiming]:
-        _broadcast(("warmup", (max_batch_size, max_input_tokens)))
-        return self.inner.warmup(max_batch_size, max_input_tokens, on_shape)
+        try:
+            _broadcast(("warmup", (max_batch_size, max_input_tokens)))
+            return self.inner.warmup(max_batch_size, max_input_tokens, on_shape)
+        except Exception as exc:
+            self._broken(exc)
+            raise
 
     def close(self) -> None:
-        """Stop the other ranks (those still alive) and leave the group."""
+        """Stop the other ranks (those still alive, on every node) and leave the group."""
         if self._closed:
             return
         self._closed = True
+        assert self.group is not None
         self.group._stopping = True
+        if self.watch is not None:
+            self.watch.announce_stop()
         try:
-            if all(worker.is_alive() for worker in self.group.workers):
+            alive = all(worker.is_alive() for worker in self.group.workers)
+            if alive and not self._failures:
                 _broadcast(("stop", None))
+        except Exception as exc:  # a node is gone already: nothing left to stop there
+            log.warning("stopping the shards: %s", exc)
         finally:
-            self.group.stop()
+            self.group.stop(1.0 if self._failures else 10.0)  # a broken group stops no sooner
+            if self.watch is not None:
+                self.watch.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def serve_node(settings: ShardSettings) -> None:
+    """Node R > 0 of a multi-node server: join node 0 (checked against it), run this node's
+    ranks, and return when node 0 stops them (SIGTERM here stops them too); a NodeError naming
+    what failed when node 0 refuses this node, is gone, or one of the ranks here fails."""
+    import signal
+    from dataclasses import replace
+
+    layout = settings.layout
+    store = connect_store(
+        settings.master_addr, settings.master_port,
+        timedelta(seconds=settings.join_timeout_s), layout.node_rank,
+    )  # fmt: skip
+    log.info("node %d joined node 0 at %s:%d", layout.node_rank, settings.master_addr,
+             settings.master_port)  # fmt: skip
+    shape = join_nodes(store, layout, settings.identity(), settings.join_timeout_s)
+    settings = replace(settings, **shape)
+    failures: list[str] = []
+    ended = threading.Event()
+
+    def lost(message: str) -> None:
+        failures.append(message)
+        ended.set()
+
+    watch = NodeWatch(
+        settings.master_addr, settings.master_port, layout, settings.node_timeout_s, lost
+    )
+
+    def rank_failed(message: str) -> None:
+        watch.report_failure(message)
+        lost(message)
+
+    signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    group = ShardGroup(settings, rank_failed, ranks=layout.ranks)
+    log.info("%s runs its shards", layout.describe(layout.node_rank))
+    try:
+        while not ended.wait(0.2):
+            if group.stopped():
+                return  # node 0 stopped the group
+        if failures:  # node 0 stopping can look like node 0 gone: its ranks exit 0 first
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and not group.stopped():
+                time.sleep(0.1)
+            if group.stopped():
+                return
+            raise NodeError(
+                failures[0],
+                "the node stops; restart the nodes together (a supervisor such as a "
+                "LeaderWorkerSet recreates the group)",
+            )
+    finally:
+        watch.stop()
+        group.stop(5.0)
 
 
 def _with_cpu_embeds(item: PackedItem) -> PackedItem:
@@ -504,5 +707,6 @@ __all__ = [
     "TensorParallel",
     "TensorParallelBackend",
     "load_shard",
+    "serve_node",
     "shard_unsupported_reason",
 ]

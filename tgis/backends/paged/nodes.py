@@ -1,0 +1,454 @@
+"""The nodes of multi-node tensor parallelism: where they meet, how they check each other, and
+how they watch each other while serving.
+
+`--num-shard N --nnodes K` spreads the N ranks over K hosts, N / K on each: node R holds ranks
+R x N/K ... (R+1) x N/K - 1, each on its local device. Node 0 is the server (rank 0 runs the
+scheduler and HTTP/gRPC); it hosts the rendezvous store (torch.distributed's TCPStore) at
+--master-addr:--master-port. Every other node (`tgis serve --node-rank R`) connects to it:
+
+1. it claims its node rank (a second claim of one rank is refused) and registers what it
+   would load: the model's files, revision, dtype, shard and node counts, quantization, the
+   KV cache's dtype and the tgis version (`identity`);
+2. node 0 waits for every node (--join-timeout-s, then it names the nodes that never came),
+   compares them with its own and publishes a verdict: the engine's shape settings every rank
+   builds with, or what differs, which every node then reports and exits with;
+3. the ranks of every node join one process group over the same store, and the nodes beat on
+   it while they serve (`NodeWatch`): node 0 ends the server when a node falls silent for
+   --node-timeout-s, or reports that one of its ranks failed; the other nodes end when node
+   0 is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from tgis import __version__
+from tgis.errors import NodeError
+
+log = logging.getLogger("tgis.backends.paged.nodes")
+
+# What every node must agree on (identity's keys), and the settings that set each.
+IDENTITY_FLAGS = {
+    "model": "--model-id",
+    "revision": "--revision",
+    "device": "--backend",
+    "dtype": "--dtype",
+    "num_shard": "--num-shard",
+    "nnodes": "--nnodes",
+    "quantize": "--quantize",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "tgis": "the tgis version",
+}
+# The engine's shape, which node 0 decides for every rank (its pool and batch must match).
+SHAPE_FIELDS = (
+    "max_sequences",
+    "max_sequence_tokens",
+    "max_prefill_tokens",
+    "kv_tokens",
+    "memory_fraction",
+)
+# How often a node beats while the others watch (at most: a shorter --node-timeout-s beats
+# faster).
+BEAT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`world` ranks over `nnodes` nodes, the same number on each; this process's node."""
+
+    world: int
+    nnodes: int
+    node_rank: int
+
+    @property
+    def per_node(self) -> int:
+        return self.world // self.nnodes
+
+    @property
+    def ranks(self) -> range:
+        """This node's ranks."""
+        return self.ranks_of(self.node_rank)
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def local(self, rank: int) -> int:
+        """`rank`'s device index on its node."""
+        return rank - self.node_of(rank) * self.per_node
+
+    def describe(self, node: int) -> str:
+        """`node 1 (rank 1)`, `node 1 (ranks 8-15)`."""
+        ranks = self.ranks_of(node)
+        if len(ranks) == 1:
+            return f"node {node} (rank {ranks[0]})"
+        return f"node {node} (ranks {ranks[0]}-{ranks[-1]})"
+
+
+def model_digest(model_dir: Path) -> str:
+    """A short digest of what a node would load: config.json's bytes and each weight file's
+    name and size (not their bytes: hashing a 400 GB checkpoint at start-up costs minutes)."""
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def identity(
+    model_id: str,
+    model_dir: Path,
+    revision: str | None,
+    values: dict[str, Any],
+) -> dict[str, str]:
+    """What this node would load and how, as the other nodes compare it."""
+    shown = {name: "-" if values.get(name) is None else str(values[name]) for name in values}
+    return {
+        "model": f"{model_id} (files {model_digest(model_dir)})",
+        "revision": revision or "-",
+        **{name: shown[name] for name in IDENTITY_FLAGS if name in shown},
+        "tgis": __version__,
+        "host": socket.gethostname(),
+    }
+
+
+def differences(base: dict[str, str], other: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(setting, node 0's, the other node's) for each identity setting they differ in. The
+    model compares by its files' digest: the directory may differ between hosts."""
+    found = []
+    for name in IDENTITY_FLAGS:
+        a, b = base.get(name, "-"), other.get(name, "-")
+        if name == "model":
+            if a.rsplit("(files ", 1)[-1] != b.rsplit("(files ", 1)[-1]:
+                found.append((name, a, b))
+        elif a != b:
+            found.append((name, a, b))
+    return found
+
+
+def resolve(host: str, timeout_s: float, flag: str = "--master-addr") -> list[Any]:
+    """`host`'s addresses, waiting up to `timeout_s` for its name to resolve (a pod's DNS name
+    appears a little after the pod); a NodeError naming it when it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            if time.monotonic() > deadline:
+                raise NodeError(
+                    f"{flag} {host} does not resolve ({exc.strerror}) after {timeout_s:g} s",
+                    "set --master-addr (MASTER_ADDR) to node 0's address or a name every "
+                    "node resolves",
+                ) from None
+            time.sleep(0.5)
+
+
+def is_local_address(host: str, timeout_s: float = 0.0) -> bool:
+    """Whether `host` names an address of this host (one a socket can bind here)."""
+    for family, kind, proto, _, address in resolve(host, timeout_s):
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    continue
+                raise
+            return True
+    return False
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of the network interface this host reaches `host` through (the one whose
+    address the route to it leaves from); None where it cannot be told."""
+    import fcntl
+    import struct
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # no packet is sent: this only picks the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    if family != socket.AF_INET:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    query.fileno(), siocgifaddr, struct.pack("256s", name.encode())
+                )
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    return None
+
+
+def socket_interface(
+    env: dict[str, str] | os._Environ[str],
+    flag: str | None,
+    master_addr: str,
+    master_port: int,
+    nnodes: int,
+) -> None:
+    """Point gloo and NCCL at the interface the nodes talk over: --socket-ifname where given;
+    else GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as set; else, across nodes, gloo at the
+    interface towards node 0 (gloo otherwise binds the address the host name resolves to,
+    which another host often cannot reach)."""
+    if flag:
+        env["GLOO_SOCKET_IFNAME"] = flag
+        env["NCCL_SOCKET_IFNAME"] = flag
+        return
+    if nnodes > 1 and "GLOO_SOCKET_IFNAME" not in env:
+        found = interface_towards(master_addr, master_port)
+        if found is not None:
+            env["GLOO_SOCKET_IFNAME"] = found
+
+
+def host_store(addr: str, port: int, nnodes: int, timeout: timedelta) -> dist.TCPStore:
+    """Node 0's rendezvous store, listening on --master-port; across nodes --master-addr must
+    be an address of this host (else this is not node 0)."""
+    if nnodes > 1 and not is_local_address(addr, timeout.total_seconds()):
+        raise NodeError(
+            f"--node-rank 0 serves at --master-addr {addr}, which is not an address of this "
+            f"host ({socket.gethostname()})",
+            "run node 0 on the host --master-addr names, and give this host its own "
+            f"--node-rank (1 to {nnodes - 1})",
+        )
+    try:
+        return dist.TCPStore(addr, port, None, True, timeout, wait_for_workers=False)
+    except dist.DistNetworkError as exc:
+        raise NodeError(
+            f"the shards' rendezvous cannot listen on --master-port {port}: {exc}",
+            "pick a free port with --master-port (MASTER_PORT), the same on every node",
+        ) from None
+
+
+def connect_store(addr: str, port: int, timeout: timedelta, node_rank: int) -> dist.TCPStore:
+    """A client of node 0's store; a NodeError when node 0 does not answer in `timeout`."""
+    resolve(addr, timeout.total_seconds())
+    try:
+        return dist.TCPStore(addr, port, None, False, timeout)
+    except dist.DistError as exc:
+        raise NodeError(
+            f"node {node_rank} could not reach node 0 at --master-addr {addr} --master-port "
+            f"{port} within {timeout.total_seconds():g} s: {str(exc).splitlines()[0]}",
+            "start node 0 (`tgis serve --node-rank 0`) on that host, check that this host "
+            "reaches it on that port, or wait longer with --join-timeout-s",
+        ) from None
+
+
+def gather_nodes(
+    store: dist.Store,
+    layout: Layout,
+    mine: dict[str, str],
+    shape: dict[str, Any],
+    timeout_s: float,
+) -> None:
+    """Node 0: wait for every node, compare it with this one, publish the verdict (the shape
+    every rank builds with, or the error every node reports); raise that error here too."""
+    others = range(1, layout.nnodes)
+    deadline = time.monotonic() + timeout_s
+    error: NodeError | None = None
+    while error is None:
+        taken = [n for n in others if store.check([f"duplicate/{n}"])]
+        if taken:
+            host = store.get(f"duplicate/{taken[0]}").decode()
+            error = NodeError(
+                f"two hosts joined as node {taken[0]} (the second: {host})",
+                "give each host its own --node-rank (NODE_RANK), 1 to "
+                f"{layout.nnodes - 1}, then restart every node",
+            )
+            break
+        missing = [n for n in others if not store.check([f"node/{n}"])]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            error = NodeError(
+                f"{_nodes(layout, missing)} never joined within --join-timeout-s {timeout_s:g}",
+                f"start `tgis serve --nnodes {layout.nnodes} --node-rank N` with node 0's "
+                "--master-addr and --master-port on each, or wait longer with --join-timeout-s",
+            )
+            break
+        time.sleep(0.1)
+    if error is None:
+        found = []
+        for node in others:
+            theirs = json.loads(store.get(f"node/{node}"))
+            found.extend((node, theirs["host"], *d) for d in differences(mine, theirs))
+        if found:
+            error = NodeError(
+                "the nodes do not match: "
+                + "; ".join(
+                    f"{layout.describe(node)} on {host} has {name} {b}, node 0 on "
+                    f"{mine['host']} has {a}"
+                    for node, host, name, a, b in found
+                ),
+                "start every node with the same "
+                + ", ".join(sorted({IDENTITY_FLAGS[name] for _, _, name, _, _ in found})),
+            )
+    verdict: dict[str, Any] = (
+        {"shape": shape} if error is None else {"error": error.message, "hint": error.hint}
+    )
+    store.set("verdict", json.dumps(verdict))
+    if error is not None:
+        raise error
+
+
+def join_nodes(
+    store: dist.Store, layout: Layout, mine: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """Node R > 0: claim the node rank, register, and wait for node 0's verdict; node 0's
+    shape settings, or the NodeError it found (the same words on every node)."""
+    node = layout.node_rank
+    if store.add(f"claim/{node}", 1) > 1:
+        store.set(f"duplicate/{node}", socket.gethostname())
+        raise NodeError(
+            f"node {node} has joined already: --node-rank {node} is another host's",
+            f"give this host its own --node-rank (1 to {layout.nnodes - 1})",
+        )
+    store.set(f"node/{node}", json.dumps(mine))
+    try:
+        store.wait(["verdict"], timedelta(seconds=timeout_s + 30))
+    except dist.DistError as exc:
+        raise NodeError(
+            f"node 0 gave no verdict on the nodes within {timeout_s + 30:g} s: {exc}",
+            "check node 0's log; it names the nodes it waited for",
+        ) from None
+    verdict = json.loads(store.get("verdict"))
+    if "error" in verdict:
+        raise NodeError(verdict["error"], verdict["hint"])
+    return dict(verdict["shape"])
+
+
+def _nodes(layout: Layout, nodes: Iterable[int]) -> str:
+    return ", ".join(layout.describe(n) for n in nodes)
+
+
+class NodeWatch:
+    """Beats for this node on the store and watches the others': node 0 watches every other
+    node, the others watch node 0. `on_lost` is called once, with the message, when a watched
+    node has been silent for `timeout_s`, reported a failure, or (for the others) when node 0's
+    store is gone, unless node 0 said it is stopping."""
+
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        layout: Layout,
+        timeout_s: float,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.interval = min(BEAT_INTERVAL_S, timeout_s / 5)
+        self.on_lost = on_lost
+        self.where = f"{addr}:{port}"
+        # Its own connection: a collective's long wait on the group's store must not hold it.
+        self.store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout_s))
+        self.me = layout.node_rank
+        self.watched = list(range(1, layout.nnodes)) if self.me == 0 else [0]
+        now = time.monotonic()
+        self.seen = {node: (-1, now) for node in self.watched}
+        self.last_ok = now
+        self.stopping = False  # node 0 is stopping: its store going away is no failure
+        self.lost: str | None = None
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._beat, name="tgis-node-beat", daemon=True).start()
+        threading.Thread(target=self._check, name="tgis-node-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._ended.set()
+
+    def announce_stop(self) -> None:
+        """Node 0: the group is stopping on purpose (its store goes with it)."""
+        self.stopping = True
+        with contextlib.suppress(dist.DistError):
+            self.store.set("stopping", "1")
+
+    def report_failure(self, message: str) -> None:
+        """This node failed (one of its ranks): tell node 0 before going."""
+        with contextlib.suppress(dist.DistError):
+            self.store.set(f"failed/{self.me}", message)
+
+    def _beat(self) -> None:
+        while not self._ended.wait(self.interval):
+            try:
+                self.store.add(f"beat/{self.me}", 1)
+                for node in self.watched:
+                    if self.store.check([f"failed/{node}"]):
+                        failure = self.store.get(f"failed/{node}").decode()
+                        self._lose(f"{self.layout.describe(node)} failed: {failure}")
+                        return
+                    count = self.store.add(f"beat/{node}", 0)
+                    if count != self.seen[node][0]:
+                        self.seen[node] = (count, time.monotonic())
+                if self.me != 0 and self.store.check(["stopping"]):
+                    self.stopping = True
+                self.last_ok = time.monotonic()
+            except dist.DistError as exc:
+                if self.me != 0 and not self.stopping:
+                    self._lose(
+                        f"node 0 (rank 0, the server at {self.where}) is gone: "
+                        f"{str(exc).splitlines()[0]}"
+                    )
+                return
+
+    def _check(self) -> None:
+        while not self._ended.wait(self.interval):
+            now = time.monotonic()
+            if now - self.last_ok > self.timeout_s and not self.stopping:
+                target = "node 0's store" if self.me != 0 else "the rendezvous store"
+                self._lose(
+                    f"{target} at {self.where} has not answered for {self.timeout_s:g} s "
+                    f"(--node-timeout-s)"
+                )
+                return
+            for node, (_, when) in self.seen.items():
+                if now - when > self.timeout_s and not self.stopping:
+                    self._lose(
+                        f"{self.layout.describe(node)} has been silent for {self.timeout_s:g} s "
+                        "(--node-timeout-s): its host is down, unreachable or its process gone"
+                    )
+                    return
+
+    def _lose(self, message: str) -> None:
+        with self._lock:
+            if self.lost is not None or self._ended.is_set():
+                return
+            self.lost = message
+        self._ended.set()
+        self.on_lost(message)
+
+
+__all__ = [
+    "Layout",
+    "NodeWatch",
+    "connect_store",
+    "gather_nodes",
+    "host_store",
+    "identity",
+    "join_nodes",
+    "socket_interface",
+]
