@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -16,11 +15,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.netns import Hosts, two_hosts, unavailable
 from tests.shards import PARAMETERS, PROMPTS, free_port, one_shard_answers
 
 NODE_TIMEOUT_S = 8
@@ -28,70 +27,23 @@ NODE_TIMEOUT_S = 8
 LOST_BOUND_S = NODE_TIMEOUT_S + 7
 
 
-def _namespaces_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "network namespaces need iproute2's `ip`"
-    probe = f"tgis-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=True)
-    return None
-
-
-pytestmark = pytest.mark.skipif(
-    (reason := _namespaces_unavailable()) is not None, reason=reason or ""
-)
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """Two namespaces with one veth pair between them: (namespace, address, interface) each."""
-
-    names: tuple[str, str]
-    addresses: tuple[str, str]
-    interfaces: tuple[str, str]
-
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
+pytestmark = pytest.mark.skipif((reason := unavailable()) is not None, reason=reason or "")
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    tag = f"{os.getpid() % 100000}{random.randrange(100)}"
-    names = (f"tgis-a{tag}", f"tgis-b{tag}")
-    interfaces = (f"tga{tag}"[:15], f"tgb{tag}"[:15])
-    subnet = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
-    addresses = (f"{subnet}.1", f"{subnet}.2")
-    for name in names:
-        ip("netns", "add", name)
-    try:
-        ip("link", "add", interfaces[0], "netns", names[0], "type", "veth",
-           "peer", "name", interfaces[1], "netns", names[1])  # fmt: skip
-        for name, address, interface in zip(names, addresses, interfaces, strict=True):
-            ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
-            ip("-n", name, "link", "set", interface, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-        yield Hosts(names, addresses, interfaces)
-    finally:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with two_hosts() as made:
+        yield made
 
 
 class Node:
     """One `tgis serve` of the group, run in a namespace; its output gathered in a file."""
 
-    def __init__(self, namespace: str, args: list[str], log: Path) -> None:
+    def __init__(self, command: list[str], log: Path) -> None:
         self.log = log
         env = {**os.environ, "WARMUP_ENABLED": "false", "PYTHONUNBUFFERED": "1"}
         self.out = log.open("wb")
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, "-m", "tgis", "serve", *args],
-            env=env, stdout=self.out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        self.proc = subprocess.Popen(command, env=env, stdout=self.out, stderr=subprocess.STDOUT)
 
     def text(self) -> str:
         """What it wrote, its lines unwrapped (rich folds long lines to the terminal)."""
@@ -131,7 +83,7 @@ class Group:
             "--port", str(self.http_port), "--grpc-port", str(self.grpc_port), *extra,
         ]  # fmt: skip
         log = self.workdir / f"node{len(self.nodes)}-host{host}-rank{rank}.log"
-        node = Node(self.hosts.names[host], args, log)
+        node = Node(self.hosts.run(host, [sys.executable, "-m", "tgis", "serve", *args]), log)
         self.nodes.append(node)
         return node
 
@@ -172,7 +124,7 @@ def ask(group: Group) -> dict[str, object]:
     """HTTP and gRPC answers to PROMPTS from node 0, asked from inside its namespace."""
     payload = json.dumps([group.http_port, group.grpc_port, PROMPTS, PARAMETERS])
     done = subprocess.run(
-        ["ip", "netns", "exec", group.hosts.names[0], sys.executable, "-c", CLIENT, payload],
+        group.hosts.run(0, [sys.executable, "-c", CLIENT, payload]),
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -230,6 +182,24 @@ def test_a_lost_server_ends_the_other_nodes_naming_it(group: Group) -> None:
     code = second.proc.wait(LOST_BOUND_S + 10)
     assert code != 0 and time.monotonic() - began < LOST_BOUND_S
     assert "node 0 (rank 0, the server at" in second.text(), second.text()[-2000:]
+
+
+def test_an_unreachable_node_ends_the_server_and_itself(group: Group) -> None:
+    """The link between the hosts goes down: no connection closes, nothing answers."""
+    first, second = serving(group)
+    hosts = group.hosts
+    subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.interfaces[1], "down"],
+                   check=True)  # fmt: skip
+    try:
+        began = time.monotonic()
+        assert first.proc.wait(LOST_BOUND_S + 10) != 0
+        assert second.proc.wait(LOST_BOUND_S + 10) != 0
+        assert time.monotonic() - began < LOST_BOUND_S + 2
+    finally:
+        subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.interfaces[1], "up"],
+                       check=True)  # fmt: skip
+    assert "node 1 (rank 1) has been silent for 8 s" in first.text(), first.text()[-2000:]
+    assert "node 0's store at" in second.text() and "has not answered for 8 s" in second.text()
 
 
 def test_a_node_with_another_model_is_refused_on_every_node(

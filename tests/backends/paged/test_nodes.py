@@ -257,3 +257,35 @@ def test_the_other_nodes_end_when_node_0_is_gone_unless_it_stopped(stopping: boo
         watch.stop()
     finally:
         server.kill()
+
+
+def test_cpu_shards_share_the_hosts_cores_unless_omp_num_threads_says() -> None:
+    from tgis.backends.common.device import cpu_threads
+    from tgis.backends.paged.tensor_parallel import shard_threads
+
+    assert shard_threads(1, {}) == cpu_threads()
+    assert shard_threads(cpu_threads() * 2, {}) == 1
+    assert shard_threads(2, {"OMP_NUM_THREADS": "3"}) == 3
+
+
+def test_node_0_beats_while_the_server_holds_its_interpreter(store: Any) -> None:
+    """The server's process may hold Python's lock for long stretches (a large vocabulary's
+    grammar tables): node 0's beat runs in a process of its own and goes on meanwhile."""
+    import re
+
+    from tgis.backends.paged.nodes import ServerWatch
+
+    watch = ServerWatch("127.0.0.1", store.port, Layout(2, 2, 0), 120.0)
+    try:
+        deadline = time.monotonic() + 60
+        while store.add("beat/0", 0) == 0:  # the watch has started
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        before = store.add("beat/0", 0)
+        began = time.monotonic()
+        re.match(r"(a+)+$", "a" * 27 + "b")  # the regex engine keeps the lock throughout
+        held = time.monotonic() - began
+        assert held > 2.5
+        assert store.add("beat/0", 0) - before >= int(held) - 1
+    finally:
+        watch.stop()

@@ -315,6 +315,12 @@ def gather_nodes(
         raise error
 
 
+def announce_stop(store: dist.Store) -> None:
+    """Node 0: the group is stopping on purpose; its store going away next is no failure."""
+    with contextlib.suppress(dist.DistError):
+        store.set("stopping", "1")
+
+
 def join_nodes(
     store: dist.Store, layout: Layout, mine: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
@@ -347,9 +353,10 @@ def _nodes(layout: Layout, nodes: Iterable[int]) -> str:
 
 class NodeWatch:
     """Beats for this node on the store and watches the others': node 0 watches every other
-    node, the others watch node 0. `on_lost` is called once, with the message, when a watched
-    node has been silent for `timeout_s`, reported a failure, or (for the others) when node 0's
-    store is gone, unless node 0 said it is stopping."""
+    node (from a process of its own: ServerWatch), the others watch node 0. `on_lost` is called
+    once, with the message, when a watched node has been silent for `timeout_s`, reported a
+    failure, or (for the others) when node 0's store is gone, unless node 0 said it is stopping
+    (`announce_stop`)."""
 
     def __init__(
         self,
@@ -365,7 +372,7 @@ class NodeWatch:
         self.on_lost = on_lost
         self.where = f"{addr}:{port}"
         # Its own connection: a collective's long wait on the group's store must not hold it.
-        self.store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout_s))
+        self.store = connect_store(addr, port, timedelta(seconds=timeout_s), layout.node_rank)
         self.me = layout.node_rank
         self.watched = list(range(1, layout.nnodes)) if self.me == 0 else [0]
         now = time.monotonic()
@@ -380,12 +387,6 @@ class NodeWatch:
 
     def stop(self) -> None:
         self._ended.set()
-
-    def announce_stop(self) -> None:
-        """Node 0: the group is stopping on purpose (its store goes with it)."""
-        self.stopping = True
-        with contextlib.suppress(dist.DistError):
-            self.store.set("stopping", "1")
 
     def report_failure(self, message: str) -> None:
         """This node failed (one of its ranks): tell node 0 before going."""
@@ -442,9 +443,54 @@ class NodeWatch:
         self.on_lost(message)
 
 
+class ServerWatch:
+    """Node 0's NodeWatch, in a process of its own: the server's process may hold its
+    interpreter's lock for long stretches (a tokenizer's grammar tables for a large vocabulary
+    take tens of seconds), and a beat that waits for it would read as a lost node 0. When a node
+    is lost, the watch logs why and kills the server (whose step may be stuck in a collective
+    with the lost node); it exits with the server."""
+
+    def __init__(self, addr: str, port: int, layout: Layout, timeout_s: float) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=_server_watch_main,
+            args=(addr, port, layout, timeout_s, os.getpid()),
+            name="tgis-node-watch",
+            daemon=True,
+        )
+        self.process.start()
+
+    def stop(self) -> None:
+        """No more watching: the group is stopping on purpose."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+
+
+def _server_watch_main(addr: str, port: int, layout: Layout, timeout_s: float, server: int) -> None:
+    import signal
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    def lost(message: str) -> None:
+        log.error("%s: the server stops", message)
+        os.kill(server, signal.SIGKILL)
+        os._exit(1)
+
+    NodeWatch(addr, port, layout, timeout_s, lost)
+    while os.getppid() == server:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 __all__ = [
     "Layout",
     "NodeWatch",
+    "ServerWatch",
     "connect_store",
     "gather_nodes",
     "host_store",

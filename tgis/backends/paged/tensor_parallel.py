@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +47,8 @@ from tgis.backends.paged.nodes import (
     SHAPE_FIELDS,
     Layout,
     NodeWatch,
+    ServerWatch,
+    announce_stop,
     connect_store,
     gather_nodes,
     host_store,
@@ -348,6 +350,16 @@ def rank_device(settings: ShardSettings, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def shard_threads(shards_here: int, env: Mapping[str, str] | None = None) -> int:
+    """OpenMP threads of each of this host's CPU shards: OMP_NUM_THREADS where set, else the
+    host's cores (affinity and cgroup quota) shared among its shards."""
+    from tgis.backends.common.device import cpu_threads
+    from tgis.config.env import env_int
+
+    given = env_int(os.environ if env is None else env, "OMP_NUM_THREADS")
+    return given or max(1, cpu_threads() // shards_here)
+
+
 def _join(settings: ShardSettings, rank: int, store: dist.Store | None = None) -> torch.device:
     """Join the group over node 0's store (`store` on rank 0, which hosts it); this rank's
     device."""
@@ -360,7 +372,7 @@ def _join(settings: ShardSettings, rank: int, store: dist.Store | None = None) -
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.layout.per_node))
+        torch.set_num_threads(shard_threads(settings.layout.per_node))
         backend = "gloo"
     if store is None:
         store = connect_store(
@@ -532,7 +544,7 @@ class TensorParallelBackend:
             settings.master_addr, settings.master_port, layout.nnodes,
             timedelta(seconds=settings.join_timeout_s),
         )  # fmt: skip
-        self.watch: NodeWatch | None = None
+        self.watch: ServerWatch | None = None
         self.group: ShardGroup | None = None
         try:
             if layout.nnodes > 1:
@@ -541,10 +553,9 @@ class TensorParallelBackend:
                 gather_nodes(
                     self.store, layout, settings.identity(), shape, settings.join_timeout_s
                 )
-                self.watch = NodeWatch(
-                    settings.master_addr, settings.master_port, layout,
-                    settings.node_timeout_s, failed,
-                )  # fmt: skip
+                self.watch = ServerWatch(
+                    settings.master_addr, settings.master_port, layout, settings.node_timeout_s
+                )
             self.group = ShardGroup(settings, failed, ranks=layout.ranks[1:])
             _join(settings, 0, self.store)
             self.inner = build_rank_backend(settings, 0)
@@ -627,7 +638,8 @@ class TensorParallelBackend:
         assert self.group is not None
         self.group._stopping = True
         if self.watch is not None:
-            self.watch.announce_stop()
+            announce_stop(self.store)
+            self.watch.stop()
         try:
             alive = all(worker.is_alive() for worker in self.group.workers)
             if alive and not self._failures:
@@ -636,8 +648,6 @@ class TensorParallelBackend:
             log.warning("stopping the shards: %s", exc)
         finally:
             self.group.stop(1.0 if self._failures else 10.0)  # a broken group stops no sooner
-            if self.watch is not None:
-                self.watch.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -693,7 +703,7 @@ def serve_node(settings: ShardSettings) -> None:
             )
     finally:
         watch.stop()
-        group.stop(5.0)
+        group.stop(1.0 if failures else 5.0)  # a rank stuck in a collective waits no longer
 
 
 def _with_cpu_embeds(item: PackedItem) -> PackedItem:
