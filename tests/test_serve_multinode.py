@@ -158,7 +158,9 @@ def test_two_nodes_answer_as_one_device_and_stop_together(
     runtime = answers["info"]["runtime"]  # type: ignore[index]
     assert (runtime["shards"], runtime["nodes"], runtime["shards_per_node"]) == (2, 2, 1)
     assert "node 1 (rank 1) runs its shards" in second.text()
-    # SIGTERM on node 0 drains the server and stops every node's shards: all exit 0.
+    # SIGTERM to every node at once (the group deleted): node 1 waits for node 0 to drain and
+    # stop the shards; all exit 0.
+    second.proc.send_signal(signal.SIGTERM)
     first.proc.send_signal(signal.SIGTERM)
     assert first.proc.wait(60) == 0
     assert second.proc.wait(30) == 0, second.text()[-2000:]
@@ -235,7 +237,9 @@ def test_a_wrong_node_rank_is_refused_when_it_joins(group: Group) -> None:
     second.wait_for("runs its shards", 120)
     again = group.start(0, 1)
     assert again.proc.wait(120) != 0
-    assert "node 1 has joined already: --node-rank 1 is another host's" in again.text()
+    claimed = re.escape(f"({group.hosts.addresses[1]})")
+    assert re.search(f"node 1 has joined already, from \\S+ {claimed}: --node-rank 1 is that "
+                     "host's", again.text()), again.text()[-2000:]  # fmt: skip
     first.wait_for("Application startup complete", 240)  # the group itself serves on
 
 

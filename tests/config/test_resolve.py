@@ -817,3 +817,5 @@ def test_multi_node_is_refused_on_the_one_host_backends() -> None:
     message = error_of(LLAMA31, backend="tpu", nnodes=2, node_rank=1)
     assert message.startswith("--nnodes 2: the tpu backend runs on one host")
     assert "drop --nnodes and --node-rank" in message
+    alone = error_of(LLAMA31, {"NODE_RANK": "1"}, backend="gaudi")
+    assert alone.startswith("NODE_RANK=1: the gaudi backend runs on one host")

@@ -76,7 +76,7 @@ def command(
             f"[green]Running[/] {ranks} of {config.model_id} over {config.nnodes} nodes; "
             f"node 0 at {config.master_addr}:{config.master_port} serves"
         )
-        serve_node(settings)
+        serve_node(settings, shutdown_grace)
         return
     metrics = Metrics(config.max_total_tokens, config.batch_slots)
     # The model loads, warms up and runs on this thread: torch keeps one OpenMP team.

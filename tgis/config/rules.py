@@ -226,12 +226,13 @@ def check_sharding(backend: str, values: dict[str, Any], r: Sources) -> int:
             )
         check_nodes(values, r, num_shard)
         return num_shard
-    if (values["nnodes"] or 1) > 1:
-        raise ConfigError(
-            f"{r.label('nnodes', values['nnodes'])}: the {backend} backend runs on one host "
-            "(multi-node tensor parallelism is the cpu and cuda backends')",
-            "drop --nnodes and --node-rank (NNODES, NODE_RANK)",
-        )
+    for name in ("nnodes", "node_rank"):
+        if (values[name] or 0) > (1 if name == "nnodes" else 0):
+            raise ConfigError(
+                f"{r.label(name, values[name])}: the {backend} backend runs on one host "
+                "(multi-node tensor parallelism is the cpu and cuda backends')",
+                "drop --nnodes and --node-rank (NNODES, NODE_RANK)",
+            )
     if backend != "neuron":
         if num_shard > 1 or sharded:
             given = r.label("num_shard", num_shard) if num_shard > 1 else r.label("sharded", "true")

@@ -30,6 +30,7 @@ from tgis.backends.paged.nodes import (
     is_local_address,
     join_nodes,
     model_digest,
+    publish_shape,
     resolve,
     socket_interface,
 )
@@ -129,9 +130,10 @@ def _in_thread(work: Any) -> tuple[threading.Thread, list[Any]]:
 
 
 def test_nodes_that_match_get_node_0s_shape(store: Any) -> None:
-    layout = Layout(4, 2, 0)
     thread, out = _in_thread(lambda: join_nodes(_client(store), Layout(4, 2, 1), _mine("b"), 10))
-    gather_nodes(store, layout, _mine("a"), SHAPE, 10)
+    gather_nodes(store, Layout(4, 2, 0), _mine("a"), 10)
+    assert not out  # no verdict before node 0's watch beats
+    publish_shape(store, SHAPE)
     thread.join(10)
     assert out == [SHAPE]
 
@@ -140,7 +142,7 @@ def test_a_mismatch_is_named_on_every_node(store: Any) -> None:
     theirs = _mine("b", model="other (files def)", dtype="bfloat16")
     thread, out = _in_thread(lambda: join_nodes(_client(store), Layout(4, 2, 1), theirs, 10))
     with pytest.raises(NodeError) as raised:
-        gather_nodes(store, Layout(4, 2, 0), _mine("a"), SHAPE, 10)
+        gather_nodes(store, Layout(4, 2, 0), _mine("a"), 10)
     thread.join(10)
     (remote,) = out
     assert isinstance(remote, NodeError) and str(remote) == str(raised.value)
@@ -152,32 +154,52 @@ def test_a_mismatch_is_named_on_every_node(store: Any) -> None:
 
 
 def test_start_up_names_the_nodes_that_never_came(store: Any) -> None:
-    join_nodes_thread, _ = _in_thread(
+    joined, out = _in_thread(
         lambda: join_nodes(_client(store), Layout(3, 3, 2), _mine("c", nnodes="3"), 5)
     )
     with pytest.raises(NodeError) as raised:
-        gather_nodes(store, Layout(3, 3, 0), _mine("a", nnodes="3"), SHAPE, 0.5)
-    join_nodes_thread.join(10)
+        gather_nodes(store, Layout(3, 3, 0), _mine("a", nnodes="3"), 0.5)
+    joined.join(10)
     assert raised.value.message == "node 1 (rank 1) never joined within --join-timeout-s 0.5"
+    assert str(out[0]) == str(raised.value)  # the node that came says it too
 
 
-def test_a_second_claim_of_a_node_rank_is_refused_on_both(store: Any) -> None:
+def test_a_node_outside_node_0s_count_refuses_itself(store: Any) -> None:
+    store.set("node/0", json.dumps(_mine("a")))  # node 0: 2 nodes
+    with pytest.raises(NodeError) as raised:
+        join_nodes(_client(store), Layout(8, 4, 3), _mine("d", nnodes="4"), 5)
+    assert (
+        raised.value.message == "--node-rank 3 is not a node of node 0's --nnodes 2 (node 0 on a)"
+    )
+    assert raised.value.hint == (
+        "start every node with --nnodes 2, each with its own --node-rank from 1 to 1"
+    )
+    assert not store.check(["claim/3"])
+
+
+def test_a_second_host_claiming_a_node_is_refused_on_both_and_a_restart_is_not(
+    store: Any,
+) -> None:
+    store.set("node/0", json.dumps(_mine("a")))
     layout = Layout(2, 2, 1)
-    store.add("claim/1", 1)  # another host joined as node 1
-    with pytest.raises(NodeError, match="node 1 has joined already: --node-rank 1 is another"):
-        join_nodes(_client(store), layout, _mine("b"), 1)
-    with pytest.raises(NodeError, match="two hosts joined as node 1"):
-        gather_nodes(store, Layout(2, 2, 0), _mine("a"), SHAPE, 5)
+    store.set("claim/1", "b (10.0.0.2)")  # another host joined as node 1
+    with pytest.raises(NodeError, match=r"node 1 has joined already, from b \(10\.0\.0\.2\)"):
+        join_nodes(_client(store), layout, _mine("c (10.0.0.3)"), 1)
+    with pytest.raises(NodeError) as raised:
+        gather_nodes(store, Layout(2, 2, 0), _mine("a"), 5)
+    assert raised.value.message == "two hosts joined as node 1: b (10.0.0.2), then c (10.0.0.3)"
 
 
-def test_node_0_must_be_where_master_addr_points_and_its_port_free(store: Any) -> None:
-    with pytest.raises(NodeError, match=r"--master-addr 192\.0\.2\.1, which is not an address"):
-        host_store("192.0.2.1", free_port(), 2, timedelta(seconds=1))
-    port = store.port
-    with pytest.raises(NodeError, match=f"cannot listen on --master-port {port}"):
-        host_store("127.0.0.1", port, 1, timedelta(seconds=1))
-    with pytest.raises(NodeError, match="node 1 could not reach node 0 at --master-addr"):
-        connect_store("127.0.0.1", free_port(), timedelta(seconds=1), 1)
+def test_a_restarted_node_takes_its_claim_back(store: Any) -> None:
+    store.set("node/0", json.dumps(_mine("a")))
+    store.set("claim/1", "b (10.0.0.2)")  # its earlier run, from the same host and address
+    thread, out = _in_thread(
+        lambda: join_nodes(_client(store), Layout(2, 2, 1), _mine("b (10.0.0.2)"), 10)
+    )
+    gather_nodes(store, Layout(2, 2, 0), _mine("a"), 10)
+    publish_shape(store, SHAPE)
+    thread.join(10)
+    assert out == [SHAPE]
 
 
 class Lost:
@@ -265,7 +287,9 @@ def test_cpu_shards_share_the_hosts_cores_unless_omp_num_threads_says() -> None:
 
     assert shard_threads(1, {}) == cpu_threads()
     assert shard_threads(cpu_threads() * 2, {}) == 1
-    assert shard_threads(2, {"OMP_NUM_THREADS": "3"}) == 3
+    assert shard_threads(1, {"OMP_NUM_THREADS": "1"}) == 1
+    assert shard_threads(1, {"OMP_NUM_THREADS": "4096"}) == cpu_threads()  # never more
+    assert shard_threads(1, {"OMP_NUM_THREADS": "4,2"}) == cpu_threads()  # nested: not a count
 
 
 def test_node_0_beats_while_the_server_holds_its_interpreter(store: Any) -> None:
@@ -275,17 +299,21 @@ def test_node_0_beats_while_the_server_holds_its_interpreter(store: Any) -> None
 
     from tgis.backends.paged.nodes import ServerWatch
 
-    watch = ServerWatch("127.0.0.1", store.port, Layout(2, 2, 0), 120.0)
+    failures: list[str] = []
+    watch = ServerWatch(store, ("127.0.0.1", store.port, Layout(2, 2, 0), 120.0), failures.append)
     try:
-        deadline = time.monotonic() + 60
-        while store.add("beat/0", 0) == 0:  # the watch has started
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         before = store.add("beat/0", 0)
         began = time.monotonic()
         re.match(r"(a+)+$", "a" * 27 + "b")  # the regex engine keeps the lock throughout
         held = time.monotonic() - began
         assert held > 2.5
         assert store.add("beat/0", 0) - before >= int(held) - 1
+        # The watch going (it never should) ends the server: nothing would see a lost node.
+        watch.process.kill()
+        deadline = time.monotonic() + 10
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert failures[0].startswith("node 0's watch of the nodes exited (")
     finally:
         watch.stop()

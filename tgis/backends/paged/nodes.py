@@ -21,7 +21,6 @@ scheduler and HTTP/gRPC); it hosts the rendezvous store (torch.distributed's TCP
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -118,15 +117,17 @@ def identity(
     model_dir: Path,
     revision: str | None,
     values: dict[str, Any],
+    address: str | None = None,
 ) -> dict[str, str]:
-    """What this node would load and how, as the other nodes compare it."""
+    """What this node would load and how, as the other nodes compare it; `host` names it (its
+    host name, and `address`, its address towards node 0: containers may share a name)."""
     shown = {name: "-" if values.get(name) is None else str(values[name]) for name in values}
     return {
         "model": f"{model_id} (files {model_digest(model_dir)})",
         "revision": revision or "-",
         **{name: shown[name] for name in IDENTITY_FLAGS if name in shown},
         "tgis": __version__,
-        "host": socket.gethostname(),
+        "host": socket.gethostname() + (f" ({address})" if address else ""),
     }
 
 
@@ -166,33 +167,40 @@ def is_local_address(host: str, timeout_s: float = 0.0) -> bool:
     for family, kind, proto, _, address in resolve(host, timeout_s):
         with socket.socket(family, kind, proto) as probe:
             try:
-                probe.bind((address[0], 0))
-            except OSError as exc:
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    continue
-                raise
+                probe.bind((address[0], 0, *address[2:]))
+            except OSError:  # not ours (or not bindable as written: a scope-less link-local)
+                continue
             return True
     return False
 
 
-def interface_towards(host: str, port: int) -> str | None:
-    """The name of the network interface this host reaches `host` through (the one whose
-    address the route to it leaves from); None where it cannot be told."""
-    import fcntl
-    import struct
-
+def address_towards(host: str, port: int) -> str | None:
+    """This host's address on the route to `host` (the one packets to it leave from)."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(address)  # no packet is sent: this only picks the route
-            local = probe.getsockname()[0]
+            return str(probe.getsockname()[0])
     except OSError:
         return None
-    if family != socket.AF_INET:
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of the network interface this host reaches `host` through (the one holding the
+    address the route to it leaves from); None where it cannot be told (IPv6 included)."""
+    import fcntl
+    import struct
+
+    local = address_towards(host, port)
+    if local is None or ":" in local:
         return None
     siocgifaddr = 0x8915
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
-        for _, name in socket.if_nameindex():
+        for name in names:
             try:
                 packed = fcntl.ioctl(
                     query.fileno(), siocgifaddr, struct.pack("256s", name.encode())
@@ -258,24 +266,21 @@ def connect_store(addr: str, port: int, timeout: timedelta, node_rank: int) -> d
         ) from None
 
 
-def gather_nodes(
-    store: dist.Store,
-    layout: Layout,
-    mine: dict[str, str],
-    shape: dict[str, Any],
-    timeout_s: float,
-) -> None:
-    """Node 0: wait for every node, compare it with this one, publish the verdict (the shape
-    every rank builds with, or the error every node reports); raise that error here too."""
+def gather_nodes(store: dist.Store, layout: Layout, mine: dict[str, str], timeout_s: float) -> None:
+    """Node 0: say what it serves, wait for every node and compare it with this one. A
+    NodeError, which every node that joined reports too (the error verdict), when one never
+    came, two hosts claimed one node, or a node differs; else `publish_shape` follows."""
+    store.set("node/0", json.dumps(mine))
     others = range(1, layout.nnodes)
     deadline = time.monotonic() + timeout_s
     error: NodeError | None = None
     while error is None:
         taken = [n for n in others if store.check([f"duplicate/{n}"])]
         if taken:
-            host = store.get(f"duplicate/{taken[0]}").decode()
+            second = store.get(f"duplicate/{taken[0]}").decode()
+            first = store.get(f"claim/{taken[0]}").decode()
             error = NodeError(
-                f"two hosts joined as node {taken[0]} (the second: {host})",
+                f"two hosts joined as node {taken[0]}: {first}, then {second}",
                 "give each host its own --node-rank (NODE_RANK), 1 to "
                 f"{layout.nnodes - 1}, then restart every node",
             )
@@ -307,12 +312,26 @@ def gather_nodes(
                 "start every node with the same "
                 + ", ".join(sorted({IDENTITY_FLAGS[name] for _, _, name, _, _ in found})),
             )
-    verdict: dict[str, Any] = (
-        {"shape": shape} if error is None else {"error": error.message, "hint": error.hint}
-    )
-    store.set("verdict", json.dumps(verdict))
-    if error is not None:
-        raise error
+    if error is None:
+        return
+    store.set("verdict", json.dumps({"error": error.message, "hint": error.hint}))
+    # The nodes that joined read it before node 0, and its store, are gone (a few seconds).
+    joined = sum(store.check([f"node/{n}"]) for n in others)
+    until = time.monotonic() + 5.0
+    while store.add("read", 0) < joined and time.monotonic() < until:
+        time.sleep(0.05)
+    raise error
+
+
+def publish_shape(store: dist.Store, shape: dict[str, Any]) -> None:
+    """Node 0, every node checked and its watch beating: the ranks may build, with this shape."""
+    store.set("verdict", json.dumps({"shape": shape}))
+
+
+def report_failure(store: dist.Store, node: int, message: str) -> None:
+    """Node `node` fails: the nodes that watch it read why (best effort: the store may be gone)."""
+    with contextlib.suppress(dist.DistError):
+        store.set(f"failed/{node}", message)
 
 
 def announce_stop(store: dist.Store) -> None:
@@ -324,24 +343,36 @@ def announce_stop(store: dist.Store) -> None:
 def join_nodes(
     store: dist.Store, layout: Layout, mine: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
-    """Node R > 0: claim the node rank, register, and wait for node 0's verdict; node 0's
-    shape settings, or the NodeError it found (the same words on every node)."""
+    """Node R > 0: check the node rank against node 0's node count, claim it (a host that
+    claims it again, restarted, takes it back), register, and wait for node 0's verdict; node
+    0's shape settings, or the NodeError it found (the same words on every node)."""
     node = layout.node_rank
-    if store.add(f"claim/{node}", 1) > 1:
-        store.set(f"duplicate/{node}", socket.gethostname())
-        raise NodeError(
-            f"node {node} has joined already: --node-rank {node} is another host's",
-            f"give this host its own --node-rank (1 to {layout.nnodes - 1})",
-        )
-    store.set(f"node/{node}", json.dumps(mine))
     try:
-        store.wait(["verdict"], timedelta(seconds=timeout_s + 30))
+        store.set_timeout(timedelta(seconds=timeout_s + 30))
+        theirs = json.loads(store.get("node/0"))
+        if node >= int(theirs["nnodes"]):
+            raise NodeError(
+                f"--node-rank {node} is not a node of node 0's --nnodes {theirs['nnodes']} "
+                f"(node 0 on {theirs['host']})",
+                f"start every node with --nnodes {theirs['nnodes']}, each with its own "
+                f"--node-rank from 1 to {int(theirs['nnodes']) - 1}",
+            )
+        claim = f"claim/{node}"
+        held = store.compare_set(claim, "", mine["host"]).decode()
+        if held != mine["host"]:
+            store.set(f"duplicate/{node}", mine["host"])
+            raise NodeError(
+                f"node {node} has joined already, from {held}: --node-rank {node} is that host's",
+                f"give this host its own --node-rank (1 to {layout.nnodes - 1})",
+            )
+        store.set(f"node/{node}", json.dumps(mine))
+        verdict = json.loads(store.get("verdict"))
+        store.add("read", 1)
     except dist.DistError as exc:
         raise NodeError(
-            f"node 0 gave no verdict on the nodes within {timeout_s + 30:g} s: {exc}",
-            "check node 0's log; it names the nodes it waited for",
+            f"node {node} lost node 0's rendezvous while joining: {str(exc).splitlines()[0]}",
+            "check node 0's log: it names what it waited for or refused",
         ) from None
-    verdict = json.loads(store.get("verdict"))
     if "error" in verdict:
         raise NodeError(verdict["error"], verdict["hint"])
     return dict(verdict["shape"])
@@ -390,8 +421,7 @@ class NodeWatch:
 
     def report_failure(self, message: str) -> None:
         """This node failed (one of its ranks): tell node 0 before going."""
-        with contextlib.suppress(dist.DistError):
-            self.store.set(f"failed/{self.me}", message)
+        report_failure(self.store, self.me, message)
 
     def _beat(self) -> None:
         while not self._ended.wait(self.interval):
@@ -447,23 +477,48 @@ class ServerWatch:
     """Node 0's NodeWatch, in a process of its own: the server's process may hold its
     interpreter's lock for long stretches (a tokenizer's grammar tables for a large vocabulary
     take tens of seconds), and a beat that waits for it would read as a lost node 0. When a node
-    is lost, the watch logs why and kills the server (whose step may be stuck in a collective
-    with the lost node); it exits with the server."""
+    is lost, the watch logs why, tells the other nodes, and kills the server (whose step may be
+    stuck in a collective with the lost node); it exits with the server. Should the watch itself
+    end, `on_failure` ends the server (nothing would notice a lost node)."""
 
-    def __init__(self, addr: str, port: int, layout: Layout, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        settings: tuple[str, int, Layout, float],
+        on_failure: Callable[[str], None],
+    ) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
-            target=_server_watch_main,
-            args=(addr, port, layout, timeout_s, os.getpid()),
-            name="tgis-node-watch",
+            target=_server_watch_main, args=(*settings, os.getpid()), name="tgis-node-watch",
             daemon=True,
-        )
+        )  # fmt: skip
         self.process.start()
+        self._stopped = threading.Event()
+        # Beating before the nodes are told to build: their watch of node 0 starts then.
+        deadline = time.monotonic() + 120.0
+        while store.add("beat/0", 0) == 0:
+            if self.process.exitcode is not None or time.monotonic() > deadline:
+                self.stop()
+                raise NodeError(
+                    f"node 0's watch did not start (exit code {self.process.exitcode})",
+                    "see the log above; the watch connects to the rendezvous at "
+                    "--master-addr:--master-port",
+                )
+            time.sleep(0.05)
+        self._on_failure = on_failure
+        threading.Thread(target=self._guard, name="tgis-node-watch-guard", daemon=True).start()
+
+    def _guard(self) -> None:
+        while not self._stopped.wait(1.0):
+            if self.process.exitcode is not None and not self._stopped.is_set():
+                self._on_failure(f"node 0's watch of the nodes exited ({self.process.exitcode})")
+                return
 
     def stop(self) -> None:
-        """No more watching: the group is stopping on purpose."""
+        """No more watching: the group is stopping on purpose (or never started)."""
+        self._stopped.set()
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5.0)
@@ -475,13 +530,19 @@ def _server_watch_main(addr: str, port: int, layout: Layout, timeout_s: float, s
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    watches: list[NodeWatch] = []
 
     def lost(message: str) -> None:
         log.error("%s: the server stops", message)
+        if watches:  # told within a second, or not at all: the server stops regardless
+            telling = threading.Thread(target=watches[0].report_failure, args=(message,))
+            telling.daemon = True
+            telling.start()
+            telling.join(1.0)
         os.kill(server, signal.SIGKILL)
         os._exit(1)
 
-    NodeWatch(addr, port, layout, timeout_s, lost)
+    watches.append(NodeWatch(addr, port, layout, timeout_s, lost))
     while os.getppid() == server:
         time.sleep(0.5)
     os._exit(0)
@@ -491,10 +552,14 @@ __all__ = [
     "Layout",
     "NodeWatch",
     "ServerWatch",
+    "address_towards",
+    "announce_stop",
     "connect_store",
     "gather_nodes",
     "host_store",
     "identity",
     "join_nodes",
+    "publish_shape",
+    "report_failure",
     "socket_interface",
 ]

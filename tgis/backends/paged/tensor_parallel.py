@@ -48,12 +48,15 @@ from tgis.backends.paged.nodes import (
     Layout,
     NodeWatch,
     ServerWatch,
+    address_towards,
     announce_stop,
     connect_store,
     gather_nodes,
     host_store,
     identity,
     join_nodes,
+    publish_shape,
+    report_failure,
     socket_interface,
 )
 from tgis.config import ServeConfig
@@ -296,6 +299,7 @@ class ShardSettings:
                 "quantize": None if self.quantization is None else self.quantization.method,
                 "kv_cache_dtype": self.kv_cache_dtype,
             },
+            address_towards(self.master_addr, self.master_port),
         )
 
     @staticmethod
@@ -351,13 +355,13 @@ def rank_device(settings: ShardSettings, rank: int) -> torch.device:
 
 
 def shard_threads(shards_here: int, env: Mapping[str, str] | None = None) -> int:
-    """OpenMP threads of each of this host's CPU shards: OMP_NUM_THREADS where set, else the
-    host's cores (affinity and cgroup quota) shared among its shards."""
+    """OpenMP threads of each of this host's CPU shards: the host's cores (affinity and cgroup
+    quota) shared among its shards, or fewer where OMP_NUM_THREADS (a plain count) says."""
     from tgis.backends.common.device import cpu_threads
-    from tgis.config.env import env_int
 
-    given = env_int(os.environ if env is None else env, "OMP_NUM_THREADS")
-    return given or max(1, cpu_threads() // shards_here)
+    share = max(1, cpu_threads() // shards_here)
+    given = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    return min(share, int(given)) if given.isdigit() and int(given) > 0 else share
 
 
 def _join(settings: ShardSettings, rank: int, store: dist.Store | None = None) -> torch.device:
@@ -510,11 +514,15 @@ class ShardGroup:
         return all(worker.exitcode == 0 for worker in self.workers)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Wait up to `timeout` in all for the ranks to exit, then kill those left."""
         self._stopping = True
+        deadline = time.monotonic() + timeout
         for worker in self.workers:
-            worker.join(timeout)
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in self.workers:
             if worker.is_alive():
                 worker.kill()
+                worker.join(5.0)
 
 
 def fail_server(message: str) -> None:
@@ -534,33 +542,39 @@ class TensorParallelBackend:
         self.settings = settings
         self._failures: list[str] = []
 
-        def failed(message: str) -> None:
-            self._failures.append(message)
-            on_failure(message)
-
-        self._on_failure = failed
         layout = settings.layout
         self.store = host_store(
             settings.master_addr, settings.master_port, layout.nnodes,
             timedelta(seconds=settings.join_timeout_s),
         )  # fmt: skip
+
+        def failed(message: str) -> None:
+            self._failures.append(message)
+            if layout.nnodes > 1:  # the other nodes say why, not only that node 0 is gone
+                report_failure(self.store, 0, message)
+            on_failure(message)
+
+        self._on_failure = failed
         self.watch: ServerWatch | None = None
         self.group: ShardGroup | None = None
         try:
             if layout.nnodes > 1:
-                shape = {name: getattr(settings, name) for name in SHAPE_FIELDS}
                 log.info("waiting for %d more nodes to join", layout.nnodes - 1)
-                gather_nodes(
-                    self.store, layout, settings.identity(), shape, settings.join_timeout_s
-                )
+                gather_nodes(self.store, layout, settings.identity(), settings.join_timeout_s)
                 self.watch = ServerWatch(
-                    settings.master_addr, settings.master_port, layout, settings.node_timeout_s
+                    self.store,
+                    (settings.master_addr, settings.master_port, layout, settings.node_timeout_s),
+                    failed,
                 )
+                publish_shape(self.store, {name: getattr(settings, name) for name in SHAPE_FIELDS})
+            # From here on the store serves the process group: its waits are collectives'.
+            self.store.set_timeout(COLLECTIVE_TIMEOUT)
             self.group = ShardGroup(settings, failed, ranks=layout.ranks[1:])
             _join(settings, 0, self.store)
             self.inner = build_rank_backend(settings, 0)
-        except BaseException:
+        except BaseException as exc:
             if self.watch is not None:
+                report_failure(self.store, 0, f"{type(exc).__name__}: {exc}")
                 self.watch.stop()
             if self.group is not None:
                 self.group.stop(1.0)
@@ -637,13 +651,15 @@ class TensorParallelBackend:
         self._closed = True
         assert self.group is not None
         self.group._stopping = True
-        if self.watch is not None:
-            announce_stop(self.store)
-            self.watch.stop()
         try:
             alive = all(worker.is_alive() for worker in self.group.workers)
             if alive and not self._failures:
+                if self.watch is not None:  # the nodes' ranks stop now: no loss, no watch
+                    announce_stop(self.store)
+                    self.watch.stop()
                 _broadcast(("stop", None))
+            elif self.watch is not None:
+                self.watch.stop()
         except Exception as exc:  # a node is gone already: nothing left to stop there
             log.warning("stopping the shards: %s", exc)
         finally:
@@ -652,10 +668,16 @@ class TensorParallelBackend:
                 dist.destroy_process_group()
 
 
-def serve_node(settings: ShardSettings) -> None:
+# How long a node's ranks may take to stop after node 0 announced it stops them.
+STOP_GRACE_S = 15.0
+
+
+def serve_node(settings: ShardSettings, shutdown_grace_s: float = 30.0) -> None:
     """Node R > 0 of a multi-node server: join node 0 (checked against it), run this node's
-    ranks, and return when node 0 stops them (SIGTERM here stops them too); a NodeError naming
-    what failed when node 0 refuses this node, is gone, or one of the ranks here fails."""
+    ranks, and return when node 0 stops them; a NodeError naming what failed when node 0
+    refuses this node, is gone or failed, or one of the ranks here fails. SIGTERM (the whole
+    group going, say) waits up to `shutdown_grace_s` + STOP_GRACE_S for node 0, which drains
+    its requests first, to stop the ranks; then they stop regardless, node 0 told why."""
     import signal
     from dataclasses import replace
 
@@ -683,27 +705,44 @@ def serve_node(settings: ShardSettings) -> None:
         watch.report_failure(message)
         lost(message)
 
-    signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    terminated: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(time.monotonic()))
     group = ShardGroup(settings, rank_failed, ranks=layout.ranks)
     log.info("%s runs its shards", layout.describe(layout.node_rank))
+    stopping_since: float | None = None
     try:
         while not ended.wait(0.2):
+            now = time.monotonic()
             if group.stopped():
                 return  # node 0 stopped the group
-        if failures:  # node 0 stopping can look like node 0 gone: its ranks exit 0 first
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline and not group.stopped():
-                time.sleep(0.1)
-            if group.stopped():
+            if watch.stopping and stopping_since is None:
+                stopping_since = now
+            if stopping_since is not None and now - stopping_since > STOP_GRACE_S:
+                raise NodeError(
+                    f"node 0 stopped the group, and the ranks of {layout.describe(layout.node_rank)}"
+                    f" did not stop within {STOP_GRACE_S:g} s",
+                    "they are stopped now; see this node's log for what held them",
+                )
+            if terminated and now - terminated[0] > shutdown_grace_s + STOP_GRACE_S:
+                watch.report_failure(f"{layout.describe(layout.node_rank)} was stopped (SIGTERM)")
+                log.warning("SIGTERM: node 0 did not stop the group; the ranks here stop")
                 return
-            raise NodeError(
-                failures[0],
-                "the node stops; restart the nodes together (a supervisor such as a "
-                "LeaderWorkerSet recreates the group)",
-            )
+        # Node 0 stopping can look like node 0 gone: its ranks exit 0 first.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not group.stopped():
+            time.sleep(0.1)
+        if group.stopped():
+            return
+        raise NodeError(
+            failures[0],
+            "the node stops; restart the nodes together (a supervisor such as a "
+            "LeaderWorkerSet recreates the group)",
+        )
     finally:
         watch.stop()
-        group.stop(1.0 if failures else 5.0)  # a rank stuck in a collective waits no longer
+        group.stop(
+            1.0 if failures or terminated else 5.0
+        )  # a rank stuck in a collective waits no longer
 
 
 def _with_cpu_embeds(item: PackedItem) -> PackedItem:
