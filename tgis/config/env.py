@@ -85,6 +85,12 @@ def use_inductor_cache(directory: Path, env: MutableMapping[str, str] | None = N
     (os.environ if env is None else env)["TORCHINDUCTOR_CACHE_DIR"] = str(directory.resolve())
 
 
+def set_variables(values: Mapping[str, str], env: MutableMapping[str, str] | None = None) -> None:
+    """Set variables a library reads from the process environment when it starts (gloo's and
+    NCCL's socket interface)."""
+    (os.environ if env is None else env).update(values)
+
+
 def debug_enabled(env: Mapping[str, str] | None = None) -> bool:
     """TGIS_DEBUG=1 makes the CLI show tracebacks."""
     return parse_bool("TGIS_DEBUG", (env or os.environ).get("TGIS_DEBUG", "0"))

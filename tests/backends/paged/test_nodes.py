@@ -86,17 +86,13 @@ def test_addresses_of_this_host() -> None:
 
 
 def test_the_socket_interface_the_shards_use() -> None:
-    env: dict[str, str] = {}
-    socket_interface(env, "eth7", "10.0.0.1", 29500, nnodes=2)
-    assert env == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
-    env = {"GLOO_SOCKET_IFNAME": "ib0"}
-    socket_interface(env, None, "127.0.0.1", 29500, nnodes=2)
-    assert env == {"GLOO_SOCKET_IFNAME": "ib0"}  # the operator's variable passes through
-    env = {}
-    socket_interface(env, None, "127.0.0.1", 29500, nnodes=1)
-    assert env == {}  # one node: gloo's own choice
-    socket_interface(env, None, "127.0.0.1", 29500, nnodes=2)
-    assert env == {"GLOO_SOCKET_IFNAME": "lo"}  # towards node 0
+    named = socket_interface({}, "eth7", "10.0.0.1", 29500, nnodes=2)
+    assert named == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
+    given = {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert socket_interface(given, None, "127.0.0.1", 29500, nnodes=2) == {}  # passes through
+    assert socket_interface({}, None, "127.0.0.1", 29500, nnodes=1) == {}  # gloo's own choice
+    towards = socket_interface({}, None, "127.0.0.1", 29500, nnodes=2)
+    assert towards == {"GLOO_SOCKET_IFNAME": "lo"}  # the interface towards node 0
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -213,24 +213,23 @@ def interface_towards(host: str, port: int) -> str | None:
 
 
 def socket_interface(
-    env: dict[str, str] | os._Environ[str],
+    env: Mapping[str, str],
     flag: str | None,
     master_addr: str,
     master_port: int,
     nnodes: int,
-) -> None:
-    """Point gloo and NCCL at the interface the nodes talk over: --socket-ifname where given;
-    else GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as set; else, across nodes, gloo at the
-    interface towards node 0 (gloo otherwise binds the address the host name resolves to,
-    which another host often cannot reach)."""
+) -> dict[str, str]:
+    """The variables that point gloo and NCCL at the interface the nodes talk over:
+    --socket-ifname's where given; else none beside GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as
+    `env` has them; else, across nodes, gloo's at the interface towards node 0 (gloo otherwise
+    binds the address the host name resolves to, which another host often cannot reach)."""
     if flag:
-        env["GLOO_SOCKET_IFNAME"] = flag
-        env["NCCL_SOCKET_IFNAME"] = flag
-        return
+        return {"GLOO_SOCKET_IFNAME": flag, "NCCL_SOCKET_IFNAME": flag}
     if nnodes > 1 and "GLOO_SOCKET_IFNAME" not in env:
         found = interface_towards(master_addr, master_port)
         if found is not None:
-            env["GLOO_SOCKET_IFNAME"] = found
+            return {"GLOO_SOCKET_IFNAME": found}
+    return {}
 
 
 def host_store(addr: str, port: int, nnodes: int, timeout: timedelta) -> dist.TCPStore:

@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import traceback
@@ -61,6 +62,7 @@ from tgis.backends.paged.nodes import (
 )
 from tgis.config import ServeConfig
 from tgis.config.checkpoint_quant import checkpoint_scheme
+from tgis.config.env import default_env, set_variables
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.engine.types import ImageInput
 from tgis.errors import ConfigError, NodeError
@@ -360,7 +362,7 @@ def shard_threads(shards_here: int, env: Mapping[str, str] | None = None) -> int
     from tgis.backends.common.device import cpu_threads
 
     share = max(1, cpu_threads() // shards_here)
-    given = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    given = (default_env() if env is None else env).get("OMP_NUM_THREADS", "").strip()
     return min(share, int(given)) if given.isdigit() and int(given) > 0 else share
 
 
@@ -368,9 +370,11 @@ def _join(settings: ShardSettings, rank: int, store: dist.Store | None = None) -
     """Join the group over node 0's store (`store` on rank 0, which hosts it); this rank's
     device."""
     device = rank_device(settings, rank)
-    socket_interface(
-        os.environ, settings.socket_ifname, settings.master_addr, settings.master_port,
-        settings.nnodes,
+    set_variables(
+        socket_interface(
+            default_env(), settings.socket_ifname, settings.master_addr, settings.master_port,
+            settings.nnodes,
+        )
     )  # fmt: skip
     if settings.device == "cuda":
         torch.cuda.set_device(device)
@@ -445,7 +449,11 @@ def worker_main(settings: ShardSettings, rank: int, errors: Any) -> None:
             elif kind == "warmup":
                 backend.warmup(*payload)
             elif kind == "stop":
-                break
+                # The group ends here: leave without tearing it down, as gloo's teardown can
+                # abort the process while a peer on another node is exiting too.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
     except BaseException as exc:  # reported to rank 0, which ends the server
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
