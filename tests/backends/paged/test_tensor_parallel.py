@@ -81,7 +81,7 @@ def tiny_gqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def check_two_shards(
-    model_dir: Path, device: str, quantization: Quantization | None = None
+    model_dir: Path, device: str, quantization: Quantization | None = None, world: int = 2
 ) -> None:
     """Two shards' greedy tokens equal one device's, alone and batched; workers end on close.
     `quantization`: both quantize the weights at load (each shard its own slices)."""
@@ -100,7 +100,9 @@ def check_two_shards(
     finally:
         engine.stop()
     assert len({tuple(t) for t in expected}) > 1
-    sharded = TensorParallelBackend(settings(model_dir, device=device, quantization=quantization))
+    sharded = TensorParallelBackend(
+        settings(model_dir, world=world, device=device, quantization=quantization)
+    )
     engine = engine_over(sharded, tokenizer)
     try:
         assert sharded.capacity.kv_tokens == one.capacity.kv_tokens
@@ -154,6 +156,18 @@ def test_two_shards_of_every_kind_of_family_generate_what_one_does(
     check_two_shards(save_model(family_model(family, seed=11), tmp_path / family), "cpu")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2"])
+def test_more_shards_than_kv_heads_hold_each_kv_head_on_several(
+    family: str, tmp_path: Path
+) -> None:
+    """4 shards of 4 heads over 2 KV heads: each rank one query head and a copy of its group's
+    KV head (k/v with per-head norms, a fused qkv_proj's parts, and OLMo 2's q/k norms over
+    the whole projection, whose share here is one head wide)."""
+    from tests.backends.models.test_families import family_model
+
+    check_two_shards(save_model(family_model(family, seed=5), tmp_path / family), "cpu", world=4)
+
+
 def test_qwen2_moe_is_refused_naming_the_valid_shard_count() -> None:
     config = {"model_type": "qwen2_moe", "num_attention_heads": 4, "num_key_value_heads": 4,
               "intermediate_size": 64, "moe_intermediate_size": 32}  # fmt: skip
@@ -166,7 +180,8 @@ def test_qwen2_moe_is_refused_naming_the_valid_shard_count() -> None:
     experts = {**config, "model_type": "qwen3_moe", "moe_intermediate_size": 30}
     assert shard_unsupported_reason(experts, 2) is None
     assert shard_unsupported_reason(experts, 4) == (
-        "4 shards must divide its 4 KV heads, 4 attention heads and 64/30-wide MLP; "
+        "4 shards must divide its 4 attention heads and 64/30-wide MLP, and divide its 4 KV "
+        "heads or be a multiple of them (each KV head then held by as many shards); "
         "--num-shard can be 1, 2"
     )
 
@@ -214,9 +229,17 @@ def test_a_failed_step_ends_the_group_with_its_error(
 def test_shard_counts_must_divide_the_heads() -> None:
     config = {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 704}
     assert shard_unsupported_reason(config, 2) is None
+    assert shard_unsupported_reason(config, 8) is None  # each KV head on 2 shards
     assert shard_unsupported_reason(config, 3) == (
-        "3 shards must divide its 4 KV heads, 8 attention heads and 704-wide MLP; "
-        "--num-shard can be 1, 2, 4"
+        "3 shards must divide its 8 attention heads and 704-wide MLP, and divide its 4 KV "
+        "heads or be a multiple of them (each KV head then held by as many shards); "
+        "--num-shard can be 1, 2, 4, 8"
+    )
+    # Llama-3.1-405B's shape: 8 KV heads over 16 shards (two hosts of 8 GPUs).
+    big = {"num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248}
+    assert shard_unsupported_reason(big, 16) is None
+    assert "--num-shard can be 1, 2, 4, 8, 16, 32, 64, 128" in str(
+        shard_unsupported_reason(big, 12)
     )
 
 

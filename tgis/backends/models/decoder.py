@@ -255,6 +255,7 @@ class DecoderWeights:
         self.logits_divisor = traits.logits_divisor
         self.attn_softcap = traits.attn_softcap
         self.final_softcap = traits.final_softcap
+        self.projection_qk_norm = traits.projection_qk_norm
         self.act: Callable[[torch.Tensor], torch.Tensor] = self._activation(base.layers[0])
         windows = sliding_windows(model) or [None] * config.num_hidden_layers
         self.ropes = self._rope_tables(model, max_positions)
@@ -495,7 +496,7 @@ class DecoderWeights:
             qk = _rotate(qkv[:, :qk_heads], cos, sin)  # q and k rotated together: one op chain
             return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_heads:]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        if layer.q_norm.shape[0] != d:  # over the whole projection (OLMo 2)
+        if self.projection_qk_norm:  # over the whole projection (OLMo 2)
             q, k = self._rms_sharded(q, layer.q_norm), self._rms_sharded(k, layer.k_norm)
             q, k = q.view(n, -1, d), k.view(n, -1, d)
         else:  # per head (Qwen3, Gemma 3)

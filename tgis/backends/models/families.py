@@ -41,6 +41,9 @@ class Traits:
     logits_divisor: float = 1.0
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # q/k RMSNorm over the whole projection (OLMo 2), not per head (Qwen3, Gemma 3); under
+    # tensor parallelism a rank's share of it may be one head wide.
+    projection_qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Family:
     static: bool = False  # the static backends' fixed-shape forward runs it too
     # Why tensor parallelism cannot split it (None: it can, where the widths divide).
     unshardable: str | None = None
+    projection_qk_norm: bool = False  # Traits.projection_qk_norm
 
     def traits(self, config: Any) -> Traits:
         """The multipliers and soft-caps of a model of this family with `config`."""
@@ -85,6 +89,7 @@ class Family:
             logits_divisor=float(getattr(config, "logits_scaling", 1.0) or 1.0),
             attn_softcap=getattr(config, "attn_logit_softcapping", None),
             final_softcap=getattr(config, "final_logit_softcapping", None),
+            projection_qk_norm=self.projection_qk_norm,
         )
 
     def norms(self, layer: nn.Module) -> Norms:
@@ -207,6 +212,7 @@ FAMILIES: tuple[Family, ...] = (
         ("olmo2",),
         "norms after attention and MLP, not before; q/k RMSNorm over the whole projection",
         norm_layout="post",
+        projection_qk_norm=True,
     ),
     Family("mixtral", ("mixtral",), "experts: top-k of a softmax router, renormalized", moe=True),
     Family(

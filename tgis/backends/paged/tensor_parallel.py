@@ -2,7 +2,8 @@
 
 `--num-shard N` runs N processes, one per device, in one torch.distributed group (NCCL on
 cuda, gloo on cpu). Each loads only its slices of the weights from the safetensors files:
-q/k/v by KV-head groups and gate/up by rows (column-parallel; a checkpoint's fused qkv_proj
+q/k/v by KV-head groups (with more ranks than KV heads, each KV head on world / kv ranks,
+their query heads its group) and gate/up by rows (column-parallel; a checkpoint's fused qkv_proj
 and gate_up_proj sliced part by part), o and down by columns (row-parallel, an all-reduce
 after each), every expert's MLP the same way by its own width (each rank holds a slice of
 every expert, the router whole), the embedding and lm_head by vocabulary rows (an all-reduce
@@ -96,14 +97,15 @@ def shard_unsupported_reason(
     widths = [ffn, *(config[k] for k in EXPERT_WIDTHS if isinstance(config.get(k), int))]
     valid = [
         n
-        for n in range(1, kv + 1)
-        if kv % n == 0 and heads % n == 0 and all(w % n == 0 for w in widths)
+        for n in range(1, heads + 1)
+        if (kv % n == 0 or n % kv == 0) and heads % n == 0 and all(w % n == 0 for w in widths)
     ]
     if world not in valid:
         mlp = "/".join(str(w) for w in widths)
         return (
-            f"{world} shards must divide its {kv} KV heads, {heads} attention heads and "
-            f"{mlp}-wide MLP; --num-shard can be {', '.join(map(str, valid))}"
+            f"{world} shards must divide its {heads} attention heads and {mlp}-wide MLP, and "
+            f"divide its {kv} KV heads or be a multiple of them (each KV head then held by as "
+            f"many shards); --num-shard can be {', '.join(map(str, valid))}"
         )
     if group is not None:
         head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
@@ -124,7 +126,10 @@ def local_config(config: Any, world: int) -> Any:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     local.head_dim = head_dim
     local.num_attention_heads = config.num_attention_heads // world
-    local.num_key_value_heads = (config.num_key_value_heads or config.num_attention_heads) // world
+    # More ranks than KV heads: each rank holds one, replicated over world / kv ranks.
+    local.num_key_value_heads = max(
+        1, (config.num_key_value_heads or config.num_attention_heads) // world
+    )
     local.intermediate_size = config.intermediate_size // world
     for width in EXPERT_WIDTHS:
         if isinstance(getattr(config, width, None), int):
@@ -143,9 +148,18 @@ def _share(rank: int, width: int, offset: int = 0) -> tuple[int, int]:
     return offset + rank * width, offset + (rank + 1) * width
 
 
+def _kv_share(rank: int, world: int, kv: int, head_dim: int, offset: int = 0) -> tuple[int, int]:
+    """Rank `rank`'s rows of a KV projection (`offset` into the tensor): its kv / world heads,
+    or, with more ranks than KV heads, the one head its run of world / kv ranks shares (their
+    query heads are that head's group)."""
+    if world <= kv:
+        return _share(rank, kv // world * head_dim, offset)
+    return _share(rank // (world // kv), head_dim, offset)
+
+
 def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
     """What of parameter `name` rank `rank` holds; None: all of it. q/k/v (and a fused
-    qkv_proj) by heads, gate/up (and a fused gate_up_proj) by the MLP's columns, o and down by
+    qkv_proj) by heads (k/v's replicated where ranks outnumber KV heads), gate/up (and a fused gate_up_proj) by the MLP's columns, o and down by
     rows of their input; an expert's MLP by its own width, the shared expert's by its; OLMo 2's
     q/k norms (over the whole projection) as q and k; router and per-head norms whole."""
     heads = config.num_attention_heads
@@ -153,7 +167,6 @@ def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rows = math.ceil(config.vocab_size / world)
     q = heads // world * head_dim
-    k = kv // world * head_dim
     ffn = config.intermediate_size
     if ".experts." in name:
         ffn = getattr(config, "moe_intermediate_size", None) or ffn
@@ -166,13 +179,13 @@ def _slice_of(name: str, config: Any, rank: int, world: int) -> Slice | None:
     if module == "q_proj" or (module == "q_norm" and config.model_type == "olmo2"):
         return 0, (_share(rank, q),)
     if module in ("k_proj", "v_proj") or (module == "k_norm" and config.model_type == "olmo2"):
-        return 0, (_share(rank, k),)
+        return 0, (_kv_share(rank, world, kv, head_dim),)
     if module == "qkv_proj":
         total_q = heads * head_dim
         return 0, (
             _share(rank, q),
-            _share(rank, k, total_q),
-            _share(rank, k, total_q + kv * head_dim),
+            _kv_share(rank, world, kv, head_dim, total_q),
+            _kv_share(rank, world, kv, head_dim, total_q + kv * head_dim),
         )
     if leaf == "o_proj.weight":
         return 1, (_share(rank, q),)
