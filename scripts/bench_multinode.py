@@ -118,14 +118,11 @@ class Server:
             )
 
     def stop(self) -> None:
+        """Node 0 first: it drains and stops node 1's shards, and node 1 with them."""
+        from bench_serve import stop
+
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 def ask(hosts: Hosts, port: int, new_tokens: int, streams: int, timeout: float) -> list[float]:

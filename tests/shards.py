@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import httpx
@@ -15,12 +14,6 @@ from tgis.server import Metrics, create_app
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Tree:"]
 PARAMETERS = {"max_new_tokens": 12, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def one_shard_answers(model_dir: Path) -> list[str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Hosts, two_hosts, unavailable
-from tests.shards import PARAMETERS, PROMPTS, free_port, one_shard_answers
+from tests.shards import PARAMETERS, PROMPTS, one_shard_answers
+from tgis.benchmark.engine_mode import free_port
 
 NODE_TIMEOUT_S = 8
 # What ends a server after its node is lost: the silence bound plus a beat, the log written.
@@ -186,20 +187,23 @@ def test_a_lost_server_ends_the_other_nodes_naming_it(group: Group) -> None:
     assert "node 0 (rank 0, the server at" in second.text(), second.text()[-2000:]
 
 
-def test_an_unreachable_node_ends_the_server_and_itself(group: Group) -> None:
-    """The link between the hosts goes down: no connection closes, nothing answers."""
-    first, second = serving(group)
-    hosts = group.hosts
-    subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.interfaces[1], "down"],
-                   check=True)  # fmt: skip
-    try:
-        began = time.monotonic()
-        assert first.proc.wait(LOST_BOUND_S + 10) != 0
-        assert second.proc.wait(LOST_BOUND_S + 10) != 0
-        assert time.monotonic() - began < LOST_BOUND_S + 2
-    finally:
-        subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.interfaces[1], "up"],
-                       check=True)  # fmt: skip
+def test_an_unreachable_node_ends_the_server_and_itself(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The link between the hosts goes down: no connection closes, nothing answers. (Hosts of
+    its own: the link stays down.)"""
+    with two_hosts() as hosts:
+        group = Group(hosts, demo_model_dir, tmp_path)
+        try:
+            first, second = serving(group)
+            subprocess.run(["ip", "-n", hosts.names[1], "link", "set", hosts.interfaces[1],
+                            "down"], check=True)  # fmt: skip
+            began = time.monotonic()
+            assert first.proc.wait(LOST_BOUND_S + 10) != 0
+            assert second.proc.wait(LOST_BOUND_S + 10) != 0
+            assert time.monotonic() - began < LOST_BOUND_S + 2
+        finally:
+            group.stop()
     assert "node 1 (rank 1) has been silent for 8 s" in first.text(), first.text()[-2000:]
     assert "node 0's store at" in second.text() and "has not answered for 8 s" in second.text()
 

@@ -16,7 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from tests.shards import PARAMETERS, PROMPTS, free_port, one_shard_answers
+from tests.shards import PARAMETERS, PROMPTS, one_shard_answers
+from tgis.benchmark.engine_mode import free_port
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
 

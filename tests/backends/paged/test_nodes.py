@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from tests.shards import free_port
 from tgis.backends.paged.nodes import (
     Layout,
     NodeWatch,
@@ -34,6 +33,7 @@ from tgis.backends.paged.nodes import (
     resolve,
     socket_interface,
 )
+from tgis.benchmark.engine_mode import free_port
 from tgis.errors import NodeError
 
 SHAPE = {"max_sequences": 8, "kv_tokens": 4096}
@@ -101,8 +101,8 @@ def store() -> Any:
 
 
 def _mine(host: str, **changes: str) -> dict[str, str]:
-    base = {"model": "m (files abc)", "revision": "-", "dtype": "float32", "num_shard": "4",
-            "nnodes": "2", "tgis": "0.1.0", "host": host}  # fmt: skip
+    base = {"model": "m (files abc)", "files": "abc", "revision": "-", "dtype": "float32",
+            "num_shard": "4", "nnodes": "2", "tgis": "0.1.0", "host": host}  # fmt: skip
     return {**base, **changes}
 
 
@@ -135,7 +135,7 @@ def test_nodes_that_match_get_node_0s_shape(store: Any) -> None:
 
 
 def test_a_mismatch_is_named_on_every_node(store: Any) -> None:
-    theirs = _mine("b", model="other (files def)", dtype="bfloat16")
+    theirs = _mine("b", model="other (files def)", files="def", dtype="bfloat16")
     thread, out = _in_thread(lambda: join_nodes(_client(store), Layout(4, 2, 1), theirs, 10))
     with pytest.raises(NodeError) as raised:
         gather_nodes(store, Layout(4, 2, 0), _mine("a"), 10)

@@ -8,7 +8,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -26,17 +25,12 @@ from tgis.backends.paged.tensor_parallel import (
     TensorParallelBackend,
     shard_unsupported_reason,
 )
+from tgis.benchmark.engine_mode import free_port
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import GenerationRequest
 
 TOKENS = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def settings(

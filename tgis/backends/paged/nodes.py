@@ -6,9 +6,10 @@ R x N/K ... (R+1) x N/K - 1, each on its local device. Node 0 is the server (ran
 scheduler and HTTP/gRPC); it hosts the rendezvous store (torch.distributed's TCPStore) at
 --master-addr:--master-port. Every other node (`tgis serve --node-rank R`) connects to it:
 
-1. it claims its node rank (a second claim of one rank is refused) and registers what it
-   would load: the model's files, revision, dtype, shard and node counts, quantization, the
-   KV cache's dtype and the tgis version (`identity`);
+1. node 0 says what it loads first; a node checks its rank against node 0's node count,
+   claims the rank (a second host's claim is refused, a restarted host's taken back) and
+   registers what it would load: the model's files, revision, dtype, shard and node counts,
+   quantization, the KV cache's dtype and the tgis version (`identity`);
 2. node 0 waits for every node (--join-timeout-s, then it names the nodes that never came),
    compares them with its own and publishes a verdict: the engine's shape settings every rank
    builds with, or what differs, which every node then reports and exits with;
@@ -121,11 +122,12 @@ def identity(
 ) -> dict[str, str]:
     """What this node would load and how, as the other nodes compare it; `host` names it (its
     host name, and `address`, its address towards node 0: containers may share a name)."""
-    shown = {name: "-" if values.get(name) is None else str(values[name]) for name in values}
+    files = model_digest(model_dir)
     return {
-        "model": f"{model_id} (files {model_digest(model_dir)})",
+        "model": f"{model_id} (files {files})",
+        "files": files,
         "revision": revision or "-",
-        **{name: shown[name] for name in IDENTITY_FLAGS if name in shown},
+        **{name: "-" if value is None else str(value) for name, value in values.items()},
         "tgis": __version__,
         "host": socket.gethostname() + (f" ({address})" if address else ""),
     }
@@ -136,12 +138,9 @@ def differences(base: dict[str, str], other: dict[str, str]) -> list[tuple[str, 
     model compares by its files' digest: the directory may differ between hosts."""
     found = []
     for name in IDENTITY_FLAGS:
-        a, b = base.get(name, "-"), other.get(name, "-")
-        if name == "model":
-            if a.rsplit("(files ", 1)[-1] != b.rsplit("(files ", 1)[-1]:
-                found.append((name, a, b))
-        elif a != b:
-            found.append((name, a, b))
+        key = "files" if name == "model" else name  # the model by its files, not its path
+        if base.get(key, "-") != other.get(key, "-"):
+            found.append((name, base.get(name, "-"), other.get(name, "-")))
     return found
 
 
