@@ -15,6 +15,7 @@ from tests.engine.test_engine import PROMPTS, request, tokenizer
 from tests.engine.test_engine_isolation import outcomes
 from tgis.backends.common.device import load_causal_lm
 from tgis.backends.fallback.backend import TorchDynamicBackend
+from tgis.backends.paged.attention import slots_of
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine import live as live_module
 from tgis.engine import sampling as sampling_module
@@ -198,3 +199,54 @@ def test_a_request_whose_prompt_details_fail_fails_alone(
     monkeypatch.setattr(live_module.LiveSequence, "record_prefill", failing_record)
     bad = request(tokenizer, PROMPTS[1], POISON, max_new_tokens=6, decoder_input_details=True)
     check(*setup, demo_model_dir, tokenizer, bad, "IndexError: injected")
+
+
+def test_a_row_whose_forward_gives_nan_fails_alone_and_no_block_it_wrote_is_reused(
+    demo_model_dir: Path, tokenizer: Any
+) -> None:
+    """The poisoned request's first forward leaves NaN in its logits and in every slot it
+    wrote (a fault the same prompt would not meet twice): it fails alone, naming why, its
+    8 neighbours get their tokens, and the same prompt asked again after it finds none of
+    the blocks it filled in the prefix cache (they were full blocks, cached as computed)."""
+    prompt = " ".join([PROMPTS[0]] * 4)
+    again = request(tokenizer, prompt, "again", max_new_tokens=6, ignore_eos=True)
+    assert len(again.input_ids) > 2 * 16  # two full blocks of the CPU's 16 tokens
+    clean = make_engine(paged_backend(demo_model_dir), demo_model_dir, tokenizer)
+    try:
+        (reference,) = outcomes(clean, [again])
+        expected = outcomes(clean, good_requests(tokenizer))
+    finally:
+        clean.stop()
+    backend = paged_backend(demo_model_dir)
+    counts = Counts()
+    engine = make_engine(backend, demo_model_dir, tokenizer, observer=counts, prefix_caching=True)
+    forward = backend.forward
+    poisoned_once: list[int] = []
+
+    def nan_forward(items: Any) -> Any:
+        out = forward(items)
+        bad = poison_seq_ids(engine) - set(poisoned_once)
+        sampling = [i for i in items if i.sample]
+        for item in items:
+            if item.seq_id not in bad:
+                continue
+            poisoned_once.append(item.seq_id)
+            slots = slots_of(item.block_table, 0, item.start + len(item.token_ids), 16)
+            with torch.inference_mode():
+                for cache in (*backend.path.pool.keys, *backend.path.pool.values):
+                    cache.view(cache.shape[0], -1, cache.shape[-1])[:, slots] = float("nan")
+                out.last[sampling.index(item)] = float("nan")
+        return out
+
+    backend.forward = nan_forward  # type: ignore[method-assign]
+    try:
+        bad = request(tokenizer, prompt, POISON, max_new_tokens=6, ignore_eos=True)
+        reqs = good_requests(tokenizer)
+        got = outcomes(engine, [*reqs[:4], bad, *reqs[4:]])
+        assert "not finite" in str(got[4]), got[4]
+        assert got[:4] + got[5:] == expected
+        assert counts.failures == ["prefill"]
+        assert outcomes(engine, [again]) == [reference]
+        assert engine.healthy() and engine.in_flight == 0
+    finally:
+        engine.stop()

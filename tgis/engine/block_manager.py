@@ -352,10 +352,15 @@ class BlockManager:
             state.released += 1
             self.stats.released_blocks += 1
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, reuse: bool = True) -> None:
         """`seq_id` leaves: the blocks it holds go back (cached ones stay cached until
-        needed)."""
+        needed). `reuse` False: what they hold is bad (its forward produced NaN), so every
+        block of its table leaves the prefix cache first, and no later sequence finds it
+        there."""
         state = self._seqs.pop(seq_id)
+        if not reuse:
+            for block in state.blocks:
+                self._uncache(block)
         # The tail is evicted before the shared head.
         for block in reversed(state.blocks[state.released :]):
             self._give_back(block)
@@ -445,6 +450,16 @@ class BlockManager:
                 self._evictable[block] = None
             else:
                 self._free.append(block)
+
+    def _uncache(self, block: int) -> None:
+        """`block` is no prefix-cache entry from now on: free if nothing holds it."""
+        key = self._key_of.pop(block, None)
+        if key is None:
+            return
+        del self._block_of[key]
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
 
     def _take_cached(self, block: int) -> None:
         if self._refs[block] == 0:

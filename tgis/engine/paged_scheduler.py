@@ -227,7 +227,7 @@ class PagedScheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         if seq.seq_id in self.blocks:
-            self.blocks.free(seq.seq_id)
+            self.blocks.free(seq.seq_id, reuse=not seq.poisoned)
         seq.status = SeqStatus.FINISHED
 
     def _fit(self, seq: Sequence, take: int, keep: int) -> int:

@@ -6,9 +6,9 @@ the batch.
 
 Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor), after
 OpenAI's `logit_bias` (added to the raw logits before anything else, as OpenAI and vLLM do):
-min_new_tokens EOS mask -> repetition_penalty -> frequency/presence penalties -> length
-penalty (TGIS; HF's ExponentialDecayLengthPenalty over generated tokens) -> temperature ->
-top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
+min_new_tokens EOS mask (none with ignore_eos) -> repetition_penalty -> frequency/presence
+penalties -> length penalty (TGIS; HF's ExponentialDecayLengthPenalty over generated tokens) ->
+temperature -> top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
 `log_softmax` of the processed scores, as TGI reports them.
 
 On an accelerator a step is queued without waiting for the device: the step's host values
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tgis.engine.grammar import unpack
-from tgis.engine.transfer import to_device
+from tgis.engine.transfer import HostCopy, host_to_device, to_device, to_host
 from tgis.params import MAX_SEED, GenerateParameters
 
 if TYPE_CHECKING:
@@ -168,9 +168,15 @@ class SamplingRow:
             self.frequency_penalty,
             self.presence_penalty,
             float(min(self.top_k, vocab)),
-            float(self.generated < self.params.min_new_tokens),
+            float(self.eos_masked),
             self.eos_boost(),
         ]
+
+    @property
+    def eos_masked(self) -> bool:
+        """Whether EOS is banned this step: before min_new_tokens, unless the request ignores
+        EOS (vLLM's `ignore_eos`): then EOS ends nothing, so it stays an ordinary token."""
+        return self.generated < self.params.min_new_tokens and not self.params.ignore_eos
 
     def eos_boost(self) -> float:
         """The length penalty's factor this step: EOS logits grow by |logit| times it."""
@@ -248,6 +254,16 @@ class SampleOutput:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
+    def take(self, rows: Sequence[int]) -> SampleOutput:
+        """These rows of the choice, in this order."""
+        return SampleOutput(
+            [self.token_ids[i] for i in rows],
+            [self.logprobs[i] for i in rows],
+            [self.ranks[i] for i in rows],
+            [self.top_ids[i] for i in rows],
+            [self.top_logprobs[i] for i in rows],
+        )
+
     @classmethod
     def concat(cls, outputs: Sequence[SampleOutput]) -> SampleOutput:
         """The rows of `outputs`, one after the other (choices made apart, emitted as one)."""
@@ -308,10 +324,9 @@ class SamplingBatch:
             packed = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
             for i, mask in constrained:
                 packed[i] = mask
-            packed = packed.to(device, non_blocking=device.type == "cuda")
-            scores = scores.masked_fill(~unpack(packed, vocab), _NEG_INF)
+            scores = scores.masked_fill(~unpack(host_to_device(packed, device), vocab), _NEG_INF)
         eos = [e for e in self.eos_token_ids if 0 <= e < vocab]
-        if eos and any(r.generated < r.params.min_new_tokens for r in rows):
+        if eos and any(r.eos_masked for r in rows):
             eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             eos_mask[to_device(eos, torch.long, device)] = True
             scores = scores.masked_fill((column(_NO_EOS) > 0) & eos_mask, _NEG_INF)
@@ -380,7 +395,7 @@ class SamplingBatch:
             row.record(next_ids[i : i + 1])
         # One device-to-host copy for the three (float64 holds every token id and rank exactly).
         packed = torch.stack([next_ids.double(), chosen.squeeze(1).double(), ranks.double()])
-        return PendingSample(self, packed.to("cpu", non_blocking=device.type == "cuda"), logprobs)
+        return PendingSample(self, to_host(packed), logprobs)
 
     def _top_tokens(self, logprobs: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """TGI's batch_top_tokens: the n best per row, plus any tie with the n-th; never -inf."""
@@ -409,18 +424,15 @@ class SamplingBatch:
 class PendingSample:
     """A step's choice queued on the device (`SamplingBatch.launch`)."""
 
-    def __init__(self, batch: SamplingBatch, host: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def __init__(self, batch: SamplingBatch, host: HostCopy, logprobs: torch.Tensor) -> None:
         self._batch = batch
-        self._host = host  # [3, B] float64: ids, logprobs, ranks (pinned, being copied)
+        self._host = host  # [3, B] float64: ids, logprobs, ranks (being copied)
         self._logprobs = logprobs
 
     def result(self) -> SampleOutput:
         """Wait for the device and return the choice as Python values."""
         top_ids, top_lps = self._batch._top_tokens(self._logprobs)
-        device = self._logprobs.device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        values = self._host.tolist()
+        values = self._host.wait().tolist()
         token_ids = [int(t) for t in values[0]]
         return SampleOutput(token_ids, values[1], [int(r) for r in values[2]], top_ids, top_lps)
 

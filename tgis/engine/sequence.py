@@ -47,6 +47,8 @@ class Sequence:
     block_keys: BlockKeys | None = None
     # False: never take cached blocks (the prompt's logits are wanted at every position).
     cache_lookup: bool = True
+    # Its forward produced a NaN or an infinity: no block it wrote is reused once it leaves.
+    poisoned: bool = False
     # Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step
     # alongside the last token; set by the engine, cleared when scheduled.
     draft: tuple[int, ...] = ()

@@ -23,6 +23,7 @@ forward has already advanced its cache when the sampling fails.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -47,6 +48,16 @@ log = logging.getLogger("tgis.engine")
 BackendT = TypeVar("BackendT", Backend, PagedBackend)
 SchedulerT = TypeVar("SchedulerT", Scheduler, PagedScheduler)
 StepT = TypeVar("StepT", Step, PackedStep)
+
+
+class NonFiniteScores(ArithmeticError):
+    """A sequence's forward produced a NaN or an infinity."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the model's scores for this sequence are not finite (NaN or infinity): the "
+            "request fails alone and the KV blocks it wrote are not reused"
+        )
 
 
 class StepHost(Protocol):
@@ -135,7 +146,7 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
             meanwhile()
         if pending is not None:
             try:
-                return lives, pending.result()
+                return self._finite(method, lives, pending.result())
             except Exception as exc:
                 error = exc
         if not self._retry_alone(method, lives, error):
@@ -149,7 +160,22 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
                 continue
             chosen.append(live)
             outputs.append(row)
-        return chosen, SampleOutput.concat(outputs)
+        return self._finite(method, chosen, SampleOutput.concat(outputs))
+
+    def _finite(
+        self, method: str, lives: list[LiveSequence], choice: SampleOutput
+    ) -> tuple[list[LiveSequence], SampleOutput]:
+        """`lives` and their `choice`, less the rows whose scores were not finite (a NaN or
+        an infinity in the logits makes the chosen token's logprob NaN): each of those fails
+        alone, and the blocks its forward wrote are never reused (`Sequence.poisoned`)."""
+        bad = [i for i, logprob in enumerate(choice.logprobs) if math.isnan(logprob)]
+        if not bad:
+            return lives, choice
+        for i in bad:
+            lives[i].seq.poisoned = True
+            self.engine._fail_step(method, [lives[i]], NonFiniteScores())
+        kept = [i for i in range(len(lives)) if i not in set(bad)]
+        return [lives[i] for i in kept], choice.take(kept)
 
     def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:
         """A step over `lives` raised `exc`: True when it is worth running each alone (there

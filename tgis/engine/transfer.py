@@ -1,23 +1,142 @@
-"""Host values to the device a step runs on: through pinned memory with a non-blocking copy on
-an accelerator, so that the host goes on preparing work instead of waiting for the copy (a
-copy from pageable memory makes the host wait for the device to take it). On a CPU the host
-tensor is the device tensor. PyTorch caches the pinned blocks and keeps each until its copy
-is done, so per-step pinning allocates nothing after the first steps."""
+"""Copies between the host and the device a step runs on, behind one seam (`copies`).
+
+Host to device: through pinned memory with a non-blocking copy on an accelerator, so that the
+host goes on preparing work instead of waiting for the copy (a copy from pageable memory makes
+the host wait for the device to take it). PyTorch caches the pinned blocks and keeps each until
+its copy is done, so per-step pinning allocates nothing after the first steps. On a CPU the
+host tensor is the device tensor.
+
+Device to host: `to_host` starts the copy and returns a `HostCopy`; its values are the
+device's only once `wait()` returns (on CUDA the copy lands in pinned memory behind the
+stream's work, and reading it before the stream reaches it reads whatever was there).
+
+`COPIES` holds the copies of each device type. Tests put `StaleCopies` under "cpu" to run
+the CPU engine with an accelerator's hazards: the device's tensor is not the host's (a change
+to one after the copy does not reach the other), and a copy down reads stale values until
+waited for.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 
-def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device`."""
-    if device.type == "cpu":
+class HostCopy:
+    """A device tensor's copy on its way to the host: `tensor` is where it lands, `wait()`
+    returns it once it has."""
+
+    def __init__(self, tensor: torch.Tensor, event: Any = None) -> None:
+        self.tensor = tensor
+        self._event = event
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.tensor
+
+
+class Copies(Protocol):
+    """How values cross between the host and one kind of device."""
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy: ...
+
+
+class HostCopies:
+    """A CPU: the device is the host, nothing moves."""
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        return HostCopy(tensor)
+
+
+class AcceleratorCopies:
+    """An accelerator: pinned, non-blocking copies up; a copy down waits for the device."""
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.pin_memory().to(device, non_blocking=True)
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        return HostCopy(tensor.to("cpu"))
+
+
+class CudaCopies(AcceleratorCopies):
+    """CUDA: pinned, non-blocking copies both ways; a copy down is complete at its event."""
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        landed = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        landed.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return HostCopy(landed, event)
+
+
+class StaleCopies:
+    """A CPU standing in for an accelerator's copies (tests): `to_device` gives the device
+    its own copy, and `to_host` gives a `HostCopy` whose tensor holds stale values until
+    `wait()`. `sent` / `fetched` count the copies each way."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.fetched = 0
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.sent += 1
+        return host.clone()
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        self.fetched += 1
+        return _StaleCopy(tensor.clone())
+
+
+class _StaleCopy(HostCopy):
+    def __init__(self, values: torch.Tensor) -> None:
+        stale = torch.empty_like(values)
+        _scribble(stale)
+        super().__init__(stale)
+        self._values = values
+
+    def wait(self) -> torch.Tensor:
+        self.tensor.copy_(self._values)
+        return self.tensor
+
+
+def _scribble(tensor: torch.Tensor) -> None:
+    """Fill `tensor` with values no caller could mistake for its own."""
+    if tensor.dtype.is_floating_point:
+        tensor.fill_(float("nan"))
+    elif tensor.dtype == torch.bool:
+        tensor.logical_not_()
+    else:
+        tensor.fill_(-(2**30) if tensor.element_size() >= 4 else -1)
+
+
+COPIES: dict[str, Copies] = {"cpu": HostCopies(), "cuda": CudaCopies()}
+_ACCELERATOR = AcceleratorCopies()
+
+
+def copies(device: torch.device) -> Copies:
+    """The copies of `device`'s type (another accelerator's: `AcceleratorCopies`)."""
+    return COPIES.get(device.type, _ACCELERATOR)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`; the caller does not touch `host` after."""
+    return copies(device).to_device(host, device)
 
 
 def to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values as a tensor of `dtype` on `device` (see `host_to_device`)."""
     return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_host(tensor: torch.Tensor) -> HostCopy:
+    """Start copying `tensor` to the host (see `HostCopy`)."""
+    return copies(tensor.device).to_host(tensor)

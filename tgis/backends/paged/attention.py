@@ -22,6 +22,16 @@ the gather indices and masks precomputed once (`attend`): the one-query rows of 
 SDPA over their gathered pages, each longer query run through SDPA. `attend` is what
 the cpu backend runs; it is tested against `paged_attention_reference`.
 
+Padding cannot make NaN. The plain-torch path reads more of the pool than a sequence owns:
+whole blocks (the last one's tail past the KV length, block 0 standing in for a shorter
+table's missing entries) and blocks behind a sliding window that went back to the pool and
+may hold another sequence's keys by now. A pool is never cleared, and what such a slot holds
+is anything: a freed block of a sequence whose forward produced NaN, uninitialised memory. A
+masked score still sees it (NaN + -inf is NaN, 0 x NaN is NaN), so masks select instead of
+multiplying: every gathered key and value that no query of the run sees is set to zero before
+attention, and the masks SDPA takes are boolean (a float mask of another dtype than the
+query's is misread by some of SDPA's CUDA backends).
+
 Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
 [num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
 together, [kv_heads, num_blocks, block_size, head_dim], so that gathering a batch's pages
@@ -42,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from tgis.backends.common.kv import FLOAT8_KV, to_cache
-from tgis.backends.common.masks import additive_mask, causal_mask
+from tgis.backends.common.masks import causal_mask
 from tgis.engine.transfer import host_to_device, to_device
 
 
@@ -224,7 +234,8 @@ class _DecodeRows:
     """The one-query sequences of a step, attended together: their rows in the packed
     queries; `blocks` [rows * kv_heads * pages] the head-major pool's blocks to gather
     (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
-    and an additive mask [rows, 1, 1, pages * block_size] per sliding window. `whole`: they
+    and a boolean mask [rows, 1, 1, pages * block_size] (True: the row sees the key) per
+    sliding window, which also selects the keys and values read (module doc). `whole`: they
     are every row of the step, in order (a decode step: no gather of queries, no scatter of
     results)."""
 
@@ -238,12 +249,14 @@ class _DecodeRows:
 class _PrefillRun:
     """A sequence with several queries: rows q_start..q_end of the packed queries over the
     keys at `slots` [kv_len]; a boolean mask [1, 1, q, kv_len] per window, or None where
-    plain causal attention over its own tokens is exact."""
+    plain causal attention over its own tokens is exact; per window, the keys no query of the
+    run sees ([kv_len] boolean, None: it sees them all), zeroed once gathered (module doc)."""
 
     q_start: int
     q_end: int
     slots: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
+    unseen: dict[int | None, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -357,8 +370,7 @@ def _decode_rows(
     positions = torch.tensor([kv_lens[i] - 1 for i in picked])[:, None]
     length = pages * block_size
     masks = {
-        w: additive_mask(causal_mask(positions, length, w)).view(len(picked), 1, 1, length)
-        for w in set(windows)
+        w: causal_mask(positions, length, w).view(len(picked), 1, 1, length) for w in set(windows)
     }
     rows = torch.tensor([starts[i] for i in picked])
     return _DecodeRows(
@@ -381,17 +393,21 @@ def _prefill_run(
     positions = torch.arange(kv_len - q, kv_len)[None]
     # Rows of a span among the queries see the span's every row (both ways).
     both = [(lo, lo + n) for lo, n in spans if lo + n > kv_len - q and lo < kv_len]
-    masks = {}
+    masks: dict[int | None, torch.Tensor | None] = {}
+    unseen: dict[int | None, torch.Tensor | None] = {}
     for w in set(windows):
+        masks[w] = unseen[w] = None
         if not both and q == kv_len and (w is None or q <= w):
-            masks[w] = None
             continue
         mask = causal_mask(positions, kv_len, w)
         for lo, hi in both:
             rows = slice(max(lo - (kv_len - q), 0), min(hi, kv_len) - (kv_len - q))
             mask[..., rows, lo : min(hi, kv_len)] = True
         masks[w] = host_to_device(mask, device)
-    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
+        hidden = ~mask[0, 0].any(dim=0)
+        if bool(hidden.any()):
+            unseen[w] = host_to_device(hidden, device)
+    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks, unseen)
 
 
 def sdpa(
@@ -403,7 +419,7 @@ def sdpa(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, heads, Q, dim] over keys / values [B, kv_heads, T, dim] (grouped
-    heads), `mask` boolean (True: attend) or additive, broadcast to [B, heads, Q, T]; None:
+    heads), `mask` boolean (True: attend), broadcast to [B, heads, Q, T]; None:
     causal over the query's own tokens (Q == T). Through SDPA's fused kernels; with `softcap`
     (which SDPA has no argument for) scores are computed, capped through tanh and softmaxed in
     float32, as transformers' eager attention does for Gemma 2."""
@@ -425,8 +441,7 @@ def sdpa(
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    boolean = mask.dtype == torch.bool
-    scores = scores.masked_fill(~mask, float("-inf")) if boolean else scores + mask
+    scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
 
 
@@ -435,15 +450,16 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     blocks: torch.Tensor,
-    mask: torch.Tensor,
+    visible: torch.Tensor,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query per row [rows, heads, dim] over head-major pools: `blocks` and `mask` as
-    `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the additive
-    mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
-    attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa` takes
-    it. A float8 pool's blocks are widened to the query's dtype once gathered."""
+    """One query per row [rows, heads, dim] over head-major pools: `blocks` and `visible` as
+    `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the boolean
+    mask of the layer's window) -> [rows, heads, dim]. One gather per pool, the keys and
+    values the row does not see set to zero (whatever the pool held there: module doc), and
+    one fused attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa`
+    takes it. A float8 pool's blocks are widened to the query's dtype once gathered."""
     rows, heads, dim = query.shape
     kv_heads = k_cache.shape[0]
     block_elems = k_cache.shape[2] * dim
@@ -451,7 +467,11 @@ def decode_attention(
     keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     keys, values = keys.to(query.dtype), values.to(query.dtype)
-    attended = sdpa(query.view(rows, heads, 1, dim), keys, values, mask, scale, softcap)
+    # Freshly gathered (or widened) copies: zeroed in place.
+    hidden = ~visible.view(rows, 1, -1, 1)
+    keys.masked_fill_(hidden, 0)
+    values.masked_fill_(hidden, 0)
+    attended = sdpa(query.view(rows, heads, 1, dim), keys, values, visible, scale, softcap)
     return attended.view(rows, heads, dim)
 
 
@@ -512,8 +532,13 @@ def attend(
                 keys = to_cache(keys, k_cache.dtype).to(query.dtype)
                 values = to_cache(values, v_cache.dtype).to(query.dtype)
         else:
+            # Advanced indexing copies: zeroed in place where no query looks (module doc).
             keys = keys_flat[:, run.slots].to(query.dtype)
             values = values_flat[:, run.slots].to(query.dtype)
+            unseen = run.unseen[window]
+            if unseen is not None:
+                keys.masked_fill_(unseen[None, :, None], 0)
+                values.masked_fill_(unseen[None, :, None], 0)
         out[rows] = sdpa(
             query[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap
         )[0].transpose(0, 1)

@@ -6,10 +6,12 @@ engine's `PagedScheduler` owns them), packs the tokens, builds the attention met
 runs one forward for prefill chunks and decodes together.
 
 The pool's size is `kv_tokens` when given (`--max-batch-total-tokens`); otherwise it is what
-memory holds: on CUDA the share `--cuda-memory-fraction` allows of the device, less the weights
-and the measured peak of a forward at the largest prefill chunk (a profiling run, as TGI and
-vLLM do); on CPU half the available memory, capped at what `max_sequences` sequences of
-`max_sequence_tokens` could ever fill.
+memory holds, capped at what `max_sequences` sequences of `max_sequence_tokens` could ever
+fill: on an accelerator the share `--cuda-memory-fraction` allows of the device, less the
+measured peak of the largest step with the weights (a profiling forward, as TGI and vLLM do);
+on CPU half the available memory. What differs by device (block size, prefill chunk, which
+memory) is the backend's `DeviceTraits` (paged/traits.py), so the CUDA configuration runs on a
+CPU in tests.
 """
 
 from __future__ import annotations
@@ -23,12 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from tgis.backends.common.device import (
-    KV_MEMORY_FRACTION,
-    available_memory,
-    layer_shape,
-    load_model,
-)
+from tgis.backends.common.device import available_memory, layer_shape, load_model
 from tgis.backends.common.gemm import choose_packing
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
@@ -48,12 +45,14 @@ from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_by
 from tgis.backends.paged.forward import KVPool, PagedForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
+from tgis.backends.paged.traits import DeviceTraits, device_traits
 from tgis.config import use_inductor_cache
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
+    from tgis.backends.common.memory import DeviceMemory
     from tgis.backends.common.quant import Quantization
     from tgis.backends.models.parallel import TensorParallel
     from tgis.engine.types import ImageInput
@@ -61,12 +60,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Tokens per KV block. PyTorch's flash attention reads a paged cache in pages of 256 tokens;
-# the plain-torch path gathers any size, and small blocks share prompt prefixes more finely.
-BLOCK_SIZE = {"cuda": 256, "cpu": 16}
-# Tokens one CPU step prefills at most: a CPU prefill is compute-bound from a few hundred
-# tokens on, so larger chunks only delay the decodes sharing the step.
-CPU_PREFILL_STEP_TOKENS = 512
 # Prompt length of the short sequences warmup decodes with.
 WARMUP_PROMPT = 8
 
@@ -109,27 +102,35 @@ class PagedTorchBackend:
         kv_cache_dtype: torch.dtype | None = None,
         vision: VisionEncoder | None = None,
         bidirectional_images: bool = False,
+        traits: DeviceTraits | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
         max_sequence_tokens: prompt + generated tokens of one sequence (rope tables);
-        max_prefill_tokens: the largest prefill chunk (profiling and warmup). cuda_graphs:
-        decode through CUDA graphs recorded at warmup (paged/graphs.py); None: wherever
-        flash attention runs; True where it cannot is a ConfigError. graph_api: how graphs
-        are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per token of
-        another cache sized along with this one (a draft model's, as many tokens): a pool sized
-        from memory leaves it its share. compile: decode steps run through graphs compiled at
-        warmup (paged/compile.py; the plain-torch attention path only), and a pool sized from
-        memory leaves room for their copies of the weights. packed_weights: the projections
-        over oneDNN-packed weights (common/gemm.py), which moves the model's own to the meta
-        device (models/decoder.py); None: where a probe measures them faster on this CPU.
-        quantization: the projections quantized at load (common/quant.py), then never
-        packed. kv_cache_dtype: the pool's dtype where it is not the model's (a float8 one,
-        `--kv-cache-dtype`: attention through plain torch, which widens what it gathers).
-        vision: the vision tower of a vision-language model whose language model `model` is
-        (tgis.vision.encoder): prompts may hold images. bidirectional_images: the model's
-        image rows attend to each other both ways (Gemma 3), as `vision`'s family says, or,
-        for a tensor-parallel shard without the tower, as given."""
+        max_prefill_tokens: the most prompt tokens of one step (profiling and warmup).
+        cuda_graphs: decode through CUDA graphs recorded at warmup (paged/graphs.py); None:
+        wherever flash attention runs; True where it cannot is a ConfigError. graph_api: how
+        graphs are recorded (CUDA graphs by default). shared_kv_bytes_per_token: the bytes per
+        token of another cache sized along with this one (a draft model's, as many tokens): a
+        pool sized from memory leaves it its share. compile: decode steps run through graphs
+        compiled at warmup (paged/compile.py; the plain-torch attention path only), and a pool
+        sized from memory leaves room for their copies of the weights. packed_weights: the
+        projections over oneDNN-packed weights (common/gemm.py), which moves the model's own
+        to the meta device (models/decoder.py); None: where a probe measures them faster on
+        this CPU. quantization: the projections quantized at load (common/quant.py), then
+        never packed. kv_cache_dtype: the pool's dtype where it is not the model's (a float8
+        one, `--kv-cache-dtype`: attention through plain torch, which widens what it
+        gathers). vision: the vision tower of a vision-language model whose language model
+        `model` is (tgis.vision.encoder): prompts may hold images. bidirectional_images: the
+        model's image rows attend to each other both ways (Gemma 3), as `vision`'s family
+        says, or, for a tensor-parallel shard without the tower, as given. traits: how the
+        device runs the engine (paged/traits.py; the model's device's own by default);
+        `block_size` overrides theirs.
+
+        Built in stages, each complete before the next starts: the device and attention
+        path; the weights and rope tables; the step's own parts (LoRA stacks, the vision
+        tower), so that the profiling forward that sizes the pool runs the serving path; the
+        pool; then what runs over the pool (compiled decode, CUDA graphs)."""
         if min(max_sequences, max_sequence_tokens, max_prefill_tokens) < 1:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
@@ -139,6 +140,7 @@ class PagedTorchBackend:
         self.device = str(self.device_obj)
         self.name = self.device_obj.type
         self.dtype = next(model.parameters()).dtype
+        self.traits = traits or device_traits(self.device_obj)
         # Under tensor parallelism `model` is this rank's slices (paged/tensor_parallel.py).
         self.parallel = parallel
         self.vocab_size = (
@@ -147,11 +149,77 @@ class PagedTorchBackend:
             else int(model.get_output_embeddings().weight.shape[0])
         )
         self.max_sequence_tokens = max_sequence_tokens
-        cpu = self.name == "cpu"
-        self.prefill_chunk = min(max_prefill_tokens, CPU_PREFILL_STEP_TOKENS if cpu else 1 << 30)
-        self.block_size = block_size or BLOCK_SIZE.get(self.name, 16)
+        cap = self.traits.prefill_step_tokens
+        self.prefill_chunk = max_prefill_tokens if cap is None else min(max_prefill_tokens, cap)
+        self.block_size = block_size or self.traits.block_size
         self.kv_shape = native_kv_shape(model)
-        # Flash attention where it runs and the model's attention allows it.
+        self._choose_attention(model, vision, bidirectional_images, kv_cache_dtype)
+        quantization = self._load_weights(model, quantization, packed_weights, compile)
+        graphs = self._use_graphs(cuda_graphs, graph_api)
+        self._check_compile(compile, graphs)
+        # The step's own parts: from here on `_forward_packed` runs as it serves.
+        self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
+        self.vision = vision
+        self.compiled: CompiledDecode | None = None
+        self.graphs: DecodeGraphs | None = None
+        per_token = paged_kv_bytes_per_token(model, self.kv_dtype)
+        num_blocks = self._size_pool(
+            kv_tokens,
+            per_token + shared_kv_bytes_per_token,
+            max_sequences * max_sequence_tokens,
+            memory_fraction,
+            weight_copies_bytes(self.weight_bytes) if compile else 0,
+            int(graphs),
+        )
+        if parallel is not None:  # every rank's pool has the same blocks
+            num_blocks = parallel.agree_min(num_blocks)
+        with torch.inference_mode():
+            # With graphs, one more block than the scheduler knows: padding rows write there.
+            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
+        # What runs over the pool.
+        if compile:
+            self.compiled = CompiledDecode(self.path, max_sequences)
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.path,
+                graph_api or CudaGraphApi(),
+                max_sequences,
+                max_blocks=-(-max_sequence_tokens // self.block_size),
+                max_kv_len=max_sequence_tokens,
+                scratch_block=num_blocks,
+            )
+        self._capacity = BackendCapacity(
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            kv_tokens=num_blocks * self.block_size,
+            kv_bytes_per_token=per_token,
+            prefill_step_tokens=None if cap is None else self.prefill_chunk,
+            kv_budget_tokens=self._memory_tokens,
+            block_size=self.block_size,
+            sliding_window=_common_window(self.path.windows),
+            # Adapters are not sharded: tensor parallelism serves the base model only.
+            lora=parallel is None,
+            images=vision is not None,
+            whole_images=self.bidirectional,
+        )
+        logger.info(
+            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
+            self.device,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            per_token,
+        )
+
+    def _choose_attention(
+        self,
+        model: PreTrainedModel,
+        vision: VisionEncoder | None,
+        bidirectional_images: bool,
+        kv_cache_dtype: torch.dtype | None,
+    ) -> None:
+        """The pool's dtype and the attention path: flash attention where it runs and the
+        model's attention allows it (`model_needs` says why not), else plain torch."""
         self.model_needs = torch_attention_reason(model.config)
         # Gemma 3's image rows attend to each other both ways: masks flash attention's varlen
         # kernel has no form for.
@@ -167,7 +235,17 @@ class PagedTorchBackend:
                 "attention's varlen_attn does not read"
             )
         self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
-        per_token = paged_kv_bytes_per_token(model, self.kv_dtype)
+
+    def _load_weights(
+        self,
+        model: PreTrainedModel,
+        quantization: Quantization | None,
+        packed_weights: bool | None,
+        compile: bool,
+    ) -> Quantization | None:
+        """The forward over the model's weights in their serving layout and its rope tables
+        (`self.path`, over a one-block pool until the pool is sized): weights first, the pool
+        takes what memory is left. Returns the quantization the weights carry."""
         # A pre-quantized checkpoint's model carries its own (common/quant_checkpoint.py).
         quantization = quantization or model_quantization(model)
         if compile and quantization is not None and quantization.method in BNB_METHODS:
@@ -177,12 +255,11 @@ class PagedTorchBackend:
                 "drop --compile (TGIS_COMPILE), or use --quantize int8 or int4",
             )
         packed = quantization is None and self._packing(packed_weights, compile, model)
-        # Rope tables and weights first: the pool takes what memory is left.
         with torch.inference_mode():
             self.path = PagedForward(
                 model,
                 self._allocate_pool(1),
-                max_sequence_tokens,
+                self.max_sequence_tokens,
                 packed=packed,
                 quantization=quantization,
             )
@@ -191,66 +268,20 @@ class PagedTorchBackend:
             self.weights = f"quantized: {quantization.describe()}"
         self.weight_bytes = self.path.weight_bytes()
         logger.info("weights: %s, %.1f MiB", self.weights, self.weight_bytes / 2**20)
-        self.path.parallel = parallel
-        graphs = self._use_graphs(cuda_graphs, graph_api)
-        if compile and (graphs or self.flash or parallel is not None):
+        self.path.parallel = self.parallel
+        return quantization
+
+    def _check_compile(self, compile: bool, graphs: bool) -> None:
+        """--compile compiles the plain-torch path's decode on one device: refused where the
+        step attends otherwise."""
+        if compile and (graphs or self.flash or self.parallel is not None):
             raise ConfigError(
                 "--compile compiles the decode step of the plain-torch attention path on one "
-                f"device; here the paged engine attends with "
-                f"{self.attention}"
-                f"{' under tensor parallelism' if parallel is not None else ''}",
+                f"device; here the paged engine attends with {self.attention}"
+                f"{' under tensor parallelism' if self.parallel is not None else ''}",
                 "drop --compile (TGIS_COMPILE): CUDA graphs record the decode step where flash "
                 "attention runs",
             )
-        weight_copies = weight_copies_bytes(self.weight_bytes) if compile else 0
-        num_blocks = self._size_pool(
-            kv_tokens,
-            per_token + shared_kv_bytes_per_token,
-            max_sequences * max_sequence_tokens,
-            memory_fraction,
-            weight_copies,
-        )
-        if parallel is not None:  # every rank's pool has the same blocks
-            num_blocks = parallel.agree_min(num_blocks)
-        with torch.inference_mode():
-            # With graphs, one more block than the scheduler knows: padding rows write there.
-            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
-        # LoRA adapters' stacks (tgis.backends.paged.lora), for the model's projections.
-        self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
-        self.compiled = CompiledDecode(self.path, max_sequences) if compile else None
-        self.graphs: DecodeGraphs | None = None
-        if graphs:
-            self.graphs = DecodeGraphs(
-                self.path,
-                graph_api or CudaGraphApi(),
-                max_sequences,
-                max_blocks=-(-max_sequence_tokens // self.block_size),
-                max_kv_len=max_sequence_tokens,
-                scratch_block=num_blocks,
-            )
-        self._capacity = BackendCapacity(
-            max_sequences=max_sequences,
-            max_sequence_tokens=max_sequence_tokens,
-            kv_tokens=num_blocks * self.block_size,
-            kv_bytes_per_token=per_token,
-            prefill_step_tokens=self.prefill_chunk if cpu else None,
-            kv_budget_tokens=self._memory_tokens,
-            block_size=self.block_size,
-            sliding_window=_common_window(self.path.windows),
-            # Adapters are not sharded: tensor parallelism serves the base model only.
-            lora=parallel is None,
-            images=vision is not None,
-            whole_images=self.bidirectional,
-        )
-        self.vision = vision
-        logger.info(
-            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
-            self.device,
-            self.dtype,
-            num_blocks,
-            self.block_size,
-            per_token,
-        )
 
     def runtime(self) -> dict[str, Any]:
         """What the start-up log and /info say of this backend beside its capacity: its
@@ -379,27 +410,30 @@ class PagedTorchBackend:
         most: int,
         fraction: float | None,
         reserved: int = 0,
+        spare_blocks: int = 0,
     ) -> int:
         """Blocks of the pool: `kv_tokens` when given, else what memory holds (module doc)
-        less `reserved` bytes that other copies will take."""
+        less `reserved` bytes that other copies will take, never more than the sequences
+        could fill (`most` tokens, whole blocks each). Either way no layer's tensor of the
+        pool (with `spare_blocks` more) outgrows 32-bit indexing."""
         self._memory_tokens: int | None = None
+        fraction = self.traits.kv_memory_fraction if fraction is None else fraction
+        whole = -(-most // self.block_size) * self.block_size
+        memory = self.traits.memory
         if kv_tokens is not None:
             source = f"--max-batch-total-tokens {kv_tokens}"
             budget = kv_tokens
-        elif self.name == "cuda":
-            fraction = KV_MEMORY_FRACTION["cuda"] if fraction is None else fraction
-            free = max(0, self._cuda_free_after_peak(fraction) - reserved)
-            source = f"{fraction:.0%} of the GPU less weights and the prefill peak"
-            budget = free // per_token
+        elif memory is not None:
+            free = max(0, self._free_after_peak(memory, fraction) - reserved)
+            source = f"{fraction:.0%} of the device less weights and the prefill peak"
+            self._memory_tokens = free // per_token
+            budget = min(self._memory_tokens, whole)
         else:
-            fraction = KV_MEMORY_FRACTION.get(self.name, 0.5) if fraction is None else fraction
             free = max(0, available_memory(self.device_obj) - reserved)
             source = f"{fraction:.0%} of {free / 2**30:.1f} GiB available"
-            # Never more than the sequences could fill (whole blocks each).
-            whole = -(-most // self.block_size) * self.block_size
             self._memory_tokens = int(free * fraction) // per_token
             budget = min(self._memory_tokens, whole)
-        blocks = budget // self.block_size
+        blocks = min(budget // self.block_size, self._indexable_blocks() - spare_blocks)
         if blocks * self.block_size < self.max_sequence_tokens:
             raise ConfigError(
                 f"the KV cache ({source}: {budget} tokens at {per_token} bytes each) cannot "
@@ -408,32 +442,47 @@ class PagedTorchBackend:
             )
         return blocks
 
-    def _cuda_free_after_peak(self, fraction: float) -> int:
-        """Bytes of the device the pool may take: `fraction` of its memory, less what the
-        process holds now (weights) and the peak of one forward over the largest chunk with
-        its logits at every position ([tokens, vocab] in float32, what a request for prompt
-        logprobs costs: the engine takes each chunk's details before the next step)."""
-        torch.cuda.synchronize(self.device_obj)
-        torch.cuda.reset_peak_memory_stats(self.device_obj)
-        tokens = self.prefill_chunk
-        item = PackedItem(
-            -1,
-            tuple(i % self.vocab_size for i in range(tokens)),
-            0,
-            (0,) * -(-tokens // self.block_size),
-            prompt_logits=True,
-        )
+    def _indexable_blocks(self) -> int:
+        """The most blocks one layer's key (or value) tensor holds within 32-bit indexing
+        (kernels index the pool's elements with int32)."""
+        shape = self.kv_shape
+        return (2**31 - 1) // (self.block_size * shape.num_heads * shape.head_dim)
+
+    def _free_after_peak(self, memory: DeviceMemory, fraction: float) -> int:
+        """Bytes of the device the pool may take: `fraction` of its memory, less the peak of
+        the largest step (the weights included, as they are allocated): `prefill_chunk`
+        prompt tokens, as sequences of at most `max_sequence_tokens` (the rope tables'
+        length), with their logits at every position ([tokens, vocab] in float32, what a
+        request for prompt logprobs costs: the engine takes each chunk's details before the
+        next step)."""
+        items = self._profiling_items()
         saved = self.path.pool
-        self.path.pool = self._allocate_pool(len(item.block_table))
+        self.path.pool = self._allocate_pool(sum(len(i.block_table) for i in items))
         try:
-            self._forward_packed([item])
-            torch.cuda.synchronize(self.device_obj)
-            peak = torch.cuda.max_memory_allocated(self.device_obj)
+            peak = memory.peak_of(lambda: self._forward_packed(items))
         finally:
             self.path.pool = saved
-            torch.cuda.empty_cache()
-        _free, total = torch.cuda.mem_get_info(self.device_obj)
-        return max(0, int(total * fraction) - peak)
+        return max(0, int(memory.total() * fraction) - peak)
+
+    def _profiling_items(self) -> list[PackedItem]:
+        """The largest step's prompt chunks: `prefill_chunk` tokens over as few sequences as
+        hold them, each within `max_sequence_tokens` and blocks of its own."""
+        items: list[PackedItem] = []
+        left, block = self.prefill_chunk, 0
+        while left > 0:
+            tokens = min(left, self.max_sequence_tokens)
+            blocks = -(-tokens // self.block_size)
+            items.append(
+                PackedItem(
+                    -1 - len(items),
+                    tuple(i % self.vocab_size for i in range(tokens)),
+                    0,
+                    tuple(range(block, block + blocks)),
+                    prompt_logits=True,
+                )
+            )
+            left, block = left - tokens, block + blocks
+        return items
 
     # --- steps -------------------------------------------------------------------------------
 

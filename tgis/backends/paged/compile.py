@@ -58,7 +58,7 @@ def _paged_decode_attention(
 ) -> Tensor:
     """One layer's decode attention over head-major pools: write key/value [rows, kv_heads,
     dim] at `slot_mapping`, then attend query [rows, heads, dim] over the rows' `blocks` with
-    the additive `mask` (`paged_attention.decode_attention`); `softcap` 0: none."""
+    the boolean `mask` (`paged_attention.decode_attention`); `softcap` 0: none."""
     write_kv(k_cache, v_cache, key, value, slot_mapping, heads_first=True)
     return decode_attention(query, k_cache, v_cache, blocks, mask, scale, softcap or None)
 

@@ -1,0 +1,58 @@
+"""What the paged backend does differently by device, in one place: the KV block size, the
+prefill chunk a step takes at most, and how the pool is sized (from the host's available
+memory, or from an accelerator's memory after a profiling forward).
+
+`device_traits` gives a device's own. `cuda_traits` gives CUDA's for any device: on a CPU, with
+a fake of `torch.cuda`'s memory calls (`tgis.backends.common.memory`), it runs the CUDA
+configuration (blocks of 256, no chunk cap, the profiled pool) where CI runs, so the code a
+GPU takes is the code the tests take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tgis.backends.common.device import KV_MEMORY_FRACTION
+from tgis.backends.common.memory import CudaMemory, CudaMemoryCalls, DeviceMemory
+
+# Tokens per KV block. CUDA's attention kernels read a paged cache in pages of 256 tokens;
+# the plain-torch path gathers any size, and small blocks share prompt prefixes more finely.
+CUDA_BLOCK_SIZE = 256
+CPU_BLOCK_SIZE = 16
+# Tokens one CPU step prefills at most: a CPU prefill is compute-bound from a few hundred
+# tokens on, so larger chunks only delay the decodes sharing the step.
+CPU_PREFILL_STEP_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class DeviceTraits:
+    """How the paged backend runs on one kind of device."""
+
+    block_size: int
+    # The most prompt tokens one step computes (None: the scheduler's prefill budget).
+    prefill_step_tokens: int | None
+    # An accelerator's memory: the pool takes `kv_memory_fraction` of it less the weights and
+    # a profiled forward's peak. None: `kv_memory_fraction` of the host's available memory.
+    memory: DeviceMemory | None
+    kv_memory_fraction: float
+
+
+def cuda_traits(device: torch.device, calls: CudaMemoryCalls | None = None) -> DeviceTraits:
+    """CUDA's traits, its memory read through `calls` (torch.cuda by default)."""
+    return DeviceTraits(
+        CUDA_BLOCK_SIZE, None, CudaMemory(device, calls), KV_MEMORY_FRACTION["cuda"]
+    )
+
+
+def device_traits(device: torch.device) -> DeviceTraits:
+    """The traits of `device`'s own kind."""
+    if device.type == "cuda":
+        return cuda_traits(device)
+    return DeviceTraits(
+        CPU_BLOCK_SIZE,
+        CPU_PREFILL_STEP_TOKENS,
+        None,
+        KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"]),
+    )
