@@ -230,3 +230,59 @@ def test_flash_paged_equals_the_reference_on_cuda(window: int | None) -> None:
     out = paged_attention(query, k_cache, v_cache, cu, used, table, scale, 300, 517, window)
     ref = paged_attention_reference(query, k_cache, v_cache, cu, used, table, scale, window)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "kv_heads", "window"),
+    [
+        ([1, 1, 1, 1], [3, 4, 9, 13], 2, None),  # decodes: short tables padded, tails unwritten
+        ([1, 1, 4], [14, 5, 13], 2, 5),  # decodes and a chunk past released pages
+        ([6, 1], [6, 15], 1, 3),  # a prefill and a decode whose first 3 pages went back
+    ],
+)
+def test_nan_where_a_step_owns_nothing_never_reaches_its_output(
+    q_lens: list[int], k_lens: list[int], kv_heads: int, window: int | None
+) -> None:
+    """Every page no sequence holds is NaN (the pool's spare pages), the rest of a sequence's
+    last page zero (as the step that entered it left it: `fresh_blocks`), and with a sliding
+    window the pages wholly behind every query's window are in the tables as another
+    sequence's NaN page (released: `block_manager` gives them back as a sequence advances):
+    attention gives the reference's output over clean pages."""
+    query, k_cache, v_cache, cu, used, table, *_ = packed_case(q_lens, k_lens, 4, kv_heads)
+    scale = HEAD_DIM**-0.5
+    expected = paged_attention_reference(query, k_cache, v_cache, cu, used, table, scale, window)
+    held = {int(b) for i, k in enumerate(k_lens) for b in table[i, : -(-k // BLOCK)]}
+    spare = min(set(range(k_cache.shape[0])) - held)
+    owned = torch.zeros(k_cache.shape[0] * BLOCK, dtype=torch.bool)
+    entered = owned.clone()
+    tables = []
+    for i, (q, k) in enumerate(zip(q_lens, k_lens, strict=True)):
+        pages = [int(b) for b in table[i, : -(-k // BLOCK)]]
+        for p in range(k):
+            owned[pages[p // BLOCK] * BLOCK + p % BLOCK] = True
+        for page in pages:
+            entered[page * BLOCK : (page + 1) * BLOCK] = True
+        if window is not None:
+            behind = max(0, k - q - window + 1) // BLOCK
+            pages[:behind] = [spare] * behind
+        tables.append(pages)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, HEAD_DIM)[entered & ~owned] = 0
+        cache.view(-1, kv_heads, HEAD_DIM)[~entered] = float("nan")
+    meta = step_metadata(
+        q_lens, k_lens, tables, BLOCK, torch.device("cpu"), [window], k_cache.shape[0], kv_heads
+    )
+    k_heads, v_heads = (c.permute(2, 0, 1, 3).contiguous() for c in (k_cache, v_cache))
+    out = attend(query, k_heads, v_heads, meta, scale, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_names_the_blocks_it_enters() -> None:
+    """`fresh_blocks`: the block of every position a step writes at a block's first slot
+    (zeroed before the step writes); none where every write continues a block."""
+    meta = step_metadata(
+        [6, 1, 1], [6, 9, 7], [[5, 2], [0, 3, 4], [1, 6]], BLOCK, torch.device("cpu")
+    )
+    assert meta.fresh_blocks is not None and meta.fresh_blocks.tolist() == [5, 2, 4]
+    assert step_metadata([1], [7], [[1, 6]], BLOCK, torch.device("cpu")).fresh_blocks is None

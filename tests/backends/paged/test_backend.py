@@ -173,7 +173,8 @@ def test_warmup_plan_follows_the_budgets() -> None:
 def eager_decode(step: DecodeStep) -> torch.Tensor:
     """The logits of `step`'s decode through the path a CPU serves with: plain-torch
     attention over the head-major pool, its metadata built from what the buffers the step
-    reads hold now (KV lengths, block tables), the new K/V written at the buffers' slots."""
+    reads hold now (KV lengths, block tables), the blocks it enters zeroed, the new K/V
+    written at the buffers' slots."""
     path, meta = step.path, step.meta
     pool = path.pool
     assert not pool.flash  # head-major, as `pool_shape` lays it out off CUDA
@@ -183,6 +184,8 @@ def eager_decode(step: DecodeStep) -> torch.Tensor:
         path.windows, pool.num_blocks, pool.kv_heads,
     )  # fmt: skip
     eager = replace(eager, slot_mapping=meta.slot_mapping)
+    if eager.fresh_blocks is not None:  # as the backend's eager step does
+        pool.clear(eager.fresh_blocks)
     return path.forward(step.input_ids, step.positions, eager, step.rows)
 
 

@@ -22,15 +22,16 @@ the gather indices and masks precomputed once (`attend`): the one-query rows of 
 SDPA over their gathered pages, each longer query run through SDPA. `attend` is what
 the cpu backend runs; it is tested against `paged_attention_reference`.
 
-Padding cannot make NaN. The plain-torch path reads more of the pool than a sequence owns:
-whole blocks (the last one's tail past the KV length, block 0 standing in for a shorter
-table's missing entries) and blocks behind a sliding window that went back to the pool and
-may hold another sequence's keys by now. A pool is never cleared, and what such a slot holds
-is anything: a freed block of a sequence whose forward produced NaN, uninitialised memory. A
-masked score still sees it (NaN + -inf is NaN, 0 x NaN is NaN), so masks select instead of
-multiplying: every gathered key and value that no query of the run sees is set to zero before
-attention, and the masks SDPA takes are boolean (a float mask of another dtype than the
-query's is misread by some of SDPA's CUDA backends).
+Padding cannot make NaN. The plain-torch path gathers whole blocks and masks what a row must
+not see, and a masked score still sees what a slot holds (NaN + -inf is NaN, 0 x NaN is NaN).
+A pool is never cleared: a block may hold anything (uninitialised memory, a freed block of a
+sequence whose forward produced NaN). So a step reads only slots its own sequences wrote or
+zeroed: a block a sequence enters (its first position written) is zeroed first, in every
+layer, before the step writes into it (`StepMetadata.fresh_blocks`), which covers the tail
+of a sequence's last block; the pages that pad a shorter table, and the blocks behind the
+sliding window that went back to the pool (`block_manager`), are read as a page the row
+holds instead, masked all the same. The masks SDPA takes are boolean (a float mask of another
+dtype than the query's is misread by some of SDPA's CUDA backends).
 
 Two layouts of a layer's pool (`pool_shape`): flash attention reads pages
 [num_blocks, block_size, kv_heads, head_dim]; the plain-torch path keeps each KV head's pages
@@ -233,9 +234,10 @@ def paged_attention(
 class _DecodeRows:
     """The one-query sequences of a step, attended together: their rows in the packed
     queries; `blocks` [rows * kv_heads * pages] the head-major pool's blocks to gather
-    (head h's copy of block b is block h * num_blocks + b; short tables padded with block 0)
-    and a boolean mask [rows, 1, 1, pages * block_size] (True: the row sees the key) per
-    sliding window, which also selects the keys and values read (module doc). `whole`: they
+    (head h's copy of block b is block h * num_blocks + b; a short table padded, and blocks
+    behind the sliding window replaced, with the row's last page: module doc) and a boolean
+    mask [rows, 1, 1, pages * block_size] (True: the row sees the key) per sliding window.
+    `whole`: they
     are every row of the step, in order (a decode step: no gather of queries, no scatter of
     results)."""
 
@@ -248,15 +250,14 @@ class _DecodeRows:
 @dataclass(frozen=True)
 class _PrefillRun:
     """A sequence with several queries: rows q_start..q_end of the packed queries over the
-    keys at `slots` [kv_len]; a boolean mask [1, 1, q, kv_len] per window, or None where
-    plain causal attention over its own tokens is exact; per window, the keys no query of the
-    run sees ([kv_len] boolean, None: it sees them all), zeroed once gathered (module doc)."""
+    keys at `slots` [kv_len] (those behind every layer's window read as the last one: module
+    doc); a boolean mask [1, 1, q, kv_len] per window, or None where plain causal attention
+    over its own tokens is exact."""
 
     q_start: int
     q_end: int
     slots: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
-    unseen: dict[int | None, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,8 @@ class StepMetadata:
     flash: bool
     decode: _DecodeRows | None = None
     prefill: tuple[_PrefillRun, ...] = ()
+    # Blocks whose first position the step writes (long), zeroed before it does; None: none.
+    fresh_blocks: torch.Tensor | None = None
 
 
 def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -314,6 +317,11 @@ def step_metadata(
             for s in slots_of(blocks, kv - q, kv, block_size)
         ]
     )
+    fresh = [
+        blocks[p // block_size]
+        for blocks, q, kv in zip(block_tables, query_lens, kv_lens, strict=True)
+        for p in range(-(-(kv - q) // block_size) * block_size, kv, block_size)
+    ]
     decode, prefill = None, ()
     if not flash:
         decode = _decode_rows(
@@ -328,6 +336,7 @@ def step_metadata(
                 device,
                 windows,
                 spans[i] if spans is not None else (),
+                _all_within(windows),
             )
             for i, q in enumerate(query_lens)
             if q > 1
@@ -342,7 +351,13 @@ def step_metadata(
         flash=flash,
         decode=decode,
         prefill=prefill,
+        fresh_blocks=to_device(fresh, torch.long, device) if fresh else None,
     )
+
+
+def _all_within(windows: Sequence[int | None]) -> int | None:
+    """The window every layer attends within (the widest), None when a layer sees all."""
+    return None if None in windows else max(w for w in windows if w is not None)
 
 
 def _decode_rows(
@@ -360,10 +375,14 @@ def _decode_rows(
     if not picked:
         return None
     pages = max(-(-kv_lens[i] // block_size) for i in picked)
+    widest = _all_within(windows)
     padded = []
     for i in picked:
         used = list(block_tables[i][: -(-kv_lens[i] // block_size)])
-        padded.append(used + [0] * (pages - len(used)))
+        if widest is not None:  # pages wholly before the first position the row sees
+            behind = max(0, kv_lens[i] - widest) // block_size
+            used[:behind] = [used[-1]] * min(behind, len(used) - 1)
+        padded.append(used + [used[-1]] * (pages - len(used)))
     table = torch.tensor(padded, dtype=torch.long)
     heads = torch.arange(kv_heads)[None, :, None] * num_blocks
     blocks = (heads + table[:, None]).flatten()
@@ -388,15 +407,18 @@ def _prefill_run(
     device: torch.device,
     windows: Sequence[int | None],
     spans: Sequence[tuple[int, int]] = (),
+    widest: int | None = None,
 ) -> _PrefillRun:
     kv_len, q = len(slots), q_end - q_start
+    if widest is not None:  # no query sees a key before its first query's window
+        behind = max(0, kv_len - q - widest + 1)
+        slots = [slots[-1]] * behind + slots[behind:]
     positions = torch.arange(kv_len - q, kv_len)[None]
     # Rows of a span among the queries see the span's every row (both ways).
     both = [(lo, lo + n) for lo, n in spans if lo + n > kv_len - q and lo < kv_len]
     masks: dict[int | None, torch.Tensor | None] = {}
-    unseen: dict[int | None, torch.Tensor | None] = {}
     for w in set(windows):
-        masks[w] = unseen[w] = None
+        masks[w] = None
         if not both and q == kv_len and (w is None or q <= w):
             continue
         mask = causal_mask(positions, kv_len, w)
@@ -404,10 +426,7 @@ def _prefill_run(
             rows = slice(max(lo - (kv_len - q), 0), min(hi, kv_len) - (kv_len - q))
             mask[..., rows, lo : min(hi, kv_len)] = True
         masks[w] = host_to_device(mask, device)
-        hidden = ~mask[0, 0].any(dim=0)
-        if bool(hidden.any()):
-            unseen[w] = host_to_device(hidden, device)
-    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks, unseen)
+    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
 
 
 def sdpa(
@@ -456,10 +475,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per row [rows, heads, dim] over head-major pools: `blocks` and `visible` as
     `_DecodeRows` holds them (each row's whole blocks, gathered per KV head, and the boolean
-    mask of the layer's window) -> [rows, heads, dim]. One gather per pool, the keys and
-    values the row does not see set to zero (whatever the pool held there: module doc), and
-    one fused attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa`
-    takes it. A float8 pool's blocks are widened to the query's dtype once gathered."""
+    mask of the layer's window) -> [rows, heads, dim]. One gather per pool and one fused
+    attention (softmax accumulated in float32 for every dtype); `softcap` as `sdpa` takes
+    it. A float8 pool's blocks are widened to the query's dtype once gathered."""
     rows, heads, dim = query.shape
     kv_heads = k_cache.shape[0]
     block_elems = k_cache.shape[2] * dim
@@ -467,10 +485,6 @@ def decode_attention(
     keys = k_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     values = v_cache.view(-1, block_elems).index_select(0, blocks).view(rows, kv_heads, -1, dim)
     keys, values = keys.to(query.dtype), values.to(query.dtype)
-    # Freshly gathered (or widened) copies: zeroed in place.
-    hidden = ~visible.view(rows, 1, -1, 1)
-    keys.masked_fill_(hidden, 0)
-    values.masked_fill_(hidden, 0)
     attended = sdpa(query.view(rows, heads, 1, dim), keys, values, visible, scale, softcap)
     return attended.view(rows, heads, dim)
 
@@ -532,13 +546,8 @@ def attend(
                 keys = to_cache(keys, k_cache.dtype).to(query.dtype)
                 values = to_cache(values, v_cache.dtype).to(query.dtype)
         else:
-            # Advanced indexing copies: zeroed in place where no query looks (module doc).
             keys = keys_flat[:, run.slots].to(query.dtype)
             values = values_flat[:, run.slots].to(query.dtype)
-            unseen = run.unseen[window]
-            if unseen is not None:
-                keys.masked_fill_(unseen[None, :, None], 0)
-                values.masked_fill_(unseen[None, :, None], 0)
         out[rows] = sdpa(
             query[rows].transpose(0, 1)[None], keys[None], values[None], mask, scale, softcap
         )[0].transpose(0, 1)

@@ -524,6 +524,8 @@ class PagedTorchBackend:
             pool.flash,
             [item.spans for item in items] if self.bidirectional else None,
         )
+        if meta.fresh_blocks is not None:
+            pool.clear(meta.fresh_blocks)
         ids: list[int] = []
         rows: list[int] = []
         offsets: list[int] = []

@@ -36,10 +36,11 @@ LayerAttention = Callable[
 
 @dataclass(frozen=True)
 class KVPool:
-    """Per layer one key and one value tensor, allocated once (zeroed: padded reads of the
-    plain-torch path must stay finite): pages [num_blocks, block_size, kv_heads, head_dim]
-    for flash attention, head-major [kv_heads, num_blocks, block_size, head_dim] otherwise
-    (`paged_attention.pool_shape`)."""
+    """Per layer one key and one value tensor, allocated once: pages [num_blocks,
+    block_size, kv_heads, head_dim] for flash attention, head-major [kv_heads, num_blocks,
+    block_size, head_dim] otherwise (`paged_attention.pool_shape`). A step reads only slots
+    its sequences wrote or zeroed (`clear`; paged_attention's module doc), never what the
+    allocation left."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
@@ -68,6 +69,15 @@ class KVPool:
             tuple(make() for _ in range(num_layers)),
             flash,
         )
+
+    def clear(self, blocks: torch.Tensor) -> None:
+        """Zero `blocks` [n] (long) in every layer: blocks a step enters before writing into
+        them (`StepMetadata.fresh_blocks`), so that their unwritten slots read as zero."""
+        dim = 0 if self.flash else 1
+        for tensor in (*self.keys, *self.values):
+            # index_fill_ has no float8 kernel: zero bytes are float8's zero.
+            target = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+            target.index_fill_(dim, blocks, 0)
 
     @property
     def num_blocks(self) -> int:
