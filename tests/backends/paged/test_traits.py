@@ -73,9 +73,13 @@ def cuda_shaped(
 
 def test_each_device_has_its_traits() -> None:
     cpu = device_traits(CPU)
-    assert (cpu.block_size, cpu.prefill_step_tokens, cpu.memory) == (16, 512, None)
+    assert (cpu.block_size, cpu.prefill_step_tokens, cpu.memory, cpu.fuse_gate_up) == (
+        16, 512, None, False,
+    )  # fmt: skip
     cuda = device_traits(torch.device("cuda", 0))
-    assert (cuda.block_size, cuda.prefill_step_tokens) == (CUDA_BLOCK_SIZE, None)
+    assert (cuda.block_size, cuda.prefill_step_tokens, cuda.fuse_gate_up) == (
+        CUDA_BLOCK_SIZE, None, True,
+    )  # fmt: skip
     assert cuda.memory is not None and cuda.kv_memory_fraction == 0.85
 
 
@@ -110,6 +114,7 @@ def test_the_pool_is_sized_after_a_profiling_forward_of_the_whole_serving_path(
     ]  # fmt: skip
     cap = backend.capacity
     assert cap.block_size == 256 and cap.prefill_step_tokens is None
+    assert backend.path.fuse_gate_up
     # (0.85 * 10000 - 3000) tokens = 5500 -> 21 blocks of 256
     assert cap.kv_budget_tokens == 5_500 and cap.num_blocks == 21
     # A device with room for more than 4 sequences of 512 ever fill: 8 blocks.

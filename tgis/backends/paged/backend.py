@@ -260,6 +260,7 @@ class PagedTorchBackend:
                 model,
                 self._allocate_pool(1),
                 self.max_sequence_tokens,
+                fuse_gate_up=self.traits.fuse_gate_up,
                 packed=packed,
                 quantization=quantization,
             )

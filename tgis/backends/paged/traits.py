@@ -1,11 +1,11 @@
 """What the paged backend does differently by device, in one place: the KV block size, the
-prefill chunk a step takes at most, and how the pool is sized (from the host's available
-memory, or from an accelerator's memory after a profiling forward).
+prefill chunk a step takes at most, how the pool is sized (from the host's available memory,
+or from an accelerator's memory after a profiling forward) and the MLP's weight layout.
 
 `device_traits` gives a device's own. `cuda_traits` gives CUDA's for any device: on a CPU, with
 a fake of `torch.cuda`'s memory calls (`tgis.backends.common.memory`), it runs the CUDA
-configuration (blocks of 256, no chunk cap, the profiled pool) where CI runs, so the code a
-GPU takes is the code the tests take.
+configuration (blocks of 256, no chunk cap, the profiled pool, gate and up fused) where CI
+runs, so the code a GPU takes is the code the tests take.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from tgis.backends.common.device import KV_MEMORY_FRACTION
 from tgis.backends.common.memory import CudaMemory, CudaMemoryCalls, DeviceMemory
+from tgis.backends.models.decoder import FUSE_GATE_UP
 
 # Tokens per KV block. CUDA's attention kernels read a paged cache in pages of 256 tokens;
 # the plain-torch path gathers any size, and small blocks share prompt prefixes more finely.
@@ -37,12 +38,18 @@ class DeviceTraits:
     # a profiled forward's peak. None: `kv_memory_fraction` of the host's available memory.
     memory: DeviceMemory | None
     kv_memory_fraction: float
+    # The MLP's gate and up projections as one matmul (models/decoder.py's FUSE_GATE_UP).
+    fuse_gate_up: bool = False
 
 
 def cuda_traits(device: torch.device, calls: CudaMemoryCalls | None = None) -> DeviceTraits:
     """CUDA's traits, its memory read through `calls` (torch.cuda by default)."""
     return DeviceTraits(
-        CUDA_BLOCK_SIZE, None, CudaMemory(device, calls), KV_MEMORY_FRACTION["cuda"]
+        CUDA_BLOCK_SIZE,
+        None,
+        CudaMemory(device, calls),
+        KV_MEMORY_FRACTION["cuda"],
+        FUSE_GATE_UP["cuda"],
     )
 
 
@@ -55,4 +62,5 @@ def device_traits(device: torch.device) -> DeviceTraits:
         CPU_PREFILL_STEP_TOKENS,
         None,
         KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"]),
+        FUSE_GATE_UP.get(device.type, False),
     )
