@@ -5,8 +5,11 @@
    library (no download), saved under --workdir.
 2. Serves it with each server in turn and drives both with the same closed-loop load through
    the OpenAI chat route (the peer batches only that route): N concurrent streaming clients,
-   R requests, ~100-token prompts, 64 new tokens, greedy.
-3. Prints output tokens/s, TTFT p50/p99, inter-token latency p50/p99, peak RSS, and the ratios;
+   R requests, ~100-token prompts, 64 new tokens, greedy. tgis's requests carry `ignore_eos`,
+   so that every answer of the random model runs to its 64 tokens (see TGIS_PARAMETERS).
+3. Prints output tokens/s, mean output tokens per answer, TTFT p50/p99, inter-token latency
+   p50/p99, peak RSS, and the ratios (with a warning for a server whose answers came back
+   shorter than asked);
    plus tgis at 1 and 32 streams, a bare in-process decode loop over the same model, and
    prefix caching: TTFT of the second of two 200-token prompts sharing 150 tokens over the
    first's (5 pairs, one request at a time).
@@ -35,6 +38,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX_PAIRS = 5
+# Greedy; a random-weight model picks EOS early, so tgis is asked to run every answer to its
+# length (vLLM's `ignore_eos`): the figures then measure the load the script states.
+TGIS_PARAMETERS: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
+# `transformers serve` refuses a body with a key its OpenAI types lack (422 "Unexpected keys in
+# the request"), ignore_eos among them, and its continuous-batching manager takes the EOS from
+# the tokenizer for every request: its answers may end at EOS. Their mean length is printed
+# with the figures, and tokens/s counts the tokens each server actually produced.
+PEER_PARAMETERS: dict[str, Any] = {"temperature": 0.0}
 SMOLLM2_135M = {
     "vocab_size": 49152,
     "hidden_size": 576,
@@ -103,6 +114,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    answers: int = 0  # requests that succeeded
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
     wall: float = 0.0
@@ -141,6 +153,7 @@ async def closed_loop(
             times = record.token_times
             res.itl.extend(b - a for a, b in itertools.pairwise(times))
             res.output_tokens += record.output_tokens
+            res.answers += 1
 
     start = time.perf_counter()
     try:
@@ -268,6 +281,7 @@ def row(name: str, res: Result, rss: float) -> dict[str, float | str]:
     return {
         "server": name,
         "output_tok_s": res.output_tokens / res.wall if res.wall else 0.0,
+        "mean_output_tokens": res.output_tokens / res.answers if res.answers else 0.0,
         "ttft_p50_s": pct(res.ttft, 50),
         "ttft_p99_s": pct(res.ttft, 99),
         "itl_p50_ms": pct(res.itl, 50) * 1000,
@@ -329,7 +343,7 @@ def main() -> None:
     (res16, rss16), (res1, rss1), (res32, rss32), (prefix, _) = run_server(
         tgis_cmd, url, "/health", args.workdir / "tgis.log",
         [(args.streams, main_load), (1, solo), (32, big_load), (1, prefix_load)], "tgis",
-        args.new_tokens, warm,
+        args.new_tokens, warm, parameters=TGIS_PARAMETERS,
     )  # fmt: skip
     rows += [
         row(f"tgis x{args.streams}", res16, rss16),
@@ -341,16 +355,23 @@ def main() -> None:
         peer_cmd = [peer_bin, "serve", str(model_dir), "--continuous-batching", "--dtype", args.dtype,
                     "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
         ((peer, peer_rss),) = run_server(
-            peer_cmd, url, "/health", args.workdir / "peer.log", [(args.streams, main_load)], str(model_dir), args.new_tokens, warm
+            peer_cmd, url, "/health", args.workdir / "peer.log", [(args.streams, main_load)], str(model_dir), args.new_tokens, warm,
+            parameters=PEER_PARAMETERS,
         )  # fmt: skip
         rows.append(row(f"transformers serve x{args.streams}", peer, peer_rss))
     ours_ms, hf_ms = bare_decode_ms(model_dir, args.dtype)
     print(
-        f"\n{'server':<28}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}{'RSS MB':>9}{'err':>5}"
+        f"\n{'server':<28}{'tok/s':>9}{'tok/req':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}{'RSS MB':>9}{'err':>5}"
     )
     for r in rows:
-        print(f"{r['server']:<28}{r['output_tok_s']:>9.1f}{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s"
+        print(f"{r['server']:<28}{r['output_tok_s']:>9.1f}{r['mean_output_tokens']:>9.1f}{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s"
               f"{r['itl_p50_ms']:>8.1f}ms{r['itl_p99_ms']:>8.1f}ms{r['peak_rss_mb']:>9.0f}{r['errors']:>5}")  # fmt: skip
+    # A row whose answers ended before --new-tokens measured less work than the load states.
+    for r in rows:
+        if r["mean_output_tokens"] < args.new_tokens:
+            print(f"warning: {r['server']}: answers averaged {r['mean_output_tokens']:.1f} tokens of "
+                  f"the {args.new_tokens} asked (they ended at EOS): its per-answer figures cover "
+                  "shorter answers")  # fmt: skip
     print(
         f"\nbare in-process decode, batch 1: tgis backend {ours_ms:.1f} ms/token, HF forward {hf_ms:.1f} ms/token"
     )

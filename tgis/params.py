@@ -381,9 +381,11 @@ def _check_grammar(params: GenerateParameters) -> None:
     if grammar is None:
         return
     if params.ignore_eos or params.min_new_tokens:
+        # Named by the field the grammar came from: `response_format` or `tools` on the chat
+        # routes, where `grammar` is no field of the request.
         raise _fail(
-            "`grammar` cannot be combined with `ignore_eos` or `min_new_tokens`: a complete "
-            "grammar ends with EOS"
+            f"`{grammar.source}` cannot be combined with `ignore_eos` or `min_new_tokens`: a "
+            "complete grammar ends with EOS"
         )
     problem = grammar.problem()
     if problem is not None:

@@ -96,6 +96,25 @@ def test_json_schema_constrains_every_answer(url: str, tmp_path: Path, api: str)
     assert step["output_tokens"] < 6 * step["requests"]["ok"]
 
 
+@pytest.mark.parametrize("api", ["tgi", "openai-chat", "openai-completions"])
+def test_ignore_eos_is_taken_by_every_api_and_every_answer_runs_to_its_length(
+    url: str, tmp_path: Path, api: str
+) -> None:
+    """tgis serve's request contract takes `ignore_eos` where the benchmark sends it (TGI's
+    parameters, the OpenAI bodies' top level): no request is refused and none ends short."""
+    data = run(
+        url, tmp_path, "--api", api, "--profile", "fixed-length", "--kind", "throughput",
+        "--max-vus", "2", "--ignore-eos", *SMALL, *SHORT,
+    )  # fmt: skip
+    (step,) = data["steps"]
+    ok = step["requests"]["ok"]
+    assert ok > 0 and step["errors"] == {}
+    assert data["config"]["ignore_eos"] is True
+    lengths = step["output_lengths"]
+    assert lengths["short_requests"] == 0 and lengths["requests"] == ok
+    assert lengths["tokens"]["min"] == lengths["asked"]["max"] == 6
+
+
 def test_json_schema_needs_an_api_that_takes_one(url: str, tmp_path: Path) -> None:
     path = tmp_path / "schema.json"
     path.write_text("[1]")

@@ -123,7 +123,66 @@ def test_token_check_agrees_on_answers_ending_with_eos(
         "agreeing_requests": ok,
         "ratio": 1.0,
     }
-    assert "warning" not in result.output
+    assert "counts the answers' tokens differently" not in result.output
+    # Three tokens of the four asked: every answer is short, and the run says so.
+    assert step["output_lengths"] == {
+        "requests": ok,
+        "short_requests": ok,
+        "tokens": {"min": 3, "p50": 3.0, "mean": 3.0, "max": 3},
+        "asked": {"min": 4, "mean": 4.0, "max": 4},
+    }
+    warning = " ".join(result.output[result.output.index("warning:") :].split())
+    assert f"(step 1: {ok} of {ok} requests, mean 3.0 and min 3 tokens against 4 asked)" in warning
+    assert "--ignore-eos runs every answer to its length" in warning
+
+
+@pytest.mark.parametrize("api", ["tgi", "openai-chat", "openai-completions"])
+def test_ignore_eos_runs_every_answer_to_its_length(
+    api: str, tokenizer: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The same EOS after two tokens, sent with --ignore-eos: in TGI's `parameters` or at the
+    top of the OpenAI body, every answer runs to its 4 tokens, with no short-answer warning."""
+    engine = FakeEngine(tokenizer, delay=0.002, eos_after=2)
+    config = make_config(model_id=str(tokenizer_dir))
+    app_ = create_app(engine, tokenizer, config, ModelInfo.from_config(config))
+    out = tmp_path / "r.json"
+    with live_server(app_, shutdown_grace_s=1.0) as (url, _):
+        result = bench("--url", url, "--api", api, "--kind", "throughput", "--max-vus", "2",
+                       "--ignore-eos", *SMALL, *SHORT, "--output", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["ignore_eos"] is True
+    assert engine.requests and all(r.params.ignore_eos for r in engine.requests)
+    step = data["steps"][0]
+    ok = step["requests"]["ok"]
+    assert ok > 0 and step["output_tokens"] == 4 * ok  # the EOS among them, and one token past it
+    assert step["output_lengths"] == {
+        "requests": ok,
+        "short_requests": 0,
+        "tokens": {"min": 4, "p50": 4.0, "mean": 4.0, "max": 4},
+        "asked": {"min": 4, "mean": 4.0, "max": 4},
+    }
+    assert "shorter than asked" not in result.output
+    output = " ".join(result.output.split())
+    if api == "tgi":  # the EOS is a special token of the stream: left out of the check
+        assert step["token_check"]["ratio"] == 1.0 and "warning" not in output
+    else:  # OpenAI's usage counts the EOS, whose text is nothing: the warning says why
+        assert step["token_check"]["ratio"] == 0.75
+        assert "the EOS tokens it sampled, which have no text" in output
+
+
+def test_ignore_eos_and_a_json_schema_are_one_clear_error(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    result = runner.invoke(
+        app,
+        ["benchmark", "--url", "http://127.0.0.1:9", "--ignore-eos", "--json-schema", str(schema)],
+    )
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    text = str(result.exception)
+    assert "\n" not in text
+    assert text.startswith("--ignore-eos cannot be combined with --json-schema")
+    assert "drop one of them" in text  # before any request: port 9 was never reached
 
 
 def test_a_token_count_mismatch_prints_a_warning(

@@ -119,9 +119,14 @@ def test_engine_needs_a_model_id() -> None:
     assert "--model-id" in str(result.exception)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--adapters", "a,b"), ("--json-schema", "s.json")])
-def test_load_test_workload_flags_are_refused_with_engine(flag: str, value: str) -> None:
-    result = runner.invoke(app, ["benchmark", "--engine", "--model-id", "m", flag, value])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--adapters", "a,b"), ("--json-schema", "s.json"), ("--ignore-eos", None)],
+)
+def test_load_test_workload_flags_are_refused_with_engine(flag: str, value: str | None) -> None:
+    """--ignore-eos too: an --engine run always decodes its --decode-tokens steps."""
+    given = [flag] if value is None else [flag, value]
+    result = runner.invoke(app, ["benchmark", "--engine", "--model-id", "m", *given])
     assert isinstance(result.exception, ConfigError)
     assert f"{flag} applies to a load test of a server" in str(result.exception)
 

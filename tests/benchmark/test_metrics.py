@@ -9,6 +9,7 @@ from tgis.benchmark.load import StepResult
 from tgis.benchmark.metrics import (
     distribution,
     meets,
+    output_lengths,
     parse_slos,
     percentile,
     request_values,
@@ -189,3 +190,34 @@ def test_summarize_checks_tokens_only_with_a_tokenizer() -> None:
     check = summarize(step, count_tokens=words)["token_check"]
     assert check["requests"] == 1 and check["agreeing_requests"] == 1
     assert check["stream_tokens"] == check["tokenizer_tokens"] == 2
+
+
+def asked(max_new_tokens: int, output_tokens: int, error: str | None = None) -> RequestRecord:
+    return RequestRecord(0.0, 10, max_new_tokens, end=1.0, output_tokens=output_tokens, error=error)
+
+
+def test_output_lengths_set_the_answers_against_what_they_asked() -> None:
+    records = [
+        asked(8, 8),
+        asked(8, 3),  # ended at EOS
+        asked(16, 2),
+        asked(16, 16),
+        asked(8, 0, error="timeout"),  # failed: not counted
+    ]
+    assert output_lengths(records) == {
+        "requests": 4,
+        "short_requests": 2,
+        "tokens": {"min": 2, "p50": pytest.approx(5.5), "mean": pytest.approx(29 / 4), "max": 16},
+        "asked": {"min": 8, "mean": 12.0, "max": 16},
+    }
+    assert output_lengths([asked(8, 8)])["short_requests"] == 0
+    assert output_lengths([asked(8, 0, error="http_500")]) is None
+
+
+def test_summarize_records_the_output_lengths() -> None:
+    step = StepResult("throughput", 1, 0.0, 1.0)
+    step.records = [asked(6, 2), asked(6, 6), asked(6, 1, error="http_500")]
+    lengths = summarize(step)["output_lengths"]
+    assert lengths["requests"] == 2 and lengths["short_requests"] == 1
+    assert lengths["tokens"]["min"] == 2 and lengths["asked"] == {"min": 6, "mean": 6.0, "max": 6}
+    assert summarize(StepResult("throughput", 1, 0.0, 1.0))["output_lengths"] is None

@@ -1,5 +1,5 @@
-"""The tables of report.py: --engine runs compared per batch size, the token-check warning, the
-images a run's title names."""
+"""The tables of report.py: --engine runs compared per batch size, the token-check and
+short-answer warnings, the images a run's title names."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tgis.benchmark.report import (
     engine_compare_table,
     is_engine,
     results_table,
+    short_output_warning,
     token_check_warning,
 )
 
@@ -95,6 +96,54 @@ def test_token_check_warning_names_the_steps_off_by_more_than_10_percent() -> No
     assert "several tokens" in warning and "no usage" in warning
     assert "--tokenizer may not be the served model's" in warning
     assert token_check_warning(engine_results(A)) is None  # no steps
+
+
+def with_lengths(*steps: tuple[int, int, float, int, int, int]) -> dict[str, Any]:
+    """Steps of (requests, short ones, mean and min tokens, min and max asked)."""
+    data = copy.deepcopy(results())
+    step = data["steps"][0]
+    data["steps"] = [
+        {
+            **step,
+            "output_lengths": {
+                "requests": requests,
+                "short_requests": short,
+                "tokens": {"min": least, "p50": mean, "mean": mean, "max": high},
+                "asked": {"min": low, "mean": (low + high) / 2, "max": high},
+            },
+        }
+        for requests, short, mean, least, low, high in steps
+    ]
+    return data
+
+
+def test_short_output_warning_names_the_steps_and_their_lengths() -> None:
+    assert short_output_warning(with_lengths((20, 0, 8.0, 8, 8, 8))) is None
+    data = with_lengths((20, 0, 8.0, 8, 8, 8), (20, 12, 3.5, 2, 8, 8), (5, 5, 30.0, 1, 20, 600))
+    data["steps"].append({k: v for k, v in data["steps"][0].items() if k != "output_lengths"})
+    warning = short_output_warning(data)
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("[yellow]warning: answers came back shorter than asked")
+    assert warning.endswith("[/]")
+    assert "step 2: 12 of 20 requests, mean 3.5 and min 2 tokens against 8 asked" in warning
+    assert (
+        "step 3: 5 of 5 requests, mean 30.0 and min 1 tokens against 20-600 asked (mean 310.0)"
+        in warning
+    )
+    assert "step 1" not in warning and "step 4" not in warning
+    assert "--ignore-eos runs every answer to its length" in warning
+    data["config"]["ignore_eos"] = True
+    assert "may not honour it" in (short_output_warning(data) or "")
+    data["config"]["json_schema"] = {"type": "object"}
+    assert "expected with --json-schema" in (short_output_warning(data) or "")
+    assert short_output_warning(engine_results(A)) is None  # no steps
+
+
+def test_the_token_check_warning_names_the_eos_of_an_ignore_eos_openai_run() -> None:
+    data = with_ratios(0.75)
+    assert "EOS" not in (token_check_warning(data) or "")
+    data["config"].update(ignore_eos=True, api="openai-chat")
+    assert "EOS tokens it sampled" in (token_check_warning(data) or "")
 
 
 def test_engine_runs_compare_the_serving_loop_where_measured() -> None:

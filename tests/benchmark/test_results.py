@@ -83,6 +83,15 @@ def test_results_validate_and_round_trip(tmp_path: Path) -> None:
             lambda d: d["steps"][0]["token_check"].update(ratio="1.0"),
             r"at steps/0/token_check/ratio: '1.0' is not of type",
         ),
+        (
+            lambda d: d["steps"][0]["output_lengths"].pop("short_requests"),
+            r"at steps/0/output_lengths: 'short_requests' is a required property",
+        ),
+        (
+            lambda d: d["steps"][0]["output_lengths"]["asked"].update(max=-1),
+            r"at steps/0/output_lengths/asked/max: -1 is less than the minimum",
+        ),
+        (lambda d: d["config"].update(ignore_eos="yes"), r"at config/ignore_eos: 'yes' is not"),
     ],
 )
 def test_invalid_results_are_named(breakage: Any, message: str) -> None:
@@ -110,6 +119,25 @@ def test_token_check_is_optional_and_may_be_null() -> None:
         del step["token_check"]  # a file written before the field existed
     validate_results(data)
     assert "token_check" not in RESULTS_SCHEMA["properties"]["steps"]["items"]["required"]
+
+
+def test_output_lengths_and_ignore_eos_are_optional() -> None:
+    data = results()
+    first, empty = data["steps"]
+    assert first["output_lengths"] == {
+        "requests": 1,
+        "short_requests": 0,
+        "tokens": {"min": 2, "p50": 2.0, "mean": 2.0, "max": 2},
+        "asked": {"min": 2, "mean": 2.0, "max": 2},
+    }
+    assert empty["output_lengths"] is None  # no request answered
+    data["config"]["ignore_eos"] = True
+    validate_results(data)
+    del data["config"]["ignore_eos"]
+    for step in data["steps"]:
+        del step["output_lengths"]  # a file written before the fields existed
+    validate_results(data)
+    assert "output_lengths" not in RESULTS_SCHEMA["properties"]["steps"]["items"]["required"]
 
 
 def test_read_results_checks_the_version(tmp_path: Path) -> None:

@@ -47,9 +47,11 @@ def make_engine(
     tokenizer,
     max_concurrent: int = 64,
     start: bool = True,
+    eos: tuple[int, ...] | None = None,
     **limit_kw: object,
 ) -> Engine:
-    """The engine over the demo model; `start`: its loop on a thread of its own."""
+    """The engine over the demo model; `start`: its loop on a thread of its own; `eos`: EOS
+    ids other than the model's."""
     # float32: greedy tokens are compared with transformers' float32 generate.
     backend = TorchDynamicBackend.load(
         demo_model_dir, "cpu", "float32", max_sequences=16, max_sequence_tokens=256
@@ -62,9 +64,9 @@ def make_engine(
             **limit_kw,
         }  # type: ignore[arg-type]
     )
-    engine = Engine(
-        backend, tokenizer, limits, max_concurrent, eos_token_ids(demo_model_dir, tokenizer)
-    )
+    if eos is None:
+        eos = eos_token_ids(demo_model_dir, tokenizer)
+    engine = Engine(backend, tokenizer, limits, max_concurrent, eos)
     if start:
         engine.start()
     return engine
@@ -119,6 +121,44 @@ def test_greedy_matches_transformers_generate(engine: Engine, tokenizer, hf_mode
     assert completion.generated_tokens == 16
     assert "".join(e.text for e in events) == completion.generated_text
     assert completion.generated_text == tokenizer.decode(ours, skip_special_tokens=True)
+
+
+def test_ignore_eos_runs_past_an_eos_the_model_picks(
+    demo_model_dir: Path, tokenizer, hf_model
+) -> None:
+    """The model's greedy first token made an EOS id: a request stops on it, one with
+    ignore_eos in the same batch takes it as an ordinary token and runs to max_new_tokens, and
+    the consumer's side ends each where the loop does."""
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        eos = int(hf_model(torch.tensor([ids])).logits[0, -1].argmax())
+    engine = make_engine(demo_model_dir, tokenizer, eos=(eos,))
+
+    async def both() -> list[list[TokenEvent]]:
+        return await asyncio.gather(
+            collect(engine.generate(request(tokenizer, PROMPTS[0], "stops", max_new_tokens=8))),
+            collect(
+                engine.generate(
+                    request(tokenizer, PROMPTS[0], "runs", max_new_tokens=8, ignore_eos=True)
+                )
+            ),
+        )
+
+    try:
+        stops, runs = run(both())
+    finally:
+        engine.stop()
+    assert [e.token.id for e in stops] == [eos]
+    ended = stops[-1].completion
+    assert ended is not None and ended.finish_reason is FinishReason.EOS_TOKEN
+    assert ended.generated_tokens == 1
+    tokens = [e.token.id for e in runs]
+    assert len(tokens) == 8 and tokens[0] == eos
+    assert all(e.completion is None for e in runs[:-1])
+    completion = runs[-1].completion
+    assert completion is not None and completion.finish_reason is FinishReason.LENGTH
+    assert completion.generated_tokens == 8
+    assert completion.generated_text == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_greedy_same_alone_and_in_a_batch_of_16(

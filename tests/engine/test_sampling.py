@@ -140,6 +140,15 @@ def test_min_new_tokens_suppresses_eos() -> None:
     assert chosen[2] == EOS
 
 
+def test_ignore_eos_leaves_eos_an_ordinary_token_under_min_new_tokens() -> None:
+    """vLLM's ignore_eos: EOS ends nothing, so min_new_tokens has no reason to ban it."""
+    logits = torch.zeros(1, 8)
+    logits[0, EOS] = 10.0
+    row = SamplingRow(P(min_new_tokens=2, ignore_eos=True), [1])
+    chosen = [SamplingBatch([row], [EOS]).choose(logits).token_ids[0] for _ in range(3)]
+    assert chosen == [EOS, EOS, EOS]
+
+
 def sample_run(
     row: SamplingRow,
     steps: int,

@@ -3,9 +3,10 @@
 FakeEngine "generates" a fixed script with a real tokenizer: sequence i of a request is the
 script's token ids rotated by i, so best_of candidates differ. Log-probabilities are made up
 so that later sequences score higher (best_of must pick by score, not by position). It honours
-max_new_tokens, stop sequences (with include_stop_sequence and held-back text, as the engine
-does), details, decoder_input_details, top_n_tokens, best_of and seeds; it can fail, be slow,
-be overloaded or unhealthy, and it records which requests were closed before they finished.
+max_new_tokens, ignore_eos, stop sequences (with include_stop_sequence and held-back text, as
+the engine does), details, decoder_input_details, top_n_tokens, best_of and seeds; it can fail,
+be slow, be overloaded or unhealthy, and it records which requests were closed before they
+finished.
 """
 
 from __future__ import annotations
@@ -75,12 +76,15 @@ class FakeEngine:
         self.requests.append(request)
         return self._run(request)
 
-    def sequence_ids(self, index: int, length: int) -> list[int]:
-        """The ids sequence `index` generates (before stop sequences cut it)."""
+    def sequence_ids(self, index: int, length: int, ignore_eos: bool = False) -> list[int]:
+        """The ids sequence `index` generates (before stop sequences cut it): with
+        `eos_after`, the EOS after that many tokens ends it, unless `ignore_eos` (then the
+        EOS is one token of it and the script goes on, as the engine samples on)."""
         rotated = self.script_ids[index:] + self.script_ids[:index]
         ids = [rotated[k % len(rotated)] for k in range(length)]
         if self.eos_after is not None and self.eos_after < length:
-            ids = [*ids[: self.eos_after], self.tokenizer.eos_token_id]
+            rest = ids[self.eos_after + 1 :] if ignore_eos else []
+            ids = [*ids[: self.eos_after], self.tokenizer.eos_token_id, *rest]
         return ids
 
     def _token(self, token_id: int, step: int, index: int) -> TokenInfo:
@@ -139,7 +143,7 @@ class _Sequence:
         self, engine: FakeEngine, request: GenerationRequest, index: int, length: int
     ) -> None:
         self.engine, self.request, self.index = engine, request, index
-        self.ids = engine.sequence_ids(index, length)
+        self.ids = engine.sequence_ids(index, length, request.params.ignore_eos)
         self.tokens: list[TokenInfo] = []
         self.tops: list[tuple[TokenInfo, ...]] = []
         self.shown = ""  # text already sent

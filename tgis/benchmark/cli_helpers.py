@@ -229,6 +229,22 @@ def structured_output(api: str, schema: dict[str, Any] | None) -> dict[str, Any]
     )
 
 
+def ignore_eos_fields(ignore_eos: bool, schema: dict[str, Any] | None) -> dict[str, Any]:
+    """--ignore-eos's request field, `ignore_eos: true` (vLLM's name, which tgis serve and
+    llama.cpp's server take too): the client puts it in TGI's `parameters` and at the top of an
+    OpenAI body. Nothing without the flag. A --json-schema answer ends with EOS once it
+    matches, so the two are refused together, as servers refuse them."""
+    if not ignore_eos:
+        return {}
+    if schema is not None:
+        raise ConfigError(
+            "--ignore-eos cannot be combined with --json-schema: an answer that matches the "
+            "schema ends with EOS, the only token its grammar then allows",
+            "drop one of them",
+        )
+    return {"ignore_eos": True}
+
+
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
     """How many tokens `tokenizer` (a Hugging Face tokenizer) cuts a text into, specials aside."""
 

@@ -14,6 +14,11 @@ by the step's `elapsed` seconds (see StepResult.elapsed) and count successful re
 Goodput is the rate of successful requests that met every SLO given, e.g. `ttft=500ms,itl=50ms`:
 `ttft`, `tpot` and `e2e` bound the request's own value, `itl` bounds the mean of its gaps.
 
+`output_lengths` sets each successful answer's output tokens against the max_new_tokens it
+asked for: an answer that ended at EOS is shorter, and a run of short answers measures less
+work than its profile (random-weight models pick EOS early; `--ignore-eos` asks the server to
+run every answer to its length).
+
 Output tokens are counted from the stream (TGI: one event per token; OpenAI: one per content
 chunk, or the server's `usage.completion_tokens`). Given `count_tokens` (the benchmark's
 tokenizer), `token_check` re-tokenizes each successful answer and compares: a TGI record's
@@ -151,6 +156,29 @@ def token_check(
     }
 
 
+def output_lengths(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """The output tokens of the successful `records` against what each asked for:
+    {"requests", "short_requests" (fewer tokens than asked), "tokens" (min, p50, mean, max of
+    the answers' output tokens), "asked" (min, mean, max of their max_new_tokens)}; None
+    when none succeeded."""
+    ok = [r for r in records if r.ok]
+    if not ok:
+        return None
+    tokens = [r.output_tokens for r in ok]
+    asked = [r.max_new_tokens for r in ok]
+    return {
+        "requests": len(ok),
+        "short_requests": sum(r.output_tokens < r.max_new_tokens for r in ok),
+        "tokens": {
+            "min": min(tokens),
+            "p50": percentile(tokens, 50),
+            "mean": sum(tokens) / len(tokens),
+            "max": max(tokens),
+        },
+        "asked": {"min": min(asked), "mean": sum(asked) / len(asked), "max": max(asked)},
+    }
+
+
 def summarize(
     step: StepResult,
     slos: dict[str, float] | None = None,
@@ -186,6 +214,7 @@ def summarize(
         "requests_per_s": per_second(len(ok)),
         "goodput": None,
         "token_check": None if count_tokens is None else token_check(ok, count_tokens),
+        "output_lengths": output_lengths(ok),
     }
     if slos:
         good = sum(1 for r in step.records if meets(r, slos))

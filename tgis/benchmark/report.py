@@ -3,6 +3,8 @@
     console.print(results_table(data))
     if (warning := token_check_warning(data)) is not None:
         console.print(warning)
+    if (warning := short_output_warning(data)) is not None:
+        console.print(warning)
     console.print(compare_table(read_results("a.json"), read_results("b.json")))
     console.print(engine_compare_table(read_results("a.json"), read_results("b.json")))
 
@@ -116,11 +118,61 @@ def token_check_warning(data: dict[str, Any]) -> str | None:
             off.append(f"step {index} {value:.2f}x")
     if not off:
         return None
+    config = data.get("config", {})
+    eos = ""
+    if config.get("ignore_eos") and str(config.get("api", "")).startswith("openai"):
+        eos = (
+            ", or, with --ignore-eos, the server counts in its usage the EOS tokens it sampled, "
+            "which have no text"
+        )
     return (
         f"[yellow]warning: the tokenizer counts the answers' tokens differently from the stream "
         f"({', '.join(off)}): the server's chunks may carry several tokens while it sends no "
-        f"usage, or --tokenizer may not be the served model's[/]"
+        f"usage, or --tokenizer may not be the served model's{eos}[/]"
     )
+
+
+def _asked(asked: dict[str, Any]) -> str:
+    """`8 asked`, or `20-600 asked (mean 200.0)` when the answers asked for different lengths."""
+    low, high = int(asked["min"]), int(asked["max"])
+    if low == high:
+        return f"{high} asked"
+    return f"{low}-{high} asked (mean {asked['mean']:.1f})"
+
+
+def short_output_warning(data: dict[str, Any]) -> str | None:
+    """A yellow warning (rich markup) naming the steps whose answers came back with fewer
+    output tokens than their max_new_tokens: how many, and their mean and min tokens against
+    the asked length; None when every answer ran to its length (or no step recorded
+    `output_lengths`)."""
+    short = []
+    for index, step in enumerate(data["steps"], start=1):
+        lengths = step.get("output_lengths")
+        if not isinstance(lengths, dict) or not lengths.get("short_requests"):
+            continue
+        tokens = lengths["tokens"]
+        short.append(
+            f"step {index}: {lengths['short_requests']} of {lengths['requests']} requests, "
+            f"mean {tokens['mean']:.1f} and min {int(tokens['min'])} tokens against "
+            f"{_asked(lengths['asked'])}"
+        )
+    if not short:
+        return None
+    config = data.get("config", {})
+    if config.get("json_schema") is not None:
+        why = "expected with --json-schema: an answer ends once it matches the schema"
+    elif config.get("ignore_eos"):
+        why = (
+            "they were sent with ignore_eos (--ignore-eos), so the server may not honour it, "
+            "or its limits cut the answers (tgis serve's --max-new-tokens)"
+        )
+    else:
+        why = (
+            "answers that end at EOS measure less work than the workload asks (random-weight "
+            "models pick EOS early); --ignore-eos runs every answer to its length on servers "
+            "that take vLLM's ignore_eos"
+        )
+    return f"[yellow]warning: answers came back shorter than asked ({'; '.join(short)}): {why}[/]"
 
 
 def matched_steps(

@@ -3,8 +3,10 @@
 An in-process run (`--engine`) has a config with `mode: "engine"`, no `steps` and an
 `engine_steps` array (prefill and decode timings per batch size): both fields added within
 version 1, so older files still validate. So is a step's optional `token_check` (the stream's
-token counts against the re-tokenized answers, null when no tokenizer was given), and the
-profile's optional `images` (what each request carried: count, size, format, unique or not).
+token counts against the re-tokenized answers, null when no tokenizer was given), a step's
+optional `output_lengths` (the answers' output tokens against the max_new_tokens they asked
+for), the config's optional `ignore_eos` and the profile's optional `images` (what each request
+carried: count, size, format, unique or not).
 
     data = build_results(config, [summarize(step, slos) for step in steps])
     validate_results(data)          # ValueError naming the offending field (needs jsonschema)
@@ -46,6 +48,26 @@ _TOKEN_CHECK = {
         "tokenizer_tokens": _COUNT,
         "agreeing_requests": _COUNT,
         "ratio": {"type": ["number", "null"], "minimum": 0},
+    },
+}
+_OUTPUT_LENGTHS = {
+    "type": ["object", "null"],
+    "required": ["requests", "short_requests", "tokens", "asked"],
+    "properties": {
+        "requests": _COUNT,
+        "short_requests": _COUNT,
+        "tokens": {
+            "type": "object",
+            "required": ["min", "p50", "mean", "max"],
+            "properties": {
+                k: {"type": "number", "minimum": 0} for k in ("min", "p50", "mean", "max")
+            },
+        },
+        "asked": {
+            "type": "object",
+            "required": ["min", "mean", "max"],
+            "properties": {k: {"type": "number", "minimum": 0} for k in ("min", "mean", "max")},
+        },
     },
 }
 _STEP = {
@@ -98,6 +120,8 @@ _STEP = {
         },
         # Optional (added within version 1): see metrics.token_check.
         "token_check": _TOKEN_CHECK,
+        # Optional (added within version 1): see metrics.output_lengths.
+        "output_lengths": _OUTPUT_LENGTHS,
     },
 }
 _ENGINE_STEP = {
@@ -158,6 +182,8 @@ _HTTP_CONFIG = {
         "json_schema": {"type": ["object", "null"]},
         # The LoRA adapters requests went through in turn (--adapters; "" the base model).
         "adapters": {"type": "array", "items": {"type": "string"}},
+        # Optional (added within version 1): whether requests carried ignore_eos (--ignore-eos).
+        "ignore_eos": {"type": "boolean"},
     },
 }
 _ENGINE_CONFIG = {

@@ -123,6 +123,16 @@ def command(
             show_default=False,
         ),
     ] = None,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos",
+            help="Send ignore_eos with every request (TGI's parameters.ignore_eos, OpenAI's "
+            "top-level field, as vLLM takes it): answers run to their length instead of ending "
+            "at EOS, which random-weight models pick early.",
+            rich_help_panel=WORKLOAD,
+        ),
+    ] = False,
     adapters: Annotated[
         str | None,
         typer.Option(
@@ -302,6 +312,7 @@ def command(
         check_images_api,
         check_options,
         choose_profile,
+        ignore_eos_fields,
         load_compared,
         read_json_schema,
         save,
@@ -315,6 +326,7 @@ def command(
         engine_compare_table,
         is_engine,
         results_table,
+        short_output_warning,
         token_check_warning,
     )
     from tgis.benchmark.results import build_results
@@ -332,6 +344,7 @@ def command(
     if engine:
         for given, flag in (
             (json_schema is not None, "--json-schema"),
+            (ignore_eos, "--ignore-eos"),
             (adapters, "--adapters"),
             (images_per_prompt is not None, "--images-per-prompt"),
             (image_size is not None, "--image-size"),
@@ -373,17 +386,22 @@ def command(
         profile, prompt_tokens, decode_tokens, requests,
         images_per_prompt, image_size, image_format, unique_images,
     )  # fmt: skip
+    # Flags that cannot go together stop the command before the server is asked anything.
+    schema = read_json_schema(json_schema)
+    eos_fields = ignore_eos_fields(ignore_eos, schema)
     target = detect_target(url, api, api_key)
     check_images_api(target.api, chosen.images)
     tok, tokenizer_name = load_tokenizer(tokenizer, target.model_id)
     sessions = build_workload(chosen, tok, requests, seed)
-    schema = read_json_schema(json_schema)
     client = BenchmarkClient(
         target.url,
         api=target.api,  # type: ignore[arg-type]
         model=target.model_id or "tgi",
         headers=auth_headers(api_key),
-        extra_parameters=structured_output(target.api, schema),
+        extra_parameters={
+            **structured_output(target.api, schema),
+            **eos_fields,
+        },
         adapters=adapter_list(adapters),
     )
     run = BenchmarkRun(
@@ -416,6 +434,7 @@ def command(
         "num_rates": num_rates,
         "requests": requests,
         "json_schema": schema,
+        "ignore_eos": ignore_eos,
         "adapters": list(adapter_list(adapters)),
         "slos_s": slos,
         "interrupted": interrupted,
@@ -423,8 +442,9 @@ def command(
     count_tokens = token_counter(tok)
     data = build_results(config, [summarize(step, slos, count_tokens) for step in run.steps()])
     console.print(results_table(data))
-    if (warning := token_check_warning(data)) is not None:
-        console.print(warning)
+    for warning in (token_check_warning(data), short_output_warning(data)):
+        if warning is not None:
+            console.print(warning)
     save(console, output, plot, [("run", data)], data)
     if interrupted:
         console.print("[yellow]interrupted[/]: the results cover the steps measured so far")

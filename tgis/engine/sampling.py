@@ -8,8 +8,8 @@ Order (TGI's `HeterogeneousNextTokenChooser`, HF semantics for each processor), 
 OpenAI's `logit_bias` (added to the raw logits before anything else, as OpenAI and vLLM do):
 min_new_tokens EOS mask (none with ignore_eos) -> repetition_penalty -> frequency/presence
 penalties -> length penalty (TGIS; HF's ExponentialDecayLengthPenalty over generated tokens) ->
-temperature -> top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives are taken from
-`log_softmax` of the processed scores, as TGI reports them.
+temperature -> top_k -> top_p -> typical_p -> choice. Logprobs, ranks and top-n alternatives
+are taken from `log_softmax` of the processed scores, as TGI reports them.
 
 On an accelerator a step is queued without waiting for the device: the step's host values
 (parameters, random states, EOS ids) go up in two non-blocking copies from pinned memory, the

@@ -9,7 +9,9 @@ Two parts, combined per token by `tgis.engine.detokenize.TextStream`:
 
 When several reasons hold on the same token the most specific wins: EOS_TOKEN, then
 STOP_SEQUENCE, then LENGTH, then TIME_LIMIT. Before `min_new_tokens` tokens neither EOS nor a
-stop sequence ends the sequence (sampling masks EOS meanwhile, see tgis.engine.sampling).
+stop sequence ends the sequence (sampling masks EOS meanwhile, see tgis.engine.sampling). With
+`ignore_eos` (vLLM's) an EOS id ends nothing and is an ordinary token, never masked: the
+sequence runs to max_new_tokens, a stop sequence or the time limit.
 """
 
 from __future__ import annotations

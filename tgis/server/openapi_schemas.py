@@ -144,6 +144,10 @@ _GRAMMAR_ENDS = (
     "`grammar` cannot be combined with `ignore_eos` or `min_new_tokens`: a complete grammar "
     "ends with EOS"
 )
+_IGNORE_EOS = (
+    "vLLM's extension: EOS ends nothing (it is sampled as any token), so the output runs to its "
+    "token limit, a stop sequence or the time limit; not with a grammar"
+)
 _STREAMED = "a streamed request takes neither `best_of` > 1 nor `decoder_input_details`"
 _IMAGE_URL = (
     "a data URL (`data:image/png;base64,...`: PNG, JPEG, WebP or GIF), or an http(s) URL the "
@@ -371,7 +375,7 @@ class RequestSchemas:
             ),
             stop=null(array(STR, maxItems=lim.max_stop_sequences, example=["photographer"])),
             include_stop_sequence=null({**BOOL, "description": "TGIS: keep the stop text"}),
-            ignore_eos=null(BOOL),
+            ignore_eos=null({**BOOL, "description": _IGNORE_EOS}),
             time_limit_ms=null(
                 integer(1, MAX_TIME_LIMIT_MS, description="TGIS: stop this long after arrival")
             ),
@@ -495,7 +499,7 @@ class RequestSchemas:
             "top_k": null(integer(1)),
             "repetition_penalty": null(FACTOR),
             "min_tokens": null(integer(0, self.max_new_tokens)),
-            "ignore_eos": null(BOOL),
+            "ignore_eos": null({**BOOL, "description": _IGNORE_EOS}),
             "logit_bias": null(
                 {
                     "type": "object",
