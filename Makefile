@@ -82,19 +82,24 @@ soak: install
 bench-gpu: install
 	$(PY) scripts/bench_gpu.py --workdir $(or $(BENCH_DIR),/tmp/tgis-bench-gpu)
 
-# On a machine with an NVIDIA GPU, with its own Python and CUDA torch (no virtualenv): the CUDA
-# tests and bench-gpu's loads, in stages of under 10 minutes each (STAGE=probe, tests, bench,
-# docs; all by default; GPU_CHECK_ARGS="--models 8b --modes graphs" narrows bench), results
-# under GPU_CHECK_DIR and the table in docs/performance.md. Without a package index there,
-# `make gpu-wheels` (here) fetches what tgis needs beside torch into .whl/; each stage
-# installs them into a private folder first.
+# On a machine with an NVIDIA GPU, with its own Python and CUDA torch (no virtualenv), in one
+# command of at most 8 minutes (GPU_CHECK_ARGS="--budget S" changes that): the probe, the CUDA
+# tests, a profile of one decode step and bench-gpu's loads, each stage within its time, into
+# GPU_CHECK_DIR (at most 8 files: probe.json, tests.log, tests.json, profile.txt, bench.json,
+# summary.md) and the table into docs/performance.md. STAGE=probe, tests, profile, bench or docs
+# runs one (GPU_CHECK_ARGS="--loads 8b:graphs" narrows bench); `make gpu-check STAGE=docs
+# GPU_CHECK_DIR=<the folder fetched back>` writes the table where the repository lives. Without a
+# package index there, `make gpu-wheels` (here) fetches into .whl/ the wheels of what tgis needs
+# at run time and that machine's image lacks (GPU_IMAGE: its package list, scripts/gpu_image.txt
+# or a probe.json from it); each stage installs them into a private folder first.
 GPU_PYTHON ?= python3
 GPU_CHECK_DIR ?= gpu-check
+GPU_IMAGE ?= scripts/gpu_image.txt
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py $(or $(STAGE),all) --out $(GPU_CHECK_DIR) $(GPU_CHECK_ARGS)
 
 gpu-wheels: install
-	$(PY) scripts/gpu_check.py wheels --dest .whl
+	$(PY) scripts/gpu_check.py wheels --wheels .whl --image $(GPU_IMAGE)
 
 # Re-train the bundled demo model (about 20 minutes on 2 cores).
 demo-model: install
