@@ -219,12 +219,27 @@ def test_adapters_need_the_paged_engine_and_servable_adapters(
     )
 
 
-def test_structured_output_is_ready_before_the_first_request(demo_model_dir: Path) -> None:
-    """The tokenizer's llguidance form is made at start-up, not by the first grammar request;
-    the engine's loop is left for the caller to run (start_engine=False, as `tgis serve`)."""
+def test_start_up_starts_the_grammar_tokenizer_and_logs_its_phases(
+    demo_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tokenizer's llguidance form is built from start-up on, in a thread of its own (not
+    by the first grammar request, nor holding start-up); start-up logs where its time went.
+    The engine's loop is left for the caller to run (start_engine=False, as `tgis serve`)."""
+    caplog.set_level("INFO")
     service = build_service(make_config(), demo_model_dir, start_engine=False)
     try:
-        assert service.engine.grammars._ll_tokenizer is not None
+        grammars = service.engine.grammars
+        assert grammars.wait(60)
+        assert grammars._ll_tokenizer is not None and grammars.error is None
+        messages = [r.getMessage() for r in caplog.records]
+        (line,) = [m for m in messages if m.startswith("start-up: ")]
+        assert re.fullmatch(
+            r"start-up: tokenizer \S+ s, load \S+ s, warmup \S+ s, tokenizer facts \S+ s, "
+            r"engine \S+ s; grammar tokenizer (built in \S+ s|building in a thread of its own)",
+            line,
+        ), line
+        ready = "structured output ready: grammar tokenizer built in "
+        assert len([m for m in messages if m.startswith(ready)]) == 1
         assert not service.engine.healthy()  # not started: `tgis serve` runs it on its thread
     finally:
         service.stop()

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tgis.config import ServeConfig, check_kv_budget
 from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
+from tgis.engine.detokenize import tokenizer_facts
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.errors import ConfigError
@@ -203,15 +205,22 @@ def build_service(
 
     if choice is None:
         choice = choose_backend(config, read_model_facts(model_dir))
+    phases = StartupTimes()
     tokenizer = load_tokenizer(model_dir)
+    phases.done("tokenizer")
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, choice, draft.kv_bytes_per_token if draft else 0)
+    phases.done("load")
     capacity = backend.capacity
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:
         report = run_warmup(backend, config)
         log.info("%s", report.summary())
+        phases.done("warmup")
+    # What requests read of the tokenizer, read once (a walk over its vocabulary).
+    tokenizer_facts(tokenizer)
+    phases.done("tokenizer facts")
     engine = Engine(
         backend,
         tokenizer,
@@ -227,6 +236,7 @@ def build_service(
     prepare_grammars(engine)
     adapters = adapter_store(config, model_dir, backend, engine)
     prefixes = prefix_store(config, model_dir, backend, engine)
+    phases.done("engine")
     if start_engine:
         engine.start()
     log.info(
@@ -236,6 +246,13 @@ def build_service(
         kv_tokens,
     )
     log.info("runtime: %s", ", ".join(f"{k}: {v}" for k, v in backend_runtime(backend).items()))
+    grammars = engine.grammars
+    grammar = (
+        f"{'failed' if grammars.error else 'built'} in {grammars.build_s:.2f} s"
+        if grammars.build_s is not None
+        else "building in a thread of its own"
+    )
+    log.info("start-up: %s; grammar tokenizer %s", phases, grammar)
     vision = image_processor(model_dir) if capacity.images else None
     return Service(
         config, model_dir, backend, engine, tokenizer, kv_tokens, report, prefixes, adapters,
@@ -256,19 +273,30 @@ def image_processor(model_dir: Path) -> ImageProcessor:
     return ImageProcessor.load(model_dir, family, config)
 
 
-def prepare_grammars(engine: Engine) -> None:
-    """Structured output's form of the tokenizer, made at start-up rather than by the first
-    request with a grammar; a tokenizer llguidance cannot take leaves grammars to fail per
-    request (a 422 naming the reason) and the server serves the rest."""
-    import time
+class StartupTimes:
+    """Where start-up's time went: seconds per phase, for its log line."""
 
-    start = time.perf_counter()
-    try:
-        engine.grammars.prepare()
-    except Exception as exc:
-        log.warning("structured output is unavailable with this tokenizer: %s", exc)
-        return
-    log.info("structured output ready (%.2f s)", time.perf_counter() - start)
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.phases: list[tuple[str, float]] = []
+
+    def done(self, phase: str) -> None:
+        """`phase` ended now (it began when the one before it ended)."""
+        now = time.perf_counter()
+        self.phases.append((phase, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
+
+
+def prepare_grammars(engine: Engine) -> None:
+    """Start building structured output's form of the tokenizer (a thread of its own) rather
+    than leave it to the first request with a grammar; such a request arriving before the
+    build ends waits for it. The build logs its time when it ends; a tokenizer llguidance
+    cannot take leaves grammars to fail per request (a 422 naming the reason) and the server
+    serves the rest."""
+    engine.grammars.prepare()
 
 
 def exit_soon(delay_s: float = 1.0) -> None:

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tests.factories import tiny_tokenizer
-from tgis.engine.detokenize import IncrementalDetokenizer, TextStream, decoder, token_texts
+from tgis.engine.detokenize import (
+    IncrementalDetokenizer,
+    TextStream,
+    TokenizerFacts,
+    decoder,
+    token_texts,
+    tokenizer_facts,
+)
 from tgis.engine.types import FinishReason
 from tgis.params import GenerateParameters as P
 
@@ -270,3 +279,65 @@ def test_a_tokenizer_that_decodes_its_own_way_is_called_as_it_is() -> None:
     ids = base("hello world")["input_ids"]
     assert decoder(shouting)(ids, True) == "HELLO WORLD"
     assert decoder(base)(ids, True) == "hello world"
+
+
+# A transformers tokenizer's reads that walk its whole vocabulary (a tenth of a second each, the
+# GIL held, for a 128k-token one): none may happen per request.
+VOCABULARY_WALKS = ("__len__", "get_vocab", "get_added_vocab", "added_tokens_decoder")
+
+
+def count_vocabulary_walks(tokenizer: PreTrainedTokenizerFast) -> Counter[str]:
+    """Make `tokenizer` count its VOCABULARY_WALKS: it becomes an instance of a subclass of its
+    class that counts them (and decodes as its class does). The counts, as they grow."""
+    walks: Counter[str] = Counter()
+    base = type(tokenizer)
+
+    def counted(name: str) -> Any:
+        attr = getattr(base, name)
+        if isinstance(attr, property):
+            getter = attr.fget
+            assert getter is not None
+
+            def read(self: Any) -> Any:
+                walks[name] += 1
+                return getter(self)
+
+            return property(read)
+
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            walks[name] += 1
+            return attr(self, *args, **kwargs)
+
+        return call
+
+    methods = {name: counted(name) for name in VOCABULARY_WALKS}
+    tokenizer.__class__ = type(base.__name__, (base,), methods)
+    return walks
+
+
+def test_a_tokenizers_facts_are_read_once() -> None:
+    """Special ids and size are read on the first call and kept: detokenizers and streams
+    made later (one per request) never walk the vocabulary again."""
+    tok = byte_level()
+    tok.add_tokens(["<plain>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    size, tool = len(tok), tok.convert_tokens_to_ids("<tool>")
+    walks = count_vocabulary_walks(tok)
+    facts = tokenizer_facts(tok)
+    assert facts == TokenizerFacts(frozenset({0, 1, 2, 3, tool}), size)
+    assert walks["__len__"] == 1
+    read = sum(walks.values())
+    ids = tok.encode("Hello <tool> world", add_special_tokens=False)
+    for _ in range(3):
+        assert tokenizer_facts(tok) is facts
+        stream = TextStream(tok, P(max_new_tokens=8), [EOS], ids)
+        assert stream.push(tool).text == ""  # special: skipped
+        IncrementalDetokenizer(tok, ids)
+    assert sum(walks.values()) == read
+    # Another tokenizer object has facts of its own.
+    assert tokenizer_facts(byte_level()).special_ids == frozenset({0, 1, 2, 3})
+
+    class Sizeless:
+        all_special_ids = (7,)
+
+    assert tokenizer_facts(Sizeless()) == TokenizerFacts(frozenset({7}), None)

@@ -12,13 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.engine.test_detokenize import count_vocabulary_walks
 from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError
 from tgis.launch import eos_token_ids
-from tgis.params import GenerateParameters
+from tgis.params import GenerateParameters, GrammarSpec
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -366,3 +367,33 @@ def test_request_beyond_the_engine_budgets_is_refused_and_the_engine_keeps_servi
         collect(engine.generate(request(tokenizer, PROMPTS[1], max_new_tokens=3, ignore_eos=True)))
     )
     assert len(events) == 3 and events[-1].completion is not None
+
+
+def test_requests_never_walk_the_vocabulary(demo_model_dir: Path) -> None:
+    """What requests need of the tokenizer (its special ids, its size, its llguidance form) is
+    read once: requests of every kind, streamed text, details, best_of and a grammar, call none
+    of its vocabulary walks (`len(tokenizer)` and the like: a tenth of a second each, holding
+    the GIL, with a 128k-token vocabulary)."""
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    reqs = [
+        request(tok, PROMPTS[0], "a", max_new_tokens=4),
+        request(tok, PROMPTS[1], "b", max_new_tokens=4, details=True, top_n_tokens=2,
+                decoder_input_details=True, stop=["\n"]),
+        request(tok, PROMPTS[2], "c", max_new_tokens=4, best_of=2, do_sample=True, seed=1,
+                skip_special_tokens=False),
+        request(tok, PROMPTS[3], "d", max_new_tokens=8, grammar=GrammarSpec.regex("[a-z]{2,6}")),
+    ]  # fmt: skip
+    walks = count_vocabulary_walks(tok)
+    engine = make_engine(demo_model_dir, tok)
+    try:
+        started = sum(walks.values())
+
+        async def all_of_them() -> list[list[TokenEvent]]:
+            return list(await asyncio.gather(*(collect(engine.generate(r)) for r in reqs)))
+
+        for _ in range(2):
+            answers = run(all_of_them())
+            assert [e[-1].completion is not None for e in answers] == [True] * len(reqs)
+        assert sum(walks.values()) == started, walks
+    finally:
+        engine.stop()

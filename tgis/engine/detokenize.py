@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from tgis.engine.stopping import StoppingCriteria, StopSequences
@@ -30,22 +31,54 @@ _TRIM_AFTER = 256
 _REPLACEMENT = "\ufffd"
 
 
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What the server reads of a tokenizer once rather than per request: reading them walks
+    its vocabulary (`len()` of a transformers fast tokenizer builds the whole vocabulary: a
+    tenth of a second, holding the GIL, for a 128k-token one)."""
+
+    # TGI's `special` flag, skipped by skip_special_tokens: the named special tokens and every
+    # added token marked special.
+    special_ids: frozenset[int]
+    # len(tokenizer): ids below it are the tokenizer's (None: a tokenizer without a size).
+    vocab_size: int | None
+
+    @staticmethod
+    def read(tokenizer: Any) -> TokenizerFacts:
+        """The facts of `tokenizer`, read now (`tokenizer_facts` reads them once)."""
+        ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(i for i, token in added.items() if getattr(token, "special", False))
+        try:
+            size: int | None = len(tokenizer)
+        except TypeError:  # a tokenizer without a size
+            size = None
+        return TokenizerFacts(frozenset(ids), size)
+
+
+# The facts of the tokenizers seen last, by identity: a lookup never reads the tokenizer. A
+# tokenizer is not changed once it serves (the facts of one changed afterwards are stale).
+_FACTS: dict[int, tuple[Any, TokenizerFacts]] = {}
+_FACTS_KEPT = 16
+
+
+def tokenizer_facts(tokenizer: Any) -> TokenizerFacts:
+    """The facts of `tokenizer`, read on its first call and kept: every later call, from any
+    thread, is a dictionary lookup."""
+    entry = _FACTS.get(id(tokenizer))
+    if entry is not None and entry[0] is tokenizer:
+        return entry[1]
+    facts = TokenizerFacts.read(tokenizer)
+    while len(_FACTS) >= _FACTS_KEPT:  # the oldest first (dicts keep insertion order)
+        _FACTS.pop(next(iter(_FACTS)), None)
+    # Kept with the tokenizer itself: its id cannot be another object's while it is here.
+    _FACTS[id(tokenizer)] = (tokenizer, facts)
+    return facts
+
+
 def special_ids(tokenizer: Any) -> frozenset[int]:
-    """The tokenizer's special token ids (TGI's `special` flag; skipped by skip_special_tokens):
-    its named special tokens and every added token marked special. Read once per tokenizer
-    and vocabulary size."""
-    try:
-        return _special_ids(tokenizer, len(tokenizer))
-    except TypeError:  # a tokenizer without a size, or one that cannot be hashed
-        return _special_ids.__wrapped__(tokenizer, 0)
-
-
-@functools.lru_cache(maxsize=16)
-def _special_ids(tokenizer: Any, size: int) -> frozenset[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    ids.update(i for i, token in added.items() if getattr(token, "special", False))
-    return frozenset(ids)
+    """The tokenizer's special token ids (`TokenizerFacts.special_ids`), read once."""
+    return tokenizer_facts(tokenizer).special_ids
 
 
 Decode = Callable[[list[int], bool], str]

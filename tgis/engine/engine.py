@@ -34,7 +34,7 @@ from tgis.config.types import MAX_SPECULATE
 from tgis.engine.backend import Backend, PagedBackend, prompt_logprobs_refusal
 from tgis.engine.block_manager import BlockManager, ImageMark
 from tgis.engine.detokenize import special_ids
-from tgis.engine.grammar import Constraint, GrammarCompiler
+from tgis.engine.grammar import BUILD_WAIT_S, Constraint, GrammarCompiler
 from tgis.engine.live import LiveSequence, RequestHandle, post_step
 from tgis.engine.output import SampledToken, SequenceText
 from tgis.engine.paged_scheduler import PagedScheduler
@@ -253,6 +253,8 @@ class Engine:
             )
             if params.decoder_input_details and refusal is not None:
                 raise InputValidationError(refusal)
+            if params.grammar is not None:
+                await self._grammars_ready()
             candidates = params.best_of or 1
             handle = RequestHandle(request, asyncio.get_running_loop(), candidates)
             texts = [self._sequence_text(request, candidates) for _ in range(candidates)]
@@ -272,6 +274,26 @@ class Engine:
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+    async def _grammars_ready(self) -> None:
+        """Wait, on the event loop, for the tokenizer's llguidance form (its build started now
+        if nobody started it), so that the engine's thread finds it made; a 422 naming why
+        when llguidance cannot take the tokenizer."""
+        grammars = self.grammars
+        if not grammars.ready:
+            grammars.prepare()
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(grammars.built), BUILD_WAIT_S)
+            except asyncio.TimeoutError:
+                raise GenerationError(
+                    "structured output is not ready: its tokenizer is still being built after "
+                    f"{BUILD_WAIT_S:.0f} s",
+                    "retry shortly",
+                ) from None
+        if grammars.error is not None:
+            raise InputValidationError(
+                f"structured output is unavailable with this model's tokenizer: {grammars.error}"
+            )
 
     def _sequence_text(self, request: GenerationRequest, candidates: int) -> SequenceText:
         return SequenceText(

@@ -13,50 +13,109 @@ Once the grammar is complete it allows only EOS, so a constrained sequence ends 
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
+import json
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from tgis.engine.detokenize import tokenizer_facts
 from tgis.params import GrammarSpec
+
+log = logging.getLogger("tgis.engine")
 
 # Token t is bit t % 32 of word t // 32 of llguidance's mask, least significant first.
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgis-grammar")
 
 
+# How long a request with a grammar waits for the tokenizer's llguidance form while it is built.
+BUILD_WAIT_S = 60.0
+
+
 class GrammarCompiler:
-    """Builds constraints over one tokenizer (its llguidance form is made once: at start-up
-    by `prepare`, else on first use)."""
+    """Builds constraints over one tokenizer. Its llguidance form is made once: by `prepare`, in
+    a thread of its own (`tgis serve` serves meanwhile; a grammar request waits for it), else
+    by the first constraint, on the calling thread."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: Any = None
+        # Why the tokenizer has no llguidance form (llguidance cannot take it), once built.
+        self.error: str | None = None
+        # Seconds the build took, once built.
+        self.build_s: float | None = None
         self._lock = threading.Lock()
+        self._started = False
+        # Done when the build ended, either way. Running from the start: waiting for it with
+        # a timeout (asyncio.wrap_future) never cancels it.
+        self.built: Future[None] = Future()
+        self.built.set_running_or_notify_cancel()
 
-    def _tokenizer(self) -> Any:
-        with self._lock:
-            if self._ll_tokenizer is None:
-                import llguidance.hf
-
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer,
-                    n_vocab=len(self.tokenizer),
-                    eos_token=self.eos_token_ids or None,
-                )
-            return self._ll_tokenizer
+    @property
+    def ready(self) -> bool:
+        """The build ended: constraints are made at once (or fail with `error`)."""
+        return self.built.done()
 
     def prepare(self) -> None:
-        """Make the tokenizer's llguidance form now (a vocabulary walk: up to seconds for a
-        large vocabulary), so that the first grammar request does not wait for it."""
-        self._tokenizer()
+        """Start building the tokenizer's llguidance form in a thread of its own (a vocabulary
+        walk: up to a second or two for a large vocabulary), so that no request waits for it
+        on the engine's thread. It logs how long the build took, or why it failed."""
+        if self._claim():
+            name = "tgis-grammar-tokenizer"
+            threading.Thread(target=self._build, args=(True,), name=name, daemon=True).start()
+
+    def _claim(self) -> bool:
+        """Whether the caller is the one to build (the first to ask)."""
+        with self._lock:
+            mine, self._started = not self._started, True
+        return mine
+
+    def _build(self, report: bool = False) -> None:
+        start = time.perf_counter()
+        try:
+            self._ll_tokenizer = llguidance_tokenizer(self.tokenizer, self.eos_token_ids)
+        except Exception as exc:  # llguidance cannot take this tokenizer: grammars fail
+            self.error = str(exc) or type(exc).__name__
+        self.build_s = time.perf_counter() - start
+        if report and self.error is not None:
+            log.warning("structured output is unavailable with this tokenizer: %s", self.error)
+        elif report:
+            log.info("structured output ready: grammar tokenizer built in %.2f s", self.build_s)
+        self.built.set_result(None)
+
+    def wait(self, timeout: float | None = BUILD_WAIT_S) -> bool:
+        """Wait for the build (started now, in its thread, if nobody started it); whether it
+        ended within `timeout` seconds."""
+        self.prepare()
+        try:
+            self.built.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def _tokenizer(self) -> Any:
+        if self._claim():
+            self._build()
+        elif not self.wait():
+            raise ValueError(
+                f"structured output is not ready: its tokenizer is still being built after "
+                f"{BUILD_WAIT_S:.0f} s"
+            )
+        if self._ll_tokenizer is None:
+            raise ValueError(f"structured output is unavailable with this tokenizer: {self.error}")
+        return self._ll_tokenizer
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
         """A new sequence's constraint (its first mask starts computing at once). Raises
-        ValueError when the grammar is unusable."""
+        ValueError when the grammar is unusable, or the tokenizer."""
         import llguidance as llg
 
         tokenizer = self._tokenizer()
@@ -65,6 +124,79 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"the grammar cannot be used: {matcher.get_error()}")
         return Constraint(matcher, tokenizer.vocab_size)
+
+
+def llguidance_tokenizer(tokenizer: Any, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's form of a transformers tokenizer, as `llguidance.hf.from_tokenizer` makes
+    it (its error for one it cannot take), over the tokenizer's whole size (its
+    `TokenizerFacts.vocab_size`). A byte-level BPE tokenizer's plain added tokens go over as
+    `added_tokens_in_vocabulary` writes them."""
+    import llguidance
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    size = tokenizer_facts(tokenizer).vocab_size
+    eos = list(eos_token_ids) or getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=eos)
+    # As from_tokenizer: the Rust tokenizer's JSON, added tokens included, without padding
+    # and truncation (turned off on a copy where they are on: a copy takes longer than the JSON).
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+    text = added_tokens_in_vocabulary(backend.to_str())
+    return llguidance.LLTokenizer(text, n_vocab=size, eos_token=eos)
+
+
+def added_tokens_in_vocabulary(serialized: str) -> str:
+    """A byte-level BPE tokenizer's JSON (`tokenizers.Tokenizer.to_str`) with its added tokens
+    that are not special moved into its model's vocabulary, each spelled as the bytes llguidance
+    reads an added token as: its text, after llguidance's special-token marker (0xFF) where
+    llguidance takes it for a special token (a text in angle brackets, such as
+    `<|unused_0|>`). The same tokenizer to llguidance (each id's bytes and special flag, so
+    every mask), read in linear time: its tokenizer library takes time quadratic in the added
+    tokens (45–80 s for the 87k of a 40k-token vocabulary padded to 128k, 1 s so). Special tokens
+    stay (grammars name them), and so does any other tokenizer's JSON.
+    """
+    if '"ByteLevel"' not in serialized:
+        return serialized
+    data = json.loads(serialized)
+    model, decoder = data.get("model") or {}, data.get("decoder") or {}
+    vocab = model.get("vocab")
+    added = data.get("added_tokens") or []
+    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel":
+        return serialized
+    if not isinstance(vocab, dict) or all(token.get("special") for token in added):
+        return serialized
+    chars = _byte_level_chars()
+    taken = set(vocab.values())
+    kept = []
+    for token in added:
+        text = token["content"]
+        marked = text.startswith("<") and text.endswith(">")
+        spelled = "".join(chars[b] for b in (b"\xff" if marked else b"") + text.encode())
+        if token.get("special") or token["id"] in taken or spelled in vocab:
+            kept.append(token)
+        else:
+            vocab[spelled] = token["id"]
+    data["added_tokens"] = kept
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _byte_level_chars() -> list[str]:
+    """The character a byte-level vocabulary writes each byte as (GPT-2's: printable Latin-1
+    characters stand for themselves, the other bytes for U+0100 onwards in order)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(0x100 + extra))
+            extra += 1
+    return chars
 
 
 class Constraint:

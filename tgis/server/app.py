@@ -173,7 +173,7 @@ def create_app(
     schemas = RequestSchemas(
         limits,
         max_client_batch_size=model_info.max_client_batch_size,
-        vocab_size=len(tokenizer),
+        vocab_size=pipeline.vocab_size,
         prefixes=prefixes is not None,
         adapters=AdapterChoice.of(adapters),
         no_prompt_logprobs=prompt_logprobs_refusal(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from tgis.engine.detokenize import tokenizer_facts
 from tgis.engine.types import (
     Completion,
     EngineClient,
@@ -158,6 +159,11 @@ class Pipeline:
         `image_limits`; remote ones fetched under `url_policy`, none without one)."""
         self.engine = engine
         self.tokenizer = tokenizer
+        size = tokenizer_facts(tokenizer).vocab_size
+        if size is None:
+            raise TypeError(f"the tokenizer ({type(tokenizer).__name__}) has no size")
+        # Read once: `len(tokenizer)` walks the vocabulary, too slow for every request.
+        self.vocab_size = size
         self.limits = limits
         self.metrics = metrics
         self.prefixes = prefixes
@@ -293,18 +299,17 @@ class Pipeline:
             text = prompt
         else:
             ids = list(prompt)
-            vocab = len(self.tokenizer)
-            outside = [i for i in ids if i >= vocab]
+            outside = [i for i in ids if i >= self.vocab_size]
             if outside:
                 raise InputValidationError(
-                    f"token id {outside[0]} is outside the vocabulary (size {vocab})"
+                    f"token id {outside[0]} is outside the vocabulary (size {self.vocab_size})"
                 )
             text = await anyio.to_thread.run_sync(self.tokenizer.decode, ids)
-        biased = [t for t, _ in params.logit_bias if t >= len(self.tokenizer)]
+        biased = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if biased:
             raise InputValidationError(
                 f"`logit_bias` token id {biased[0]} is outside the vocabulary (size "
-                f"{len(self.tokenizer)})"
+                f"{self.vocab_size})"
             )
         self.metrics.raw_input(len(ids))
         # validate takes the length before truncation (it checks `truncate` itself) and
