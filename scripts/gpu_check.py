@@ -363,6 +363,7 @@ def probe(out: Path) -> dict[str, Any]:
     }
     write(out, "probe.json", facts)  # what tgis lacks, before tgis is imported
     from tgis.backends.paged.attention import attention_path, flash_paged_available
+    from tgis.backends.paged.triton_attention import triton_available
 
     if torch.cuda.is_available():
         device = torch.device("cuda")
@@ -372,9 +373,11 @@ def probe(out: Path) -> dict[str, Any]:
             memory_gib=round(props.total_memory / 2**30, 1),
             cuda_version=torch.version.cuda,
             bf16=torch.cuda.is_bf16_supported(),
+            triton=triton_available(device) or "runs",
             attention_bf16=attention_path(device, torch.bfloat16),
             attention_fp32=attention_path(device, torch.float32),
-            cuda_graphs=flash_paged_available(device, torch.bfloat16),
+            cuda_graphs=triton_available(device) is None
+            or flash_paged_available(device, torch.bfloat16),
         )
     for key, value in facts.items():
         if key != "packages":
@@ -563,11 +566,14 @@ def bench(
     import torch
 
     from tgis.backends.paged.attention import flash_paged_available
+    from tgis.backends.paged.triton_attention import triton_available
 
     path = out / "bench.json"
     data = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     data.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
-    graphs_run = flash_paged_available(torch.device("cuda"), torch.bfloat16)
+    cuda = torch.device("cuda")
+    # Decode graphs run over attention on KV pages: tgis's Triton kernels or flash attention.
+    graphs_run = triton_available(cuda) is None or flash_paged_available(cuda, torch.bfloat16)
     workdir.mkdir(parents=True, exist_ok=True)
     ok = True
     for key, mode in loads:
@@ -576,7 +582,7 @@ def bench(
         need = LOAD_OVERHEAD_S[key] + len(bench_gpu.STREAMS) * (duration + warmup + 5)
         if mode == "eager" and not graphs_run:
             run["skipped"] = (
-                "CUDA graphs do not run on this torch (no paged flash attention), so the "
+                "CUDA graphs do not run here (neither Triton nor paged flash attention), so the "
                 "graphs load already served eagerly"
             )
         elif budget.cap(need) < need:

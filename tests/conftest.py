@@ -8,8 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tgis.config import DEMO_MODEL
+
+# Triton decides when a kernel is defined (`triton.jit`, as its module is imported) whether it
+# is compiled for a GPU or run by Triton's CPU interpreter. Without a CUDA device the paged
+# engine's Triton kernels (tgis.backends.paged.triton_attention) are tested through the
+# interpreter, so the switch is set here, before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -247,18 +247,37 @@ def test_serve_binary_starts_and_answers() -> None:
     assert runtime["attention"].startswith("plain torch") and runtime["kv_blocks"] > 0
 
 
+def test_serve_with_the_triton_kernels_starts_and_answers() -> None:
+    """--attention-backend triton on a CPU: tgis's Triton kernels through Triton's interpreter
+    (TRITON_INTERPRET=1, which the suite's conftest sets where there is no GPU, reaches the
+    server's process), /info saying so."""
+    from tgis.backends.paged.triton_attention import triton_available
+
+    if triton_available() is not None:
+        pytest.skip(f"the Triton kernels cannot run: {triton_available()}")
+    runtime = serve_and_ask("--attention-backend", "triton", "--max-total-tokens", "64")
+    assert runtime["attention_backend"] == "triton"
+    assert runtime["attention"].startswith("tgis's Triton kernels over KV pages")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_serve_on_cuda_starts_and_answers() -> None:
-    """On a GPU in bfloat16: the paged engine with flash attention and CUDA-graph decode where
-    this torch has them, and /info saying which."""
+    """On a GPU in bfloat16: the paged engine with tgis's Triton kernels where Triton is
+    installed, else flash attention where this torch has it, CUDA-graph decode over either,
+    and /info saying which."""
     from tgis.backends.paged.attention import flash_paged_available
+    from tgis.backends.paged.triton_attention import triton_available
 
     runtime = serve_and_ask("--backend", "cuda", "--dtype", "bfloat16")
-    flash = flash_paged_available(torch.device("cuda"), torch.bfloat16)
+    cuda = torch.device("cuda")
+    if triton_available(cuda) is None:
+        expected = "triton"
+    else:
+        expected = "flash" if flash_paged_available(cuda, torch.bfloat16) else "torch"
     assert runtime["engine"] == "paged" and runtime["dtype"] == "bfloat16"
-    assert runtime["attention"].startswith("flash" if flash else "plain torch")
-    assert bool(runtime["cuda_graphs"]) == flash
+    assert runtime["attention_backend"] == expected
+    assert bool(runtime["cuda_graphs"]) == (expected != "torch")
 
 
 def test_serve_check_still_validates_only() -> None:

@@ -819,3 +819,24 @@ def test_multi_node_is_refused_on_the_one_host_backends() -> None:
     assert "drop --nnodes and --node-rank" in message
     alone = error_of(LLAMA31, {"NODE_RANK": "1"}, backend="gaudi")
     assert alone.startswith("NODE_RANK=1: the gaudi backend runs on one host")
+
+
+def test_attention_backend_is_normalised_and_refused_where_it_chooses_nothing() -> None:
+    assert build(backend="cpu").attention_backend is None
+    assert build(backend="cpu", attention_backend="auto").attention_backend is None
+    assert build(backend="cuda", attention_backend=" Triton ").attention_backend == "triton"
+    env = build(backend="cpu", env={"TGIS_ATTENTION_BACKEND": "torch"})
+    assert env.attention_backend == "torch"
+    assert error_of(backend="cpu", attention_backend="sdpa") == (
+        "--attention-backend sdpa is not an attention backend (use one of auto, triton, flash, "
+        "torch)"
+    )
+    assert "flash attention over KV pages runs on CUDA; this is the cpu backend" in error_of(
+        backend="cpu", attention_backend="flash"
+    )
+    assert error_of(backend="cpu", env={"TGIS_ATTENTION_BACKEND": "flash"}).startswith(
+        "TGIS_ATTENTION_BACKEND=flash: flash attention over KV pages runs on CUDA"
+    )
+    assert "the cpu and cuda backends; gaudi runs its own" in error_of(
+        backend="gaudi", attention_backend="torch"
+    )

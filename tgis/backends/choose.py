@@ -48,6 +48,7 @@ Design = Literal["paged", "fallback", "seq2seq", "static"]
 
 # What the paged engine alone serves: setting -> what it is, for messages.
 PAGED_ONLY = {
+    "attention_backend": "a choice of the paged engine's attention",
     "prefix_caching": "prefix caching",
     "cuda_graphs": "CUDA graphs of decode",
     "speculate": "speculative decoding",
@@ -278,6 +279,7 @@ def load_backend(
             shared_kv_bytes_per_token=shared_kv_bytes_per_token,
             quantization=Quantization.of(config),
             kv_cache_dtype=kv_dtype(config.kv_cache_dtype),
+            attention_backend=config.attention_backend,
         )
     if choice.design == "fallback":
         from tgis.backends.fallback.backend import TorchDynamicBackend

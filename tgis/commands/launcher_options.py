@@ -217,6 +217,17 @@ ModelImpl = Annotated[
         "auto: the paged engine's where the model's family has one",
     ),
 ]
+AttentionBackend = Annotated[
+    str | None,
+    _opt(
+        "attention_backend",
+        DEVICE,
+        "cpu/cuda: the paged engine's attention: auto, triton (tgis's Triton kernels over KV "
+        "pages; on a CPU only under TRITON_INTERPRET=1), flash (torch's varlen_attn over KV "
+        "pages, CUDA with torch >= 2.12) or torch (plain torch over head-major blocks).",
+        "auto: triton on CUDA where Triton is installed, else flash where it runs, else torch",
+    ),
+]
 Quantize = Annotated[
     str | None,
     _opt(
@@ -532,6 +543,7 @@ OPTIONS: dict[str, Any] = {
     "node_timeout_s": NodeTimeoutS,
     "prefill_mode": PrefillMode,
     "model_impl": ModelImpl,
+    "attention_backend": AttentionBackend,
     "quantize": Quantize,
     "quantize_group_size": QuantizeGroupSize,
     "kv_cache_dtype": KvCacheDtype,
@@ -600,6 +612,7 @@ WARMUP_OPTIONS = (
     "master_port",
     "prefill_mode",
     "model_impl",
+    "attention_backend",
     "quantize",
     "quantize_group_size",
     "kv_cache_dtype",

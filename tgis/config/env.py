@@ -22,6 +22,7 @@ ENV_NAMES: dict[str, str] = {f.name: f.name.upper() for f in fields(LauncherArgs
 ENV_NAMES["backend"] = "TGIS_BACKEND"
 ENV_NAMES["prefill_mode"] = "TGIS_PREFILL_MODE"
 ENV_NAMES["model_impl"] = "TGIS_MODEL_IMPL"
+ENV_NAMES["attention_backend"] = "TGIS_ATTENTION_BACKEND"
 ENV_NAMES["compile_cache"] = "TGIS_COMPILE_CACHE"
 ENV_NAMES["compile"] = "TGIS_COMPILE"
 ENV_NAMES["cuda_graphs"] = "TGIS_CUDA_GRAPHS"

@@ -27,6 +27,7 @@ from tgis.config.gaudi import check_gaudi_variables_unused, gaudi_settings
 from tgis.config.model import ModelFacts
 from tgis.config.parse import flag
 from tgis.config.rules import (
+    attention_backend,
     check_backend_options,
     check_draft_model,
     check_sharding,
@@ -106,6 +107,7 @@ def build_serve_config(
     lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
     impl = model_impl(backend, values, r)
+    attention = attention_backend(backend, values, r)
     quantize, group_size, from_checkpoint = quantization(backend, values, r, facts.config)
     kv_dtype = kv_cache_dtype(backend, values, r)
     warmup_enabled = env_bool(env, "WARMUP_ENABLED", True)
@@ -163,6 +165,7 @@ def build_serve_config(
         max_image_bytes=values["max_image_bytes"] or DEFAULTS["max_image_bytes"],
         prefill_mode=prefill_mode,
         model_impl=impl,
+        attention_backend=attention,
         quantize=quantize,
         quantize_group_size=group_size,
         quantized_checkpoint=from_checkpoint,

@@ -355,6 +355,38 @@ def lora_settings(
 
 
 MODEL_IMPLS = ("auto", "tgis", "transformers")
+ATTENTION_BACKENDS = ("auto", "triton", "flash", "torch")
+
+
+def attention_backend(backend: str, values: dict[str, Any], r: Sources) -> str | None:
+    """--attention-backend, normalized: one of ATTENTION_BACKENDS, None for auto. A choice of
+    the paged engine's (cpu, cuda); flash attention over KV pages is CUDA's. Whether the
+    choice runs on this machine (triton installed, a torch with paged varlen_attn) is the
+    backend's to say when it loads."""
+    given = values["attention_backend"]
+    if given is None:
+        return None
+    choice = given.strip().lower()
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"{r.label('attention_backend', given)} is not an attention backend",
+            f"use one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+    if choice == "auto":
+        return None
+    if backend in (*STATIC_BACKENDS, "gaudi"):
+        raise ConfigError(
+            f"{r.label('attention_backend', given)} chooses the paged engine's attention on "
+            f"the cpu and cuda backends; {backend} runs its own",
+            "drop --attention-backend (TGIS_ATTENTION_BACKEND)",
+        )
+    if choice == "flash" and backend == "cpu":
+        raise ConfigError(
+            f"{r.label('attention_backend', given)}: flash attention over KV pages runs on "
+            "CUDA; this is the cpu backend",
+            "use --attention-backend torch or triton on a CPU, or serve with --backend cuda",
+        )
+    return choice
 
 
 def model_impl(backend: str, values: dict[str, Any], r: Sources) -> str:

@@ -69,6 +69,7 @@ class LauncherArgs:
     max_image_bytes: int | None = None
     prefill_mode: str | None = None
     model_impl: str | None = None
+    attention_backend: str | None = None
     quantize: str | None = None
     quantize_group_size: int | None = None
     kv_cache_dtype: str | None = None
@@ -256,6 +257,10 @@ class ServeConfig:
     # where its family has one, else transformers'; "tgis": the paged engine's (an error where
     # it has none); "transformers": transformers' forward on the slot engine.
     model_impl: str = "auto"
+    # The paged engine's attention (cpu/cuda): "triton" (tgis's kernels), "flash" (torch's
+    # varlen_attn over KV pages) or "torch" (plain torch over head-major blocks); None: auto,
+    # the backend picks where it loads (paged/backend.py).
+    attention_backend: str | None = None
     # Weight quantization of the paged engine (cpu/cuda): --quantize's method (int8, int4,
     # fp8), or the format of a pre-quantized checkpoint read from its config.json; None: the
     # weights in the serving dtype. The group size is int4's columns per scale (else None, and

@@ -279,8 +279,8 @@ def test_decode_graph_buckets_buffers_and_padding_on_cpu() -> None:
     assert graphs.slot_mapping[3].item() == scratch * size and graphs.seqused_k[3].item() == 1
 
 
-def test_cuda_graphs_refused_where_flash_attention_cannot_run() -> None:
-    with pytest.raises(ConfigError, match="--cuda-graphs needs flash attention over the paged"):
+def test_cuda_graphs_refused_where_attention_over_pages_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="--cuda-graphs needs attention over KV pages"):
         PagedTorchBackend(
             fresh(), max_sequences=2, max_sequence_tokens=16, max_prefill_tokens=16,
             kv_tokens=64, cuda_graphs=True,

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from tgis.backends.common.kv import FLOAT8_KV, to_cache
 from tgis.backends.common.masks import causal_mask
+from tgis.backends.paged.triton_attention import paged_attention_triton
 from tgis.engine.transfer import host_to_device, to_device
 
 
@@ -275,6 +276,8 @@ class StepMetadata:
     prefill: tuple[_PrefillRun, ...] = ()
     # Blocks whose first position the step writes (long), zeroed before it does; None: none.
     fresh_blocks: torch.Tensor | None = None
+    # The pages pool is read by tgis's Triton kernels rather than flash attention.
+    triton: bool = False
 
 
 def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -294,15 +297,19 @@ def step_metadata(
     kv_heads: int = 1,
     flash: bool = False,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+    triton: bool = False,
 ) -> StepMetadata:
     """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
     `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
     model's layers use (None: full attention); `num_blocks` / `kv_heads`: the pool's, which
     the plain-torch path's gather indices need; `flash`: the pool is laid out for flash
     attention (`KVPool.flash`). `spans[i]`: (start, length) position runs of sequence i whose
-    rows attend to each other both ways (a Gemma 3 image's; plain torch only)."""
+    rows attend to each other both ways (a Gemma 3 image's; plain torch only). `triton`: the
+    pages are read by tgis's Triton kernels (paged/triton_attention.py) instead."""
+    if triton and not flash:
+        raise ValueError("the Triton kernels read a pages pool (flash=True)")
     if spans is not None and flash:
-        raise ValueError("flash attention over KV pages has only causal masks")
+        raise ValueError("attention over KV pages has only causal masks")
     width = max(len(t) for t in block_tables)
     table = torch.tensor(
         [list(blocks) + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.int32
@@ -352,6 +359,7 @@ def step_metadata(
         decode=decode,
         prefill=prefill,
         fresh_blocks=to_device(fresh, torch.long, device) if fresh else None,
+        triton=triton,
     )
 
 
@@ -501,27 +509,22 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Packed queries [tokens, heads, dim] over the pool (this step's K/V already written)
-    -> [tokens, heads, dim]: flash attention over a pages pool where `meta.flash`, else plain
-    torch over a head-major pool (`pool_shape`). `key` / `value`: this step's new keys and
+    -> [tokens, heads, dim]: over a pages pool where `meta.flash`, tgis's Triton kernels
+    (`meta.triton`) or flash attention, else plain torch over a head-major pool
+    (`pool_shape`). `key` / `value`: this step's new keys and
     values [tokens, kv_heads, dim], which a prompt computed whole in this step attends to
     directly instead of gathering them back from the pool. `softcap`: scores capped through
-    tanh (plain torch only: flash attention's varlen_attn has no soft-capping, so a model
-    with it gets a head-major pool, `torch_attention_reason`)."""
-    if meta.flash:
+    tanh (the Triton kernels and plain torch: flash attention's varlen_attn has no
+    soft-capping, `torch_attention_reason`)."""
+    if meta.flash:  # pages: tgis's Triton kernels or flash attention read them
+        step = (query, k_cache, v_cache, meta.cu_seq_q, meta.seqused_k, meta.block_table)
+        if meta.triton:
+            return paged_attention_triton(
+                *step, scale, meta.max_q, window, softcap, max_k=meta.max_k
+            )
         if softcap is not None:
             raise ValueError("flash attention over KV pages has no logit soft-capping")
-        return paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            meta.cu_seq_q,
-            meta.seqused_k,
-            meta.block_table,
-            scale,
-            meta.max_q,
-            meta.max_k,
-            window,
-        )
+        return paged_attention(*step, scale, meta.max_q, meta.max_k, window)
     # Head-major pools: [kv_heads, num_blocks, block_size, dim].
     heads, dim = query.shape[1], v_cache.shape[-1]
     kv_heads = k_cache.shape[0]

@@ -46,6 +46,7 @@ from tgis.backends.paged.forward import KVPool, PagedForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
 from tgis.backends.paged.traits import DeviceTraits, device_traits
+from tgis.backends.paged.triton_attention import interpreted, triton_available
 from tgis.config import use_inductor_cache
 from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
 from tgis.engine.transfer import to_device
@@ -103,6 +104,7 @@ class PagedTorchBackend:
         vision: VisionEncoder | None = None,
         bidirectional_images: bool = False,
         traits: DeviceTraits | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -125,7 +127,9 @@ class PagedTorchBackend:
         model's image rows attend to each other both ways (Gemma 3), as `vision`'s family
         says, or, for a tensor-parallel shard without the tower, as given. traits: how the
         device runs the engine (paged/traits.py; the model's device's own by default);
-        `block_size` overrides theirs.
+        `block_size` overrides theirs. attention_backend: "triton", "flash" or "torch"
+        (`--attention-backend`; a choice that cannot run here is a ConfigError naming why);
+        None: triton on CUDA where it runs, else flash where it runs, else torch.
 
         Built in stages, each complete before the next starts: the device and attention
         path; the weights and rope tables; the step's own parts (LoRA stacks, the vision
@@ -153,7 +157,9 @@ class PagedTorchBackend:
         self.prefill_chunk = max_prefill_tokens if cap is None else min(max_prefill_tokens, cap)
         self.block_size = block_size or self.traits.block_size
         self.kv_shape = native_kv_shape(model)
-        self._choose_attention(model, vision, bidirectional_images, kv_cache_dtype)
+        self._choose_attention(
+            model, vision, bidirectional_images, kv_cache_dtype, attention_backend
+        )
         quantization = self._load_weights(model, quantization, packed_weights, compile)
         graphs = self._use_graphs(cuda_graphs, graph_api)
         self._check_compile(compile, graphs)
@@ -217,8 +223,10 @@ class PagedTorchBackend:
         vision: VisionEncoder | None,
         bidirectional_images: bool,
         kv_cache_dtype: torch.dtype | None,
+        requested: str | None,
     ) -> None:
-        """The pool's dtype and the attention path: flash attention where it runs and the
+        """The pool's dtype and the attention path (`kernel`): the one `requested`, or (None)
+        the Triton kernels on CUDA where they run, else flash attention where it runs and the
         model's attention allows it (`model_needs` says why not), else plain torch."""
         self.model_needs = torch_attention_reason(model.config)
         # Gemma 3's image rows attend to each other both ways: masks flash attention's varlen
@@ -234,7 +242,31 @@ class PagedTorchBackend:
                 f"the KV cache is {str(kv_cache_dtype).removeprefix('torch.')}, which flash "
                 "attention's varlen_attn does not read"
             )
-        self.flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
+        flash = self.model_needs is None and flash_paged_available(self.device_obj, self.dtype)
+        triton_why = triton_available(self.device_obj, self.kv_dtype)
+        if triton_why is None and self.bidirectional:
+            triton_why = "its image rows attend to each other both ways (causal kernels only)"
+        if requested == "flash" and not flash:
+            raise ConfigError(
+                f"--attention-backend flash: here the paged engine could attend only with "
+                f"{attention_path(self.device_obj, self.dtype, self.model_needs)}",
+                "use --attention-backend triton or torch (TGIS_ATTENTION_BACKEND)",
+            )
+        if requested == "triton" and triton_why is not None:
+            raise ConfigError(
+                f"--attention-backend triton: tgis's Triton kernels cannot run here: {triton_why}",
+                "use --attention-backend torch (TGIS_ATTENTION_BACKEND), or install triton on a "
+                "CUDA machine",
+            )
+        self._requested, self._triton_why = requested, triton_why
+        if requested is not None:
+            self.kernel = requested
+        elif self.name == "cuda" and triton_why is None:
+            self.kernel = "triton"
+        else:
+            self.kernel = "flash" if flash else "torch"
+        # Pages (flash attention's and the Triton kernels' layout), or head-major blocks.
+        self.flash = self.kernel != "torch"
 
     def _load_weights(
         self,
@@ -292,6 +324,7 @@ class PagedTorchBackend:
             "attention": self.attention,
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
+            "attention_backend": self.kernel,
             "weights": self.weights,
             "quantization": self.quantization.method if self.quantization else None,
             "weight_bytes": self.weight_bytes,
@@ -322,7 +355,15 @@ class PagedTorchBackend:
     @property
     def attention(self) -> str:
         """How this backend attends, and why (the start-up log, /info, refusals)."""
-        return attention_path(self.device_obj, self.dtype, self.model_needs)
+        if self.kernel == "triton":
+            how = " (Triton's interpreter)" if interpreted() else ""
+            return f"tgis's Triton kernels over KV pages{how}"
+        if self.kernel == "torch" and self._requested == "torch":
+            return "plain torch over head-major KV blocks (--attention-backend torch)"
+        path = attention_path(self.device_obj, self.dtype, self.model_needs)
+        if self.kernel == "torch" and self.name == "cuda":
+            path = f"{path}; tgis's Triton kernels cannot run: {self._triton_why}"
+        return path
 
     @classmethod
     def load(
@@ -344,6 +385,7 @@ class PagedTorchBackend:
         packed_weights: bool | None = None,
         quantization: Quantization | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        attention_backend: str | None = None,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
         as `__init__` takes it (the weight layout measured on a CPU by default: nothing else
@@ -366,6 +408,7 @@ class PagedTorchBackend:
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             vision=vision,
+            attention_backend=attention_backend,
         )
 
     @property
@@ -376,7 +419,7 @@ class PagedTorchBackend:
         shape = self.kv_shape
         return KVPool.allocate(
             shape.num_layers, num_blocks, self.block_size, shape.num_heads, shape.head_dim,
-            self.kv_dtype, self.device_obj, self.flash,
+            self.kv_dtype, self.device_obj, self.flash, self.kernel == "triton",
         )  # fmt: skip
 
     def _use_graphs(self, requested: bool | None, api: GraphApi | None) -> bool:
@@ -393,11 +436,10 @@ class PagedTorchBackend:
             possible = False
         if requested and not possible:
             raise ConfigError(
-                "--cuda-graphs needs flash attention over the paged cache (CUDA, torch >= "
-                "2.12 with varlen_attn's block_table, a float16 or bfloat16 model); here the "
-                f"paged engine attends with {self.attention}",
-                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve in bfloat16 on a GPU with "
-                "torch >= 2.12",
+                "--cuda-graphs needs attention over KV pages (tgis's Triton kernels, or flash "
+                "attention: CUDA, torch >= 2.12 with varlen_attn's block_table, a float16 or "
+                f"bfloat16 model); here the paged engine attends with {self.attention}",
+                "drop --cuda-graphs (TGIS_CUDA_GRAPHS), or serve on a GPU with Triton installed",
             )
         self._graphs_required = bool(requested)
         return possible if requested is None else requested
@@ -524,6 +566,7 @@ class PagedTorchBackend:
             pool.kv_heads,
             pool.flash,
             [item.spans for item in items] if self.bidirectional else None,
+            pool.triton,
         )
         if meta.fresh_blocks is not None:
             pool.clear(meta.fresh_blocks)

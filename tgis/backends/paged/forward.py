@@ -27,6 +27,7 @@ from tgis.backends.paged.attention import (
     write_kv,
 )
 from tgis.backends.paged.lora import LoraStep
+from tgis.backends.paged.triton_attention import write_kv_triton
 
 # One layer's attention inside `PagedForward.layers_over`: (index, layer, q, k, v) -> out.
 LayerAttention = Callable[
@@ -45,6 +46,8 @@ class KVPool:
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     flash: bool
+    # Pages read and written by tgis's Triton kernels (paged/triton_attention.py).
+    triton: bool = False
 
     @classmethod
     def allocate(
@@ -57,8 +60,10 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         flash: bool,
+        triton: bool = False,
     ) -> KVPool:
-        """`flash`: pages for flash attention (`flash_paged_available`), else head-major."""
+        """`flash`: pages for flash attention or the Triton kernels (`triton`), else
+        head-major."""
         shape = pool_shape(flash, num_blocks, block_size, kv_heads, head_dim)
 
         def make() -> torch.Tensor:
@@ -68,6 +73,7 @@ class KVPool:
             tuple(make() for _ in range(num_layers)),
             tuple(make() for _ in range(num_layers)),
             flash,
+            triton,
         )
 
     def clear(self, blocks: torch.Tensor) -> None:
@@ -126,13 +132,16 @@ class PagedForward(DecoderWeights):
         token rows `logits_rows` [m] -> [m, vocab]. `embeds`: (row, [k, hidden]) pairs whose
         rows take those embeddings instead of their tokens' (prompt prefixes, image features); `lora`: the
         step's rows that go through LoRA adapters."""
-        flash = self.pool.flash
+        flash, triton = self.pool.flash, self.pool.triton
 
         def attention(
             index: int, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             keys, values = self.pool.keys[index], self.pool.values[index]
-            write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not flash)
+            if triton:
+                write_kv_triton(keys, values, k, v, meta.slot_mapping)
+            else:
+                write_kv(keys, values, k, v, meta.slot_mapping, heads_first=not flash)
             return attend(
                 q, keys, values, meta, self.scaling, layer.window, k, v, self.attn_softcap
             )

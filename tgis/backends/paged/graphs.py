@@ -114,6 +114,7 @@ class DecodeGraphs:
             max_q=1,
             max_k=self.max_kv_len,
             flash=True,
+            triton=self.path.pool.triton,
         )
         step = DecodeStep(
             self.path, self.input_ids[:bucket], self.positions[:bucket], meta, self.rows[:bucket]

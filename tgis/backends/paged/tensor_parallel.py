@@ -285,6 +285,7 @@ class ShardSettings:
     world: int
     quantization: Quantization | None = None
     kv_cache_dtype: str | None = None  # --kv-cache-dtype's float8 name (None: the model's)
+    attention_backend: str | None = None  # --attention-backend (None: auto)
     # Multi-node (tgis.backends.paged.nodes): the world's ranks over `nnodes` hosts, this
     # process's node, the interface the shards talk over, and the nodes' time limits.
     nnodes: int = 1
@@ -352,6 +353,7 @@ class ShardSettings:
             world=world,
             quantization=Quantization.of(config),
             kv_cache_dtype=config.kv_cache_dtype,
+            attention_backend=config.attention_backend,
             nnodes=config.nnodes,
             node_rank=config.node_rank,
             socket_ifname=config.socket_ifname,
@@ -439,6 +441,7 @@ def build_rank_backend(settings: ShardSettings, rank: int) -> Any:
         kv_cache_dtype=kv_dtype(settings.kv_cache_dtype),
         vision=vision,
         bidirectional_images=family is not None and family.bidirectional,
+        attention_backend=settings.attention_backend,
     )
 
 

@@ -1,0 +1,122 @@
+"""--attention-backend in the paged backend: which attention runs, what is refused and why, and
+tgis's Triton kernels serving whole steps (under Triton's interpreter on a CPU: the suite's
+conftest sets TRITON_INTERPRET=1 where there is no GPU) with generate()'s greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.backends.conftest import PROMPTS, greedy_reference
+from tests.backends.models.test_families import family_model
+from tests.backends.paged_driver import greedy, scheduler_for
+from tests.factories import tiny_model
+from tgis.backends.paged import backend as paged_backend
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.paged.triton_attention import interpreted, triton_available
+from tgis.errors import ConfigError
+
+NEW = 4
+# The kernels' device: a GPU where there is one (`make gpu-check` runs these, compiled, with
+# `pytest -m cuda`), else the CPU through Triton's interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not interpreted() else "cpu")
+needs_triton = pytest.mark.skipif(
+    triton_available(DEVICE) is not None,
+    reason=f"the Triton kernels cannot run: {triton_available(DEVICE)}",
+)
+pytestmark = pytest.mark.cuda
+
+
+def model(arch: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """Heads of 64 dims (the kernels' smallest tile), two query heads over one KV head."""
+    fields = {
+        "hidden_size": 128, "intermediate_size": 128, "vocab_size": 256,
+        "num_attention_heads": 2, "num_key_value_heads": 1, **overrides,
+    }  # fmt: skip
+    return tiny_model(arch, seed=seed, **fields)  # type: ignore[arg-type]
+
+
+def backend(m: PreTrainedModel, kernel: str | None, **kw: object) -> PagedTorchBackend:
+    """A paged backend over a copy of `m`, on DEVICE for the Triton kernels (on the CPU
+    otherwise)."""
+    device = DEVICE if kernel == "triton" else torch.device("cpu")
+    return PagedTorchBackend(
+        copy.deepcopy(m).to(device),
+        **{
+            "max_sequences": 4, "max_sequence_tokens": 64, "max_prefill_tokens": 64,
+            "kv_tokens": 16 * 8, "block_size": 8, "attention_backend": kernel, **kw,
+        },  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_auto_is_plain_torch_on_a_cpu_and_says_so() -> None:
+    chosen = backend(model(), None)
+    assert chosen.kernel == "torch" and not chosen.path.pool.flash
+    assert chosen.runtime()["attention_backend"] == "torch"
+    assert chosen.attention.startswith("plain torch over head-major KV blocks")
+    asked = backend(model(), "torch")
+    assert asked.attention == "plain torch over head-major KV blocks (--attention-backend torch)"
+
+
+def test_a_backend_that_cannot_run_here_is_refused_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match=r"--attention-backend flash: .*needs CUDA; this is cpu"):
+        backend(model(), "flash")
+    monkeypatch.setattr(paged_backend, "triton_available", lambda *_: "triton is not installed")
+    with pytest.raises(ConfigError, match="Triton kernels cannot run here: triton is not install"):
+        backend(model(), "triton")
+
+
+@needs_triton
+def test_triton_refuses_masks_it_has_no_form_for() -> None:
+    with pytest.raises(ConfigError, match="attend to each other both ways"):
+        backend(model(), "triton", bidirectional_images=True)
+
+
+@needs_triton
+def test_the_triton_kernels_give_generates_tokens_alone_batched_chunked_and_cached() -> None:
+    """Float32: each prompt alone, all at once, prompts chunked by 5 tokens with prefix-cache
+    hits (blocks of 8), over pools filled with NaN where nothing was written (this folder's
+    conftest)."""
+    m = model(seed=3)
+    reference = [greedy_reference(m, p, NEW) for p in PROMPTS]
+    shared = tuple(range(40, 56))
+    cached = [(*shared, 9), (*shared, 7, 7)]
+    cached_reference = [greedy_reference(m, p, NEW) for p in cached]
+    served = backend(m, "triton")
+    assert served.kernel == "triton" and served.path.pool.triton and served.path.pool.flash
+    assert served.runtime()["attention_backend"] == "triton"
+    assert served.attention.startswith("tgis's Triton kernels over KV pages")
+    assert [greedy(served, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(served, PROMPTS, NEW) == reference
+    sched = scheduler_for(served, prefill_tokens=5, prefix_caching=True)
+    assert greedy(served, cached[:1], NEW, sched) == cached_reference[:1]
+    assert greedy(served, cached[1:], NEW, sched) == cached_reference[1:]
+    assert sched.blocks.stats.hit_tokens == 16  # two blocks of the first prompt, found
+
+
+@needs_triton
+def test_the_triton_kernels_keep_a_sliding_window_and_soft_capped_scores() -> None:
+    """mistral with a 6-token window whose blocks go back to the pool as sequences advance,
+    and gemma2's soft-capped scores (which flash attention cannot compute) with layers of
+    both kinds."""
+    windowed = model("mistral", seed=2, sliding_window=6)
+    reference = [greedy_reference(windowed, p, NEW) for p in PROMPTS]
+    served = backend(windowed, "triton", block_size=4)
+    sched = scheduler_for(served, prefill_tokens=5, sliding_window=True)
+    assert greedy(served, PROMPTS, NEW, sched) == reference
+    assert sched.blocks.stats.released_blocks > 0
+    capped = family_model("gemma2", seed=1, head_dim=64)  # windows of 6 on every other layer
+    reference = [greedy_reference(capped, p, NEW) for p in PROMPTS]
+    assert greedy(backend(capped, "triton"), PROMPTS, NEW) == reference
+
+
+@needs_triton
+def test_bfloat16_through_the_triton_kernels_batched_equals_alone() -> None:
+    served = backend(model(seed=5).to(torch.bfloat16), "triton")
+    alone = [greedy(served, [p], NEW)[0] for p in PROMPTS]
+    assert greedy(served, PROMPTS, NEW) == alone
