@@ -5,6 +5,7 @@ conftest sets TRITON_INTERPRET=1 where there is no GPU) with generate()'s greedy
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from transformers import PreTrainedModel
 
 from tests.backends.conftest import PROMPTS, greedy_reference
 from tests.backends.models.test_families import family_model
+from tests.backends.paged.test_backend import NEW as NEW_GRAPHED
+from tests.backends.paged.test_backend import assert_decodes_equal
 from tests.backends.paged_driver import greedy, scheduler_for
 from tests.factories import tiny_model
 from tgis.backends.paged import backend as paged_backend
 from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.paged.graphs import DecodeStep, decode_buckets
 from tgis.backends.paged.triton_attention import interpreted, triton_available
 from tgis.errors import ConfigError
 
@@ -120,3 +124,49 @@ def test_bfloat16_through_the_triton_kernels_batched_equals_alone() -> None:
     served = backend(model(seed=5).to(torch.bfloat16), "triton")
     alone = [greedy(served, [p], NEW)[0] for p in PROMPTS]
     assert greedy(served, PROMPTS, NEW) == alone
+
+
+class RerunApi:
+    """A GraphApi that records nothing: capture runs the step and keeps its output tensor;
+    each replay runs the same step again (over the buffers it reads, refilled in place) into
+    that tensor. On a CPU it drives `DecodeGraphs` with the real step, Triton kernels and all.
+    `replays`: the bucket of each replay."""
+
+    def __init__(self) -> None:
+        self.replays: list[int] = []
+
+    def capture(self, step: Any) -> tuple[Any, torch.Tensor]:
+        assert isinstance(step, DecodeStep)
+        output = step()
+        return (step, output), output
+
+    def replay(self, graph: Any) -> None:
+        step, output = graph
+        output.copy_(step())
+        self.replays.append(step.input_ids.shape[0])
+
+
+def test_decode_buckets_every_8_then_16() -> None:
+    assert decode_buckets(1) == (1,) and decode_buckets(6) == (1, 2, 4, 6)
+    assert decode_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert decode_buckets(300)[-5:] == (248, 256, 272, 288, 300)
+
+
+@needs_triton
+def test_decode_graphs_over_the_triton_kernels_equal_eager_steps() -> None:
+    """The graphed decode step (persistent buffers, the batch padded to its bucket, padding
+    rows writing the scratch block) through the Triton kernels gives an eager twin's logits,
+    batch after batch in buckets filled and padded."""
+    api = RerunApi()
+    m = model(seed=6)
+    eager = backend(m, "triton", cuda_graphs=False)
+    graphed = backend(m, "triton", graph_api=api)
+    assert graphed.graphs is not None and graphed.graphs.buckets == (1, 2, 4)
+    graphed.warmup(4, 20)
+    assert graphed.graphs.captured == (1, 2, 4)
+    prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
+    tables = [tuple(range(15 - i, -1, -4)) for i in range(4)]
+    for batch, bucket in ((1, 1), (3, 4), (2, 2)):
+        api.replays.clear()
+        assert_decodes_equal(eager, graphed, prompts[:batch], tables, atol=1e-5)
+        assert api.replays == [bucket] * NEW_GRAPHED

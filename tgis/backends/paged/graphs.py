@@ -1,16 +1,17 @@
 """CUDA graphs of the paged forward's decode steps: one graph per batch-size bucket.
 
 A decode step (every sequence computes one token) of n sequences runs the graph of the
-smallest bucket >= n (1, 2, 4, 8, 16, 32, ... up to the largest batch), recorded once at warmup,
-largest first, into one memory pool. The graphs read persistent input buffers (token ids,
-positions, slot mapping, block tables, KV lengths) that each step fills with one copy per
-buffer; flash attention reads only each sequence's real KV length (`seqused_k`), so one graph
-serves any mix of lengths. Rows beyond n are padding: their one token is written to a scratch
-block of the pool that no sequence owns, and their logits are dropped.
+smallest bucket >= n (1, 2, 4, 8, then every 8 up to 256 and every 16 beyond, up to the
+largest batch: `decode_buckets`), recorded once at warmup, largest first, into one memory
+pool. The graphs read persistent input buffers (token ids, positions, slot mapping, block
+tables, KV lengths) that each step fills with one copy per buffer; the attention over KV pages
+(tgis's Triton kernels, or flash attention) reads only each sequence's real KV length
+(`seqused_k`), so one graph serves any mix of lengths. Rows beyond n are padding: their one
+token is written to a scratch block of the pool that no sequence owns, and their logits are
+dropped.
 
 Prefill and mixed steps (and decode batches beyond the largest bucket) run eagerly. Graphs
-need the flash attention path (CUDA, torch >= 2.12): the plain-torch path's gather shapes
-depend on the KV lengths.
+need attention over KV pages: the plain-torch path's gather shapes depend on the KV lengths.
 """
 
 from __future__ import annotations
@@ -23,12 +24,25 @@ from typing import Any
 import torch
 
 from tgis.backends.common.graphs import GraphApi
-from tgis.backends.common.warmup import powers_of_two
 from tgis.backends.paged.attention import StepMetadata
 from tgis.backends.paged.forward import PagedForward
 from tgis.engine.transfer import host_to_device
 
 logger = logging.getLogger(__name__)
+
+# Decode buckets after 1, 2, 4 and 8: every 8 rows up to 256, every 16 beyond. A batch pads up
+# to its bucket, so finer buckets waste fewer rows (a 9-row batch runs 16, not 16 of 32).
+_STEP, _WIDER_STEP, _WIDER_FROM = 8, 16, 256
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes decode graphs are recorded for, up to `max_batch` (the last bucket)."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch]
+    size = 8
+    while size < max_batch:
+        buckets.append(size)
+        size += _STEP if size < _WIDER_FROM else _WIDER_STEP
+    return (*buckets, max_batch)
 
 
 @dataclass
@@ -72,7 +86,7 @@ class DecodeGraphs:
         the pool no sequence owns (padding rows write there)."""
         self.path = path
         self.api = api
-        self.buckets = powers_of_two(1, max_batch)
+        self.buckets = decode_buckets(max_batch)
         self.max_kv_len = max_kv_len
         block_size = path.pool.block_size
         self.scratch_slot = scratch_block * block_size
