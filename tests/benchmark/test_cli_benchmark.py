@@ -147,8 +147,10 @@ def test_ignore_eos_runs_every_answer_to_its_length(
     app_ = create_app(engine, tokenizer, config, ModelInfo.from_config(config))
     out = tmp_path / "r.json"
     with live_server(app_, shutdown_grace_s=1.0) as (url, _):
+        # 3 s, not SHORT's 0.6: a busy machine still finishes requests after the warmup.
         result = bench("--url", url, "--api", api, "--kind", "throughput", "--max-vus", "2",
-                       "--ignore-eos", *SMALL, *SHORT, "--output", str(out))  # fmt: skip
+                       "--ignore-eos", *SMALL, *SHORT, "--duration", "3", "--output",
+                       str(out))  # fmt: skip
     data = json.loads(out.read_text())
     validate_results(data)
     assert data["config"]["ignore_eos"] is True

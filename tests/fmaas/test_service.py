@@ -240,7 +240,7 @@ def test_a_cancelled_stream_frees_its_place(
     assert state.engine.in_flight == 1
     call.cancel()
     wait_idle(state)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a bound, not a measure: a busy machine is slow
     while metric(url, "tgi_request_failure_total", err="cancelled") < before + 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
