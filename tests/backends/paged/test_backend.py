@@ -358,9 +358,9 @@ def test_cuda_greedy_tokens_same_alone_and_batched() -> None:
     reference = [greedy_reference(model, p, NEW) for p in PROMPTS]
     backend = PagedTorchBackend(
         copy.deepcopy(model).to("cuda"), max_sequences=8, max_sequence_tokens=512,
-        max_prefill_tokens=512, kv_tokens=4096, cuda_graphs=False,
+        max_prefill_tokens=512, kv_tokens=4096, cuda_graphs=False, attention_backend="torch",
     )  # fmt: skip
-    # float32: flash attention does not compute in it, so the plain-torch path attends.
+    # The plain-torch path, asked for (float32: flash attention does not compute in it).
     assert not backend.path.pool.flash
     assert [greedy(backend, [p], NEW)[0] for p in PROMPTS] == reference
     assert greedy(backend, PROMPTS, NEW) == reference

@@ -37,7 +37,7 @@ def sdpa_backend(device: str, monkeypatch: pytest.MonkeyPatch) -> PagedTorchBack
     ).to(device, torch.bfloat16)  # fmt: skip
     backend = PagedTorchBackend(
         model, max_sequences=8, max_sequence_tokens=128, max_prefill_tokens=256,
-        kv_tokens=64 * BLOCK, block_size=BLOCK, cuda_graphs=False,
+        kv_tokens=64 * BLOCK, block_size=BLOCK, cuda_graphs=False, attention_backend="torch",
     )  # fmt: skip
     assert not backend.path.pool.flash
     return backend
