@@ -174,7 +174,8 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         for i in bad:
             lives[i].seq.poisoned = True
             self.engine._fail_step(method, [lives[i]], NonFiniteScores())
-        kept = [i for i in range(len(lives)) if i not in set(bad)]
+        failed = set(bad)
+        kept = [i for i in range(len(lives)) if i not in failed]
         return [lives[i] for i in kept], choice.take(kept)
 
     def _retry_alone(self, method: str, lives: list[LiveSequence], exc: Exception) -> bool:

@@ -81,14 +81,12 @@ class CudaCopies(AcceleratorCopies):
 class StaleCopies:
     """A CPU standing in for an accelerator's copies (tests): `to_device` gives the device
     its own copy, and `to_host` gives a `HostCopy` whose tensor holds stale values until
-    `wait()`. `sent` / `fetched` count the copies each way."""
+    `wait()`. `fetched` counts the copies down."""
 
     def __init__(self) -> None:
-        self.sent = 0
         self.fetched = 0
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        self.sent += 1
         return host.clone()
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
