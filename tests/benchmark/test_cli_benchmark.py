@@ -24,7 +24,10 @@ from tgis.errors import ConfigError, TgisError
 from tgis.server import ModelInfo, create_app
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SHORT = ["--duration", "0.6", "--warmup", "0.1", "--requests", "4", "--seed", "1"]
+# Steps end on a request count (the 60 s only bound them): a busy machine measures the same
+# requests, later. Two warmup requests go first.
+SHORT = ["--duration", "60", "--warmup", "0", "--max-requests", "6", "--warmup-requests", "2",
+         "--requests", "4", "--seed", "1"]  # fmt: skip
 SMALL = ["--profile", "fixed-length", "--prompt-tokens", "10", "--decode-tokens", "4"]
 runner = CliRunner()
 
@@ -64,7 +67,7 @@ def bench(*args: str) -> Any:
     ("kind", "api", "extra"),
     [
         ("throughput", None, ["--max-vus", "3"]),
-        ("rate", "openai-chat", ["--rates", "4,8"]),
+        ("rate", "openai-chat", ["--rates", "20,40"]),
         ("sweep", "tgi", ["--max-vus", "2", "--num-rates", "1", "--slo", "ttft=500ms,itl=50ms"]),
         ("throughput", "openai-completions", ["--max-vus", "2"]),
     ],
@@ -84,7 +87,10 @@ def test_each_kind_writes_valid_results_and_a_png(
     assert data["config"]["kind"] == kind
     expected = {"throughput": 1, "rate": 2, "sweep": 2}[kind]
     assert len(data["steps"]) == expected
-    assert all(s["requests"]["ok"] > 0 and not s["errors"] for s in data["steps"]), data["steps"]
+    assert data["config"]["max_requests"] == 6 and data["config"]["warmup_requests"] == 2
+    for s in data["steps"]:  # every user's session is one request: exactly the counts
+        assert s["requests"]["ok"] == 6 and s["requests"]["warmup"] == 2, s
+        assert not s["errors"], s
     if "--slo" in extra:
         assert all(s["goodput"]["slos_s"] == {"ttft": 0.5, "itl": 0.05} for s in data["steps"])
     else:
@@ -115,7 +121,7 @@ def test_token_check_agrees_on_answers_ending_with_eos(
                        *SMALL, *SHORT, "--output", str(out))  # fmt: skip
     step = json.loads(out.read_text())["steps"][0]
     ok = step["requests"]["ok"]
-    assert ok > 0 and step["output_tokens"] == 3 * ok  # the stream's count includes the EOS
+    assert ok == 6 and step["output_tokens"] == 3 * ok  # the stream's count includes the EOS
     assert step["token_check"] == {
         "requests": ok,
         "stream_tokens": 2 * ok,
@@ -147,17 +153,15 @@ def test_ignore_eos_runs_every_answer_to_its_length(
     app_ = create_app(engine, tokenizer, config, ModelInfo.from_config(config))
     out = tmp_path / "r.json"
     with live_server(app_, shutdown_grace_s=1.0) as (url, _):
-        # 3 s, not SHORT's 0.6: a busy machine still finishes requests after the warmup.
         result = bench("--url", url, "--api", api, "--kind", "throughput", "--max-vus", "2",
-                       "--ignore-eos", *SMALL, *SHORT, "--duration", "3", "--output",
-                       str(out))  # fmt: skip
+                       "--ignore-eos", *SMALL, *SHORT, "--output", str(out))  # fmt: skip
     data = json.loads(out.read_text())
     validate_results(data)
     assert data["config"]["ignore_eos"] is True
     assert engine.requests and all(r.params.ignore_eos for r in engine.requests)
     step = data["steps"][0]
     ok = step["requests"]["ok"]
-    assert ok > 0 and step["output_tokens"] == 4 * ok  # the EOS among them, and one token past it
+    assert ok == 6 and step["output_tokens"] == 4 * ok  # the EOS among them, and one token past it
     assert step["output_lengths"] == {
         "requests": ok,
         "short_requests": 0,
@@ -299,6 +303,19 @@ def test_rate_kind_needs_rates(local_url: str) -> None:
     result = runner.invoke(app, ["benchmark", "--url", local_url, "--kind", "rate"])
     assert isinstance(result.exception, TgisError)
     assert "--rates" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-requests", "0"], "--max-requests 0 must be at least 1"),
+        (["--warmup-requests", "-2"], "--warmup-requests -2 must be >= 0"),
+    ],
+)
+def test_bad_request_counts_are_one_clear_error(flags: list[str], message: str) -> None:
+    result = runner.invoke(app, ["benchmark", *UNREACHABLE, *flags])
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert str(result.exception).startswith(message)  # before any request: port 9 unreached
 
 
 def test_ctrl_c_mid_run_still_writes_valid_results_and_exits_130(

@@ -11,7 +11,7 @@ import pytest
 from tests.benchmark.conftest import SMALL
 from tests.server.fakes import FakeEngine
 from tgis.benchmark.client import BenchmarkClient, RequestRecord
-from tgis.benchmark.load import StepResult, run_rate, run_sweep, run_throughput
+from tgis.benchmark.load import StepResult, StepWindow, run_rate, run_sweep, run_throughput
 from tgis.benchmark.metrics import summarize
 from tgis.benchmark.profiles import LengthDistribution
 from tgis.benchmark.prompts import Turn, build_sessions
@@ -49,17 +49,16 @@ def test_throughput_step(api: str, server_url: str, tokenizer: Any) -> None:
     seen: list[RequestRecord] = []
 
     async def work(client: BenchmarkClient) -> StepResult:
-        return await run_throughput(
-            client, sessions, users=3, duration=0.5, warmup=0.2, on_record=seen.append
-        )
+        window = StepWindow(60, max_requests=9, warmup_requests=3)
+        return await run_throughput(client, sessions, 3, window, on_record=seen.append)
 
-    began = time.perf_counter()
     step = run(with_client(server_url, api, work))
-    assert time.perf_counter() - began < 5
     check_successful(step)
     assert step.kind == "throughput" and step.target == 3
-    assert step.warmup_requests >= 3  # every user sent at least one during the warmup
-    assert len(seen) == step.warmup_requests + len(step.records)
+    assert step.warmup_requests == 3 and len(step.records) == 9
+    assert len(seen) == 12 and [r.warmup for r in seen].count(True) == 3
+    # The warmup's requests all started before the measured ones.
+    assert max(r.start for r in seen if r.warmup) <= min(r.start for r in step.records)
     summary = summarize(step, {"ttft": 5.0})
     assert summary["requests"]["ok"] == len(step.records)
     assert summary["output_tokens"] == sum(r.max_new_tokens for r in step.records)
@@ -73,13 +72,13 @@ def test_rate_step(api: str, server_url: str, tokenizer: Any, engine: FakeEngine
     sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
 
     async def work(client: BenchmarkClient) -> StepResult:
-        return await run_rate(client, sessions, rate=40.0, duration=0.5, warmup=0.1, seed=3)
+        window = StepWindow(60, max_requests=10, warmup_requests=2)
+        return await run_rate(client, sessions, 40.0, window, seed=3)
 
     step = run(with_client(server_url, api, work))
     check_successful(step)
-    # A Poisson process of 40/s over 0.6 s: ~24 arrivals (the seed fixes the count).
-    assert 8 <= step.warmup_requests + len(step.records) <= 45
-    assert len(engine.requests) == step.warmup_requests + len(step.records)
+    assert step.warmup_requests == 2 and len(step.records) == 10
+    assert len(engine.requests) == 12
 
 
 def test_rate_arrivals_are_fixed_by_the_seed(server_url: str, tokenizer: Any) -> None:
@@ -87,7 +86,7 @@ def test_rate_arrivals_are_fixed_by_the_seed(server_url: str, tokenizer: Any) ->
 
     def arrivals(seed: int) -> int:
         async def work(client: BenchmarkClient) -> int:
-            step = await run_rate(client, sessions, rate=60.0, duration=0.3, seed=seed)
+            step = await run_rate(client, sessions, 60.0, StepWindow(0.3), seed=seed)
             return len(step.records)
 
         return run(with_client(server_url, "tgi", work))
@@ -105,12 +104,12 @@ def test_chat_turns_carry_history(server_url: str, tokenizer: Any, engine: FakeE
     sessions = build_sessions(chat, tokenizer, 1, seed=0)
 
     async def work(client: BenchmarkClient) -> StepResult:
-        # Long enough for the 3 turns (a few ms each) even on a busy machine; the first
-        # session's turns are the first 3 records.
-        return await run_throughput(client, sessions, users=1, duration=1.0)
+        # The step stops after 3 requests: the one session's 3 turns.
+        return await run_throughput(client, sessions, 1, StepWindow(60, max_requests=3))
 
     step = run(with_client(server_url, "openai-chat", work))
-    first = step.records[:3]
+    first = step.records
+    assert len(first) == 3
     assert [r.turn for r in first] == [0, 1, 2]
     turns = sessions[0].turns
     # Each turn's prompt holds the earlier prompts and answers.
@@ -124,10 +123,11 @@ def test_sweep_runs_rate_steps_up_to_the_throughput(server_url: str, tokenizer: 
     sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
 
     async def work(client: BenchmarkClient) -> list[StepResult]:
-        return await run_sweep(client, sessions, users=2, steps=2, duration=0.3)
+        return await run_sweep(client, sessions, 2, 2, StepWindow(60, max_requests=6))
 
     steps = run(with_client(server_url, "tgi", work))
     assert [s.kind for s in steps] == ["throughput", "rate", "rate"]
+    assert [len(s.records) for s in steps] == [6, 6, 6]
     assert steps[2].target == pytest.approx(2 * steps[1].target)
     assert steps[2].target == pytest.approx(
         sum(1 for r in steps[0].records if r.ok) / steps[0].elapsed
@@ -175,7 +175,7 @@ class StallingSender:
 def test_a_late_wake_up_does_not_drop_scheduled_arrivals(tokenizer: Any) -> None:
     sessions = build_sessions(SMALL, tokenizer, 4, seed=0)
     sender = StallingSender(stall=0.4)
-    step = run(run_rate(sender, sessions, rate=60.0, duration=0.3, seed=2))
+    step = run(run_rate(sender, sessions, 60.0, StepWindow(0.3), seed=2))
     # Seed 2 schedules 15 arrivals within 0.3 s (as above); all wake after the step's end.
     assert sender.sent == 15
     assert len(step.records) == 15

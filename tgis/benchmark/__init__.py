@@ -4,13 +4,13 @@ offline with the target's tokenizer, streaming clients, load kinds, metrics, res
     sessions = build_sessions(get_profile("chat"), tokenizer, count=64, seed=0)
     # or prompts with images: get_profile("vision"), or any profile .with_images(ImageSpec(...))
     client = BenchmarkClient(url, api="openai-chat", model="tgi")
-    step = await run_throughput(client, sessions, users=8, duration=60, warmup=10)
+    step = await run_throughput(client, sessions, users=8, window=StepWindow(60, warmup=10))
     data = build_results(config, [summarize(step, parse_slos("ttft=500ms,itl=50ms"))])
 """
 
 from tgis.benchmark.client import APIS, BenchmarkClient, RequestRecord
 from tgis.benchmark.images import ImageSpec, image_sets
-from tgis.benchmark.load import StepResult, run_rate, run_sweep, run_throughput
+from tgis.benchmark.load import StepResult, StepWindow, run_rate, run_sweep, run_throughput
 from tgis.benchmark.metrics import parse_slos, percentile, summarize
 from tgis.benchmark.profiles import PROFILES, LengthDistribution, Profile, get_profile
 from tgis.benchmark.prompts import Session, Turn, build_sessions, make_prompt
@@ -36,6 +36,7 @@ __all__ = [
     "RequestRecord",
     "Session",
     "StepResult",
+    "StepWindow",
     "Turn",
     "build_results",
     "build_sessions",

@@ -21,6 +21,7 @@ from tgis.benchmark.images import (
     ImageSpec,
     parse_size,
 )
+from tgis.benchmark.load import StepWindow
 from tgis.benchmark.metrics import parse_slos
 from tgis.benchmark.profiles import LengthDistribution, Profile, get_profile
 from tgis.benchmark.prompts import Session, build_sessions
@@ -28,6 +29,20 @@ from tgis.benchmark.report import is_engine
 from tgis.benchmark.results import read_results, validate_results, write_results
 from tgis.benchmark.runner import KINDS
 from tgis.errors import ConfigError, TgisError
+
+
+def step_window(
+    duration: float, warmup: float, max_requests: int | None, warmup_requests: int
+) -> StepWindow:
+    """The window of every step, from --duration, --warmup, --max-requests, --warmup-requests."""
+    if max_requests is not None and max_requests < 1:
+        raise ConfigError(
+            f"--max-requests {max_requests} must be at least 1",
+            "leave it out to measure for --duration seconds",
+        )
+    if warmup_requests < 0:
+        raise ConfigError(f"--warmup-requests {warmup_requests} must be >= 0")
+    return StepWindow(duration, warmup, max_requests=max_requests, warmup_requests=warmup_requests)
 
 
 def check_options(

@@ -66,6 +66,7 @@ class RequestRecord:
     error: str | None = None
     error_message: str = ""
     turn: int = 0  # index of the turn in its session (set by the load driver)
+    warmup: bool = False  # started during its step's warmup (set by the load driver)
     usage_tokens: int | None = None  # completion tokens the server reported, if it did
     special_tokens: int = 0  # TGI: tokens marked special (counted, but without text)
     finish_reason: str | None = None  # OpenAI: the last `finish_reason` of the chunks

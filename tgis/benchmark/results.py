@@ -184,6 +184,10 @@ _HTTP_CONFIG = {
         "adapters": {"type": "array", "items": {"type": "string"}},
         # Optional (added within version 1): whether requests carried ignore_eos (--ignore-eos).
         "ignore_eos": {"type": "boolean"},
+        # Optional (added within version 1): the step's request counts (--max-requests, null
+        # when the duration alone ends it; --warmup-requests).
+        "max_requests": {"type": ["integer", "null"], "minimum": 1},
+        "warmup_requests": {"type": "integer", "minimum": 0},
     },
 }
 _ENGINE_CONFIG = {

@@ -1,8 +1,8 @@
 """Run the steps of one `tgis benchmark` kind with a live rich display, keeping what each step
 measured so that an interrupted run (Ctrl-C) still has results.
 
-    run = BenchmarkRun(client, sessions, kind="sweep", duration=30, warmup=5, max_vus=32,
-                       rates=[], num_rates=5, seed=0)
+    run = BenchmarkRun(client, sessions, kind="sweep", window=StepWindow(30, warmup=5),
+                       max_vus=32, rates=[], num_rates=5, seed=0)
     try:
         asyncio.run(run.execute(console))
     except KeyboardInterrupt:
@@ -21,7 +21,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from tgis.benchmark.client import RequestRecord
-from tgis.benchmark.load import Sender, StepResult, run_rate, run_throughput, sweep_rates
+from tgis.benchmark.load import (
+    Sender,
+    StepResult,
+    StepWindow,
+    run_rate,
+    run_throughput,
+    sweep_rates,
+)
 from tgis.benchmark.prompts import Session
 
 KINDS = ("throughput", "rate", "sweep")
@@ -34,8 +41,7 @@ class _Current:
     kind: str
     target: float
     start: float
-    warmup: float
-    duration: float
+    window: StepWindow
     records: list[RequestRecord] = field(default_factory=list)
     output_tokens: int = 0
 
@@ -45,11 +51,9 @@ class _Current:
 
     def partial(self) -> StepResult:
         """A StepResult of the requests finished so far (the step's window cut at now)."""
-        measure_from = self.start + self.warmup
-        stop_at = max(measure_from, min(time.perf_counter(), measure_from + self.duration))
-        step = StepResult(self.kind, self.target, measure_from, stop_at)
+        step = self.window.result(self.kind, self.target, time.perf_counter())
         for record in self.records:
-            if record.start < measure_from:
+            if record.warmup:
                 step.warmup_requests += 1
             else:
                 step.records.append(record)
@@ -68,8 +72,7 @@ class BenchmarkRun:
         client: Sender,
         sessions: Sequence[Session],
         kind: str,
-        duration: float,
-        warmup: float,
+        window: StepWindow,
         max_vus: int,
         rates: Sequence[float],
         num_rates: int,
@@ -78,7 +81,7 @@ class BenchmarkRun:
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r}: choose one of {', '.join(KINDS)}")
         self.client, self.sessions, self.kind = client, sessions, kind
-        self.duration, self.warmup, self.seed = duration, warmup, seed
+        self.window, self.seed = window, seed
         self.max_vus, self.rates, self.num_rates = max_vus, list(rates), num_rates
         self.finished: list[StepResult] = []
         self.current: _Current | None = None
@@ -116,32 +119,22 @@ class BenchmarkRun:
         return self.finished
 
     async def _step(self, progress: Progress, kind: str, target: float, index: int) -> StepResult:
-        total = self.warmup + self.duration
+        window = self.window.like()
+        total = window.warmup + window.duration
         task = progress.add_task(
             f"{kind} {_label(kind, target)}", total=total, clock="", requests=0, tps="0"
         )
-        current = _Current(kind, target, time.perf_counter(), self.warmup, self.duration)
+        current = _Current(kind, target, time.perf_counter(), window)
         self.current = current
         ticker = asyncio.ensure_future(self._tick(progress, task, current, total))
         try:
             if kind == "throughput":
                 step = await run_throughput(
-                    self.client,
-                    self.sessions,
-                    int(target),
-                    self.duration,
-                    self.warmup,
-                    current.add,
+                    self.client, self.sessions, int(target), window, current.add
                 )
             else:
                 step = await run_rate(
-                    self.client,
-                    self.sessions,
-                    target,
-                    self.duration,
-                    self.warmup,
-                    self.seed + index,
-                    current.add,
+                    self.client, self.sessions, target, window, self.seed + index, current.add
                 )
         finally:
             ticker.cancel()
@@ -153,13 +146,17 @@ class BenchmarkRun:
 
     @staticmethod
     def _show(progress: Progress, task: TaskID, current: _Current, total: float) -> None:
-        elapsed = time.perf_counter() - current.start
-        phase = " warmup" if elapsed < current.warmup else ""
+        now = time.perf_counter()
+        elapsed = now - current.start
+        begun = current.window.measure_from
+        phase = " warmup" if begun is None or now < begun else ""
         progress.update(
             task,
             completed=min(elapsed, total),
             clock=f"{elapsed:.0f}/{total:.0f}s{phase}",
-            requests=len(current.records),
+            requests=f"{len(current.records)}/{current.window.max_requests}"
+            if current.window.max_requests is not None
+            else len(current.records),
             tps=f"{current.output_tokens / elapsed:.1f}" if elapsed > 0 else "0",
         )
 

@@ -160,12 +160,36 @@ def command(
     ] = "sweep",
     duration: Annotated[
         float,
-        typer.Option("--duration", help="Measured seconds per step.", rich_help_panel=LOAD),
+        typer.Option(
+            "--duration",
+            help="Measured seconds per step (at most, with --max-requests).",
+            rich_help_panel=LOAD,
+        ),
     ] = 30.0,
     warmup: Annotated[
         float,
         typer.Option("--warmup", help="Unmeasured seconds before each step.", rich_help_panel=LOAD),
     ] = 5.0,
+    max_requests: Annotated[
+        int | None,
+        typer.Option(
+            "--max-requests",
+            help="Measured requests per step: the step stops starting requests after this many "
+            "(or after --duration, whichever comes first), so a slow or busy machine measures "
+            "the same requests.",
+            rich_help_panel=LOAD,
+            show_default=False,
+        ),
+    ] = None,
+    warmup_requests: Annotated[
+        int,
+        typer.Option(
+            "--warmup-requests",
+            help="Unmeasured requests before each step; the warmup lasts until both these and "
+            "--warmup seconds are done.",
+            rich_help_panel=LOAD,
+        ),
+    ] = 0,
     max_vus: Annotated[
         int,
         typer.Option("--max-vus", help="Virtual users of throughput steps.", rich_help_panel=LOAD),
@@ -316,6 +340,7 @@ def command(
         load_compared,
         read_json_schema,
         save,
+        step_window,
         structured_output,
         token_counter,
     )
@@ -382,6 +407,7 @@ def command(
     rate_list, slos = check_options(
         kind, rates, slo, duration, warmup, max_vus, num_rates, requests
     )
+    window = step_window(duration, warmup, max_requests, warmup_requests)
     chosen = choose_profile(
         profile, prompt_tokens, decode_tokens, requests,
         images_per_prompt, image_size, image_format, unique_images,
@@ -404,9 +430,7 @@ def command(
         },
         adapters=adapter_list(adapters),
     )
-    run = BenchmarkRun(
-        client, sessions, kind, duration, warmup, max_vus, rate_list, num_rates, seed
-    )
+    run = BenchmarkRun(client, sessions, kind, window, max_vus, rate_list, num_rates, seed)
 
     async def main() -> None:
         try:
@@ -429,6 +453,8 @@ def command(
         "tokenizer": tokenizer_name,
         "duration_s": duration,
         "warmup_s": warmup,
+        "max_requests": max_requests,
+        "warmup_requests": warmup_requests,
         "max_vus": max_vus,
         "rates": rate_list,
         "num_rates": num_rates,
