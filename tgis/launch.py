@@ -172,6 +172,7 @@ def scheduler_limits(
         max_waiting_tokens=steps,
         prefill_step_tokens=capacity.prefill_step_tokens,
         whole_images=capacity.whole_images,
+        prompt_logit_tokens=capacity.prompt_logit_tokens,
         queue_threshold_ms=config.gaudi.queue_threshold_ms if config.gaudi else None,
     )
 

@@ -31,6 +31,7 @@ def scheduler(
     prefix_caching: bool = False,
     soft_cap: int | None = None,
     window: int | None = None,
+    logit_rows: int | None = None,
     **admission: float,
 ) -> PagedScheduler:
     limits = SchedulerLimits(
@@ -38,6 +39,7 @@ def scheduler(
         max_batch_total_tokens=blocks * block_size,
         max_sequences=batch or 1000,
         prefill_step_tokens=soft_cap,
+        prompt_logit_tokens=logit_rows,
         **admission,  # type: ignore[arg-type]
     )
     return PagedScheduler(
@@ -491,3 +493,37 @@ def test_no_window_changes_nothing() -> None:
         return out
 
     assert trace() == trace(window=None)
+
+
+def test_prompt_logit_chunks_share_the_steps_logit_rows() -> None:
+    """Prompts that want logits at every position take at most `prompt_logit_tokens` of them
+    per step between them; a plain prompt takes the rest of the prefill budget, and a waiting
+    prompt that wants logits is admitted (in order) once a step has rows left for it."""
+    s = scheduler(prefill=100, logit_rows=8)
+    a, b, c = seq(20, new=2), seq(10, new=4), seq(6, new=2)
+    a.prompt_logits = c.prompt_logits = True
+    s.add([a, b, c])
+    shapes = []
+    for _ in range(3):
+        step = s.schedule()
+        assert step is not None
+        shapes.append([(chunk.seq, chunk.count) for chunk in step.chunks])
+        run(s, step)
+    assert shapes == [
+        [(a, 8), (b, 10)],  # c waits: the step's 8 logit rows are a's
+        [(a, 8), (b, 1)],
+        [(a, 4), (b, 1), (c, 4)],  # a's last 4 rows leave c 4
+    ]
+    rest = drain(s)
+    assert [[(chunk.seq, chunk.count) for chunk in step.chunks] for step in rest] == [
+        [(a, 1), (b, 1), (c, 2)],
+        [(c, 1)],
+    ]
+    assert all(x.status is SeqStatus.FINISHED for x in (a, b, c))
+    # Once its prompt is computed, a sequence's decodes and recomputation take no logit rows.
+    assert not s._logits(a)
+
+
+def test_a_bad_prompt_logit_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_logit_tokens must be >= 1, got 0"):
+        scheduler(logit_rows=0)

@@ -388,6 +388,7 @@ def serving_engines(
         max_batch_total_tokens=capacity.kv_tokens,
         max_sequences=min(capacity.max_sequences, max_batch),
         prefill_step_tokens=capacity.prefill_step_tokens,
+        prompt_logit_tokens=capacity.prompt_logit_tokens,
     )
 
     def build(observer: EngineObserver) -> Engine:

@@ -51,6 +51,10 @@ class BackendCapacity:
     kv_budget_tokens: int | None = None
     # Whether prefill can return every prompt position's logits (decoder_input_details).
     prompt_logprobs: bool = True
+    # The most prompt positions one step returns logits for (a paged backend on an
+    # accelerator: float32 rows of the vocabulary are what the step's peak memory is sized
+    # for). None: no cap.
+    prompt_logit_tokens: int | None = None
     # Whether prompts may start with embeddings instead of tokens (tuned prompt prefixes).
     prompt_prefixes: bool = True
     # Whether requests may name a LoRA adapter (PackedItem.adapter): the paged engine.

@@ -405,6 +405,7 @@ class Engine:
                 images=image_marks(request, len(prompt) - len(request.input_ids)),
                 # Every prompt position's logits are computed: none may come from the cache.
                 cache_lookup=not request.params.decoder_input_details,
+                prompt_logits=request.params.decoder_input_details,
             )
             live = LiveSequence(
                 seq, handle, self.eos_token_ids, self.backend.capacity.encoder_decoder

@@ -232,6 +232,7 @@ class LiveSequence:
     def prompt_done(self) -> None:
         """The prefill is complete: its prompt details go out with the first token."""
         self.features.clear()  # a recomputed prompt (after preemption) encodes them again
+        self.seq.prompt_logits = False  # a recomputation needs no prompt logits
         if self._details is not None:
             self.prompt, self._details = self._details, None
             self.prompt_recorded = True

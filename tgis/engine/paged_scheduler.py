@@ -29,7 +29,10 @@ token each) with prefill chunks of new prompts, of any lengths, without padding:
    0 admits at the next step; a preempted sequence is never held (it was served already).
 
 The prefill budget of a step is `max_batch_prefill_tokens`, capped by the backend's
-`prefill_step_tokens` where prefill is compute-bound. A request is refused at `add` only when
+`prefill_step_tokens` where prefill is compute-bound. The chunks of sequences that want their
+prompt's logits at every position (prompt logprobs) also share `prompt_logit_tokens`, the rows
+of logits a step may hold: such a prompt is prefilled in chunks of that size at most, and a
+waiting one is not admitted in a step whose logit budget is spent. A request is refused at `add` only when
 it could never fit the pool even alone.
 
 With a sliding window (`BlockManager.sliding_window`: a model whose every layer attends to the
@@ -146,15 +149,18 @@ class PagedScheduler:
             if windowed
             else 0
         )
+        logit_rows = self.limits.prompt_logit_tokens or math.inf
         chunks: list[Chunk] = []
         for seq in self.running:
             need = seq.uncomputed
             if need == 1:
                 chunks.append(self._decode(seq))
             elif need > 1 and budget > 0:
-                take = self._whole(seq, self._fit(seq, int(min(need, budget)), keep), keep)
+                room = self._room(seq, budget, logit_rows)
+                take = self._whole(seq, self._fit(seq, room, keep), keep) if room else 0
                 if take:
                     budget -= take
+                    logit_rows -= take if self._logits(seq) else 0
                     chunks.append(self._chunk(seq, take))
         admitted = False
         held = self._held()
@@ -162,6 +168,8 @@ class PagedScheduler:
             not held and self.waiting and budget > 0 and len(self.running) < self.limits.batch_limit
         ):
             seq = self.waiting[0]
+            if not self._room(seq, budget, logit_rows):
+                break  # its prompt logits wait for the next step's budget
             reserve = self.blocks.blocks_ahead([s.seq_id for s in self.running])
             if seq.block_keys is None:
                 seq.block_keys = BlockKeys(seq.salt, seq.images)
@@ -178,10 +186,11 @@ class PagedScheduler:
             )
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            take = self._fit(seq, int(min(seq.uncomputed, budget)), reserve)
+            take = self._fit(seq, self._room(seq, budget, logit_rows), reserve)
             take = self._whole(seq, take, reserve)
             if take:
                 budget -= take
+                logit_rows -= take if self._logits(seq) else 0
                 chunks.append(self._chunk(seq, take))
             admitted = True
         self.waiting_steps = 0 if admitted else self.waiting_steps + 1
@@ -229,6 +238,17 @@ class PagedScheduler:
         if seq.seq_id in self.blocks:
             self.blocks.free(seq.seq_id, reuse=not seq.poisoned)
         seq.status = SeqStatus.FINISHED
+
+    @staticmethod
+    def _logits(seq: Sequence) -> bool:
+        """Whether `seq`'s next prompt chunk returns logits at every position."""
+        return seq.prompt_logits and seq.computed < seq.prompt_len
+
+    def _room(self, seq: Sequence, budget: float, logit_rows: float) -> int:
+        """The most of `seq`'s uncomputed tokens the step may take: within the prefill budget
+        and, when its prompt's logits are wanted, the step's prompt-logit rows."""
+        cap = min(budget, logit_rows) if self._logits(seq) else budget
+        return int(min(seq.uncomputed, cap))
 
     def _fit(self, seq: Sequence, take: int, keep: int) -> int:
         """How many of the next `take` tokens of `seq` the step computes: all of them when its

@@ -57,11 +57,16 @@ class SchedulerLimits:
     whole_images: bool = False
     # None: first come, first served. Otherwise overdue requests first, then shortest prompts.
     queue_threshold_ms: int | None = None
+    # The paged engine: prompt positions one step returns logits for at most (the chunks of
+    # sequences that want prompt logprobs, BackendCapacity.prompt_logit_tokens). None: no cap.
+    prompt_logit_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_prefill_tokens", "max_batch_total_tokens", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_logit_tokens is not None and self.prompt_logit_tokens < 1:
+            raise ValueError(f"prompt_logit_tokens must be >= 1, got {self.prompt_logit_tokens}")
 
     @property
     def batch_limit(self) -> int:

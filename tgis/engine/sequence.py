@@ -47,6 +47,9 @@ class Sequence:
     block_keys: BlockKeys | None = None
     # False: never take cached blocks (the prompt's logits are wanted at every position).
     cache_lookup: bool = True
+    # The prompt's logits are wanted at every position (prompt logprobs) and not yet recorded:
+    # its prefill chunks count against the step's prompt-logit budget.
+    prompt_logits: bool = False
     # Its forward produced a NaN or an infinity: no block it wrote is reused once it leaves.
     poisoned: bool = False
     # Tokens proposed to follow `token_ids` (speculative decoding), verified by the next step

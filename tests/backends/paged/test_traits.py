@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,95 @@ def test_the_pool_is_sized_after_a_profiling_forward_of_the_whole_serving_path(
     assert roomy.capacity.num_blocks == 8
 
 
+def test_the_profiled_step_holds_the_prompt_logits_a_step_may_return(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompt logits at 700 positions at most (CUDA caps them by bytes: 512 MiB of float32
+    rows, 1,046 positions of a 128k vocabulary): the profiled step is the same 1200 tokens,
+    700 of them in sequences that return logits at every position and the rest sampling
+    their last, instead of a logit row at every position (67 GB for a 128k-token step of a
+    128k vocabulary: the 8B shape was refused for it)."""
+    seen: list[list[PackedItem]] = []
+    forward = PagedTorchBackend._forward_packed
+
+    def spy(self: PagedTorchBackend, items: Sequence[PackedItem]) -> Any:
+        seen.append(list(items))
+        return forward(self, items)
+
+    monkeypatch.setattr(PagedTorchBackend, "_forward_packed", spy)
+    model = llama()
+    fake = FakeCuda(total=10**6 * paged_kv_bytes_per_token(model), peak=0)
+    traits = dataclasses.replace(cuda_traits(CPU, fake), prompt_logit_bytes=4 * 256 * 700)
+    backend = PagedTorchBackend(
+        model, max_sequences=4, traits=traits, max_sequence_tokens=512, max_prefill_tokens=1200
+    )
+    (items,) = seen
+    assert [(len(i.token_ids), i.prompt_logits, i.sample) for i in items] == [
+        (512, True, True), (188, True, True), (500, False, True),
+    ]  # fmt: skip
+    assert [i.block_table for i in items] == [(0, 1), (2,), (3, 4)]
+    assert backend.capacity.prompt_logit_tokens == 700
+    assert cuda_traits(CPU, fake).prompt_logit_tokens(128_256, 131_072) == 1_046
+    assert device_traits(CPU).prompt_logit_tokens(128_256, 512) is None
+
+
+def test_prompt_logprobs_in_chunks_of_the_logit_budget_equal_the_models(
+    demo_model_dir: Path, stale_copies: transfer.StaleCopies
+) -> None:
+    """With 7 prompt-logit rows a step, a 40-token prompt's logprobs come over 6 steps while
+    another request decodes beside it: each equals log_softmax of the model's own logits."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    model = load_causal_lm(demo_model_dir, CPU, "float32")
+    reference = copy.deepcopy(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    fake = FakeCuda(total=100_000 * paged_kv_bytes_per_token(model), peak=0)
+    traits = dataclasses.replace(cuda_traits(CPU, fake), prompt_logit_bytes=4 * vocab * 7)
+    backend = PagedTorchBackend(
+        model, max_sequences=4, traits=traits, max_sequence_tokens=512, max_prefill_tokens=1200
+    )
+    rows: list[int] = []
+    forward = backend.forward
+
+    def counting(items: Sequence[PackedItem]) -> Any:
+        rows.append(sum(len(i.token_ids) for i in items if i.prompt_logits))
+        return forward(items)
+
+    backend.forward = counting  # type: ignore[method-assign]
+    prompt = (tokenizer("def main():\n    return 1\n")["input_ids"] * 20)[:40]
+    other = tokenizer("import os")["input_ids"]
+    engine = engine_over(backend, tokenizer, prefix_caching=True)
+
+    async def both() -> Any:
+        detailed = GenerateParameters(
+            max_new_tokens=2, details=True, decoder_input_details=True, ignore_eos=True
+        )
+        plain = GenerateParameters(max_new_tokens=8, ignore_eos=True)
+
+        async def last(request: GenerationRequest) -> Any:
+            event = None
+            async for event in engine.generate(request):
+                pass
+            return event
+
+        return await asyncio.gather(
+            last(GenerationRequest("d", tuple(prompt), detailed)),
+            last(GenerationRequest("p", tuple(other), plain)),
+        )
+
+    try:
+        done, _ = asyncio.run(asyncio.wait_for(both(), timeout=120))
+    finally:
+        engine.stop()
+    assert max(rows) == 7 and sum(rows) == 40
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(prompt[1:])]
+    prefill = done.completion.prefill
+    assert [t.id for t in prefill] == prompt and prefill[0].logprob is None
+    got = torch.tensor([t.logprob for t in prefill[1:]])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
 def test_a_device_without_room_for_one_sequence_is_refused() -> None:
     per_token = paged_kv_bytes_per_token(llama())
     with pytest.raises(ConfigError, match="cannot hold one sequence of 512 tokens"):
@@ -156,6 +246,7 @@ def engine_over(backend: PagedTorchBackend, tokenizer: Any, prefix_caching: bool
         max_batch_total_tokens=cap.kv_tokens,
         max_sequences=cap.max_sequences,
         prefill_step_tokens=cap.prefill_step_tokens,
+        prompt_logit_tokens=cap.prompt_logit_tokens,
     )
     engine = Engine(backend, tokenizer, limits, 64, (), prefix_caching=prefix_caching)
     engine.start()

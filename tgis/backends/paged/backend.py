@@ -155,6 +155,9 @@ class PagedTorchBackend:
         self.max_sequence_tokens = max_sequence_tokens
         cap = self.traits.prefill_step_tokens
         self.prefill_chunk = max_prefill_tokens if cap is None else min(max_prefill_tokens, cap)
+        self.prompt_logit_tokens = self.traits.prompt_logit_tokens(
+            self.vocab_size, self.prefill_chunk
+        )
         self.block_size = block_size or self.traits.block_size
         self.kv_shape = native_kv_shape(model)
         self._choose_attention(
@@ -200,6 +203,7 @@ class PagedTorchBackend:
             kv_tokens=num_blocks * self.block_size,
             kv_bytes_per_token=per_token,
             prefill_step_tokens=None if cap is None else self.prefill_chunk,
+            prompt_logit_tokens=self.prompt_logit_tokens,
             kv_budget_tokens=self._memory_tokens,
             block_size=self.block_size,
             sliding_window=_common_window(self.path.windows),
@@ -495,9 +499,9 @@ class PagedTorchBackend:
         """Bytes of the device the pool may take: `fraction` of its memory, less the peak of
         the largest step (the weights included, as they are allocated): `prefill_chunk`
         prompt tokens, as sequences of at most `max_sequence_tokens` (the rope tables'
-        length), with their logits at every position ([tokens, vocab] in float32, what a
-        request for prompt logprobs costs: the engine takes each chunk's details before the
-        next step)."""
+        length), with logits at as many positions as a step may return (`prompt_logit_tokens`
+        rows of [vocab] in float32, what requests for prompt logprobs cost: the engine takes
+        each chunk's details before the next step) and at each other sequence's last."""
         items = self._profiling_items()
         saved = self.path.pool
         self.path.pool = self._allocate_pool(sum(len(i.block_table) for i in items))
@@ -509,11 +513,16 @@ class PagedTorchBackend:
 
     def _profiling_items(self) -> list[PackedItem]:
         """The largest step's prompt chunks: `prefill_chunk` tokens over as few sequences as
-        hold them, each within `max_sequence_tokens` and blocks of its own."""
+        hold them, each within `max_sequence_tokens` and blocks of its own; the first
+        `prompt_logit_tokens` of them (all when uncapped) in sequences that return logits at
+        every position."""
         items: list[PackedItem] = []
         left, block = self.prefill_chunk, 0
+        logit_rows = (
+            self.prefill_chunk if self.prompt_logit_tokens is None else self.prompt_logit_tokens
+        )
         while left > 0:
-            tokens = min(left, self.max_sequence_tokens)
+            tokens = min(left, self.max_sequence_tokens, logit_rows or left)
             blocks = -(-tokens // self.block_size)
             items.append(
                 PackedItem(
@@ -521,9 +530,10 @@ class PagedTorchBackend:
                     tuple(i % self.vocab_size for i in range(tokens)),
                     0,
                     tuple(range(block, block + blocks)),
-                    prompt_logits=True,
+                    prompt_logits=logit_rows > 0,
                 )
             )
+            logit_rows = max(0, logit_rows - tokens)
             left, block = left - tokens, block + blocks
         return items
 

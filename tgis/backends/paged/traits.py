@@ -25,6 +25,10 @@ CPU_BLOCK_SIZE = 16
 # Tokens one CPU step prefills at most: a CPU prefill is compute-bound from a few hundred
 # tokens on, so larger chunks only delay the decodes sharing the step.
 CPU_PREFILL_STEP_TOKENS = 512
+# Float32 prompt logits one CUDA step may hold (1,046 positions of a 128k vocabulary, 8,192 of
+# a 16k one): with no cap on a prefill step, logits at all of a 128k-token step's positions
+# would be 67 GB for a 128k vocabulary, which the pool's sizing would have to leave free.
+CUDA_PROMPT_LOGIT_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,16 @@ class DeviceTraits:
     kv_memory_fraction: float
     # The MLP's gate and up projections as one matmul (models/decoder.py's FUSE_GATE_UP).
     fuse_gate_up: bool = False
+    # Bytes of float32 prompt logits ([positions, vocab]) one step may return: prompts that
+    # want logprobs are prefilled in chunks of at most this many bytes' rows, and the profiled
+    # step holds that many, not a logit row for every prefill token. None: no cap.
+    prompt_logit_bytes: int | None = None
+
+    def prompt_logit_tokens(self, vocab_size: int, prefill_chunk: int) -> int | None:
+        """The prompt positions one step returns logits for at most (None: no cap)."""
+        if self.prompt_logit_bytes is None:
+            return None
+        return max(1, min(prefill_chunk, self.prompt_logit_bytes // (4 * vocab_size)))
 
 
 def cuda_traits(device: torch.device, calls: CudaMemoryCalls | None = None) -> DeviceTraits:
@@ -50,6 +64,7 @@ def cuda_traits(device: torch.device, calls: CudaMemoryCalls | None = None) -> D
         CudaMemory(device, calls),
         KV_MEMORY_FRACTION["cuda"],
         FUSE_GATE_UP["cuda"],
+        CUDA_PROMPT_LOGIT_BYTES,
     )
 
 
