@@ -84,9 +84,10 @@ bench-gpu: install
 
 # On a machine with an NVIDIA GPU, with its own Python and CUDA torch (no virtualenv), in one
 # command of at most 8 minutes (GPU_CHECK_ARGS="--budget S" changes that): the probe, the CUDA
-# tests, a profile of one decode step and bench-gpu's loads, each stage within its time, into
-# GPU_CHECK_DIR (at most 8 files: probe.json, tests.log, tests.json, profile.txt, bench.json,
-# summary.md) and the table into docs/performance.md. STAGE=probe, tests, profile, bench or docs
+# tests, the attention kernels' bandwidth, a profile of one decode step and bench-gpu's loads,
+# each stage within its time, into GPU_CHECK_DIR (at most 8 files: probe.json, tests.log,
+# tests.json, kernels.json, profile.txt, bench.json, summary.md) and the tables into
+# docs/performance.md. STAGE=probe, tests, kernels, profile, bench or docs
 # runs one (GPU_CHECK_ARGS="--loads 8b:graphs" narrows bench); `make gpu-check STAGE=docs
 # GPU_CHECK_DIR=<the folder fetched back>` writes the table where the repository lives. Without a
 # package index there, `make gpu-wheels` (here) fetches into .whl/ the wheels of what tgis needs

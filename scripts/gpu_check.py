@@ -4,11 +4,15 @@ eight minutes (--budget).
     probe    the GPU, torch, the paths tgis takes there (attention, CUDA graphs), the machine's
              packages and each runtime requirement of tgis they leave unmet
     tests    the suite's CUDA tests: `pytest -m cuda` over the modules that hold them
+    kernels  the paged-attention kernels' bandwidth against the device's copy bandwidth
+             (scripts/bench_kernels.py: decode at 1, 16 and 64 rows over 512 to 8k tokens of
+             context, a 4k-token prefill; Triton, flash where it runs, torch's SDPA)
     profile  one decode step of the 1B shape at 1 and 64 streams, in process (torch.profiler)
     bench    `make bench-gpu`'s loads (--loads MODEL:MODE,...) at 1, 16 and 64 streams
     docs     bench.json's table, with the probe, the tests and the targets, into
              docs/performance.md
-    all      probe, tests, profile, bench, docs, then summary.md, within --budget seconds
+    all      probe, tests, kernels, profile, bench, docs, then summary.md, within --budget
+             seconds
     wheels   (where pip reaches a package index) the wheels of what tgis needs at run time and
              a GPU image with CUDA torch lacks (--image), for that machine's Python, into --wheels
 
@@ -50,7 +54,10 @@ READY = "TGIS_GPU_CHECK_SITE"
 # When the command started (before the wheels' install and the re-run): --budget counts from it.
 STARTED = "TGIS_GPU_CHECK_STARTED"
 # Every file a run writes under --out.
-OUT_FILES = ("probe.json", "tests.log", "tests.json", "profile.txt", "bench.json", "summary.md")
+OUT_FILES = (
+    "probe.json", "tests.log", "tests.json", "kernels.json", "profile.txt", "bench.json",
+    "summary.md",
+)  # fmt: skip
 # What the CUDA tests run under, beside tgis's runtime requirements (their pins: pyproject's dev).
 TEST_TOOLS = ("pytest", "pytest-timeout")
 # How a test module marks a test, a parameter or itself `cuda`.
@@ -59,7 +66,7 @@ CUDA_MARK = re.compile(r"\bpytest\.mark\.cuda\b")
 LOADS = "1b:graphs,8b:graphs,1b:eager"
 # The most seconds the tests and profile stages may take; bench takes what is left, less RESERVE
 # for docs and the summary.
-CAPS = {"tests": 150.0, "profile": 100.0}
+CAPS = {"tests": 150.0, "kernels": 60.0, "profile": 90.0}
 RESERVE = 15.0
 # One load needs about this much beyond its measured seconds, by model: its files written the
 # first time, the server's start and warmup, each benchmark's own start.
@@ -368,16 +375,23 @@ def probe(out: Path) -> dict[str, Any]:
     if torch.cuda.is_available():
         device = torch.device("cuda")
         props = torch.cuda.get_device_properties(device)
+        triton_why = triton_available(device)
+        flash = flash_paged_available(device, torch.bfloat16)
         facts.update(
             gpu=props.name,
             memory_gib=round(props.total_memory / 2**30, 1),
             cuda_version=torch.version.cuda,
             bf16=torch.cuda.is_bf16_supported(),
-            triton=triton_available(device) or "runs",
-            attention_bf16=attention_path(device, torch.bfloat16),
+            triton=triton_why or "runs",
+            flash_bf16=flash,
+            attention_auto_bf16=(
+                "tgis's Triton kernels"
+                + (" or flash attention, whichever is faster at warmup" if flash else "")
+                if triton_why is None
+                else attention_path(device, torch.bfloat16)
+            ),
             attention_fp32=attention_path(device, torch.float32),
-            cuda_graphs=triton_available(device) is None
-            or flash_paged_available(device, torch.bfloat16),
+            cuda_graphs=triton_why is None or flash,
         )
     for key, value in facts.items():
         if key != "packages":
@@ -498,6 +512,47 @@ def decode_profile(
     runtime = getattr(paged, "runtime", None)
     facts = json.dumps(runtime() if callable(runtime) else {}, default=str)
     return f"{model_dir.name} on {device} in {dtype}; backend: {facts}\n\n" + "\n\n".join(sections)
+
+
+def kernels_stage(out: Path, seconds: float, argv: Sequence[str] = ()) -> bool:
+    """scripts/bench_kernels.py into out/kernels.json, in a child process stopped after
+    `seconds`; a failure's reason goes into the file instead. `argv`: more of its flags."""
+    target = out / "kernels.json"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--out", str(target)]
+    try:
+        done = subprocess.run(
+            [*command, *argv], cwd=ROOT, env=stage_env(), capture_output=True, text=True,
+            timeout=seconds,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        write(
+            out,
+            "kernels.json",
+            {"error": f"stopped after {seconds:.0f} s", "log": tail(exc.stderr)},
+        )
+        return False
+    if done.returncode != 0:
+        write(
+            out, "kernels.json", {"error": f"failed ({done.returncode})", "log": tail(done.stderr)}
+        )
+        print(tail(done.stderr))
+        return False
+    print(done.stdout)
+    return True
+
+
+def kernels_text(out: Path) -> str:
+    """kernels.json's table and the bandwidth target's verdict ("" without results)."""
+    import bench_kernels
+
+    path = out / "kernels.json"
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())
+    if "error" in data:
+        return f"Kernel bandwidth: {data['error']}."
+    line = bench_kernels.verdict(data)
+    return bench_kernels.table(data) + (f"\n\n- {line}" if line else "")
 
 
 def profile_stage(out: Path, workdir: Path, seconds: float) -> bool:
@@ -641,7 +696,8 @@ def docs_text(out: Path) -> str:
     probe_file = out / "probe.json"
     if probe_file.is_file():
         facts = json.loads(probe_file.read_text())
-        text += f"\n\nAttention (bf16): {facts.get('attention_bf16', '?')}."
+        how = facts.get("attention_auto_bf16", facts.get("attention_bf16", "?"))
+        text += f"\n\nAttention (bf16, --attention-backend auto): {how}."
     tests_file = out / "tests.json"
     if tests_file.is_file():
         result = json.loads(tests_file.read_text())
@@ -650,7 +706,8 @@ def docs_text(out: Path) -> str:
     verdicts = target_verdicts(rows)
     if verdicts:
         text += "\n\n" + "\n".join(f"- {line}" for line in verdicts)
-    return text
+    kernels = kernels_text(out)
+    return text + (f"\n\n{kernels}" if kernels else "")
 
 
 def docs(out: Path, path: Path = ROOT / "docs" / "performance.md") -> str:
@@ -707,8 +764,8 @@ def summary(out: Path, outcomes: dict[str, str]) -> str:
     probe_file = out / "probe.json"
     if probe_file.is_file():
         facts = json.loads(probe_file.read_text())
-        keys = ("gpu", "memory_gib", "python", "torch", "cuda_version", "attention_bf16",
-                "cuda_graphs")  # fmt: skip
+        keys = ("gpu", "memory_gib", "python", "torch", "cuda_version", "attention_auto_bf16",
+                "flash_bf16", "cuda_graphs")  # fmt: skip
         lines += ["", *(f"- {k}: {facts[k]}" for k in keys if k in facts)]
         if facts.get("unmet"):
             lines += ["", "Unmet requirements:", *(f"- {u}" for u in facts["unmet"])]
@@ -731,7 +788,8 @@ def write(out: Path, name: str, data: dict[str, Any] | str) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
-        "stage", choices=["probe", "tests", "profile", "bench", "docs", "all", "wheels"]
+        "stage",
+        choices=["probe", "tests", "kernels", "profile", "bench", "docs", "all", "wheels"],
     )
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for the command")
@@ -777,6 +835,11 @@ def main() -> None:
         code = tests(args.out, seconds, args.test_timeout, args.collect_only)
         failed = failed or code != 0
         outcomes["tests"] = json.loads((args.out / "tests.json").read_text())["summary"]
+    if args.stage in ("kernels", "all"):
+        seconds = budget.cap(CAPS["kernels"]) if args.stage == "all" else budget.cap(1e9)
+        ok = kernels_stage(args.out, seconds)
+        failed = failed or not ok
+        outcomes["kernels"] = "kernels.json" if ok else "failed: see kernels.json"
     if args.stage in ("profile", "all"):
         seconds = budget.cap(CAPS["profile"]) if args.stage == "all" else budget.cap(1e9)
         ok = profile_stage(args.out, args.workdir, seconds)

@@ -360,7 +360,7 @@ def test_the_docs_stage_writes_the_table_the_probe_and_the_verdicts(tmp_path: Pa
     assert lines[0].endswith("| yes |") and lines[3].endswith("| no: short |")
     assert "Not measured: llama-3.1-8b graphs: 20 s left of the budget." in text
     assert "Failed: llama-3.1-8b eager: tgis serve exited with 1." in text
-    assert "Attention (bf16): flash attention over KV pages." in text
+    assert "Attention (bf16, --attention-backend auto): flash attention over KV pages." in text
     assert "CUDA tests (`pytest -m cuda`): passed (13 passed in 9s)." in text
     assert "llama-3.2-1b: ITL p50 at 1 stream 1.80 ms (target <= 2.0 ms: met)" in text
     assert "llama-3.2-1b: 9,000 tokens/s at 64 streams (target >= 10,000: not met)" in text
@@ -395,3 +395,49 @@ def test_the_summary_gathers_the_stages_the_probe_and_the_table(tmp_path: Path) 
     assert "Unmet requirements:\n- pydantic: missing (needed by typer)" in text
     assert "| llama-3.2-1b | graphs | 1 | 450 |" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "probe.json", "summary.md"]
+
+
+def test_the_kernels_stage_measures_each_kernel_against_sdpa_and_the_copy_bandwidth(
+    tmp_path: Path,
+) -> None:
+    """bench_kernels.py on the CPU through Triton's interpreter (a tiny shape): each kernel
+    that runs is checked against SDPA and timed in GB/s of K/V read, flash is listed as not
+    run with its reason, and the docs table and the bandwidth verdict come from the file."""
+    tiny = ["--device", "cpu", "--batches", "1,2", "--contexts", "20,300", "--prefill", "40",
+            "--iters", "1", "--copy-mib", "4", "--shape", "4,2,64,16", "--dtype", "float32"]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_check, "stage_env", lambda: env)
+        assert gpu_check.kernels_stage(tmp_path, 300, tiny)
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    assert data["device"] == "cpu" and data["copy_gbps"] > 0
+    assert data["unavailable"] == {"flash": "needs CUDA; this is cpu"}
+    decode = [
+        (r["batch"], r["context"], r["kernel"]) for r in data["rows"] if r["kind"] == "decode"
+    ]
+    assert decode == [(b, c, k) for b in (1, 2) for c in (20, 300) for k in ("triton", "sdpa")]
+    assert all(r["max_diff"] < 1e-4 for r in data["rows"]), data["rows"]
+    assert all(r["ms"] > 0 and r["gbps"] >= 0 for r in data["rows"] if r["kind"] == "decode")
+    assert [r["kernel"] for r in data["rows"] if r["kind"] == "prefill"] == ["triton", "sdpa"]
+    text = gpu_check.kernels_text(tmp_path)
+    assert "| batch | context | triton | sdpa |" in text and "| 2 | 300 |" in text
+    assert "Causal prefill of 40 tokens: triton" in text and "Not run: flash:" in text
+    assert "Triton decode attention at batch 64" not in text  # that row was not run
+
+
+def test_a_failed_kernels_stage_says_why_in_its_file(tmp_path: Path) -> None:
+    assert not gpu_check.kernels_stage(tmp_path, 60, ["--batches", "zero"])
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    assert data["error"] == "failed (1)" and "comma list" in data["log"]
+    assert gpu_check.kernels_text(tmp_path) == "Kernel bandwidth: failed (1)."
+
+
+def test_the_bandwidth_verdict_reads_the_triton_row_at_batch_64_and_2k() -> None:
+    bench_kernels = importlib.import_module("bench_kernels")
+    row = {"kind": "decode", "batch": 64, "context": 2048, "kernel": "triton", "of_copy": 0.71}
+    line = bench_kernels.verdict({"rows": [row]})
+    assert line == (
+        "Triton decode attention at batch 64, 2,048 context: 71% of the copy bandwidth "
+        "(target 60%): met"
+    )
+    assert bench_kernels.verdict({"rows": [{**row, "of_copy": 0.4}]}).endswith("NOT met")

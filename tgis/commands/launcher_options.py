@@ -225,7 +225,8 @@ AttentionBackend = Annotated[
         "cpu/cuda: the paged engine's attention: auto, triton (tgis's Triton kernels over KV "
         "pages; on a CPU only under TRITON_INTERPRET=1), flash (torch's varlen_attn over KV "
         "pages, CUDA with torch >= 2.12) or torch (plain torch over head-major blocks).",
-        "auto: triton on CUDA where Triton is installed, else flash where it runs, else torch",
+        "auto: triton on CUDA where Triton is installed (the faster of it and flash, timed at "
+        "warmup, where both run), else flash where it runs, else torch",
     ),
 ]
 Quantize = Annotated[

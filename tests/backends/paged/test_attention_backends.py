@@ -5,6 +5,7 @@ conftest sets TRITON_INTERPRET=1 where there is no GPU) with generate()'s greedy
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -17,9 +18,12 @@ from tests.backends.paged.test_backend import NEW as NEW_GRAPHED
 from tests.backends.paged.test_backend import assert_decodes_equal
 from tests.backends.paged_driver import greedy, scheduler_for
 from tests.factories import tiny_model
+from tgis.backends.paged import attention as attention_module
 from tgis.backends.paged import backend as paged_backend
+from tgis.backends.paged.attention import paged_attention_reference
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.graphs import DecodeStep, decode_buckets
+from tgis.backends.paged.traits import device_traits
 from tgis.backends.paged.triton_attention import interpreted, triton_available
 from tgis.errors import ConfigError
 
@@ -170,3 +174,65 @@ def test_decode_graphs_over_the_triton_kernels_equal_eager_steps() -> None:
         api.replays.clear()
         assert_decodes_equal(eager, graphed, prompts[:batch], tables, atol=1e-5)
         assert api.replays == [bucket] * NEW_GRAPHED
+
+
+def flash_stand_in(*args: Any) -> torch.Tensor:
+    """flash attention's call (the step's tensors, scale, max_q, max_k, window) over the same
+    pages, computed by the plain-torch reference."""
+    *step, scale, _max_q, _max_k, window = args
+    return paged_attention_reference(*step, scale, window)
+
+
+@needs_triton
+@pytest.mark.parametrize(("triton_ms", "flash_ms", "fastest"), [(3, 1, "flash"), (1, 3, "triton")])
+def test_auto_races_the_triton_kernels_against_flash_and_serves_the_faster(
+    monkeypatch: pytest.MonkeyPatch, triton_ms: float, flash_ms: float, fastest: str
+) -> None:
+    """Where flash attention runs too (a stand-in here: the reference over the same pages),
+    `auto` starts on the Triton kernels, times both at warmup over a decode step and a
+    prompt chunk (on a clock that charges each kernel its milliseconds), serves with the
+    faster, says so in /info's runtime, and gives generate()'s tokens either way."""
+    monkeypatch.setattr(paged_backend, "flash_paged_available", lambda *_: True)
+    monkeypatch.setattr(attention_module, "paged_attention", flash_stand_in)
+    m = model(seed=5)
+    reference = [greedy_reference(m, p, NEW) for p in PROMPTS[:2]]
+    traits = dataclasses.replace(device_traits(DEVICE), triton_attention=True)
+    served = backend(m, None, traits=traits)
+    assert served.kernel == "triton" and served.contenders == ("triton", "flash")
+    cost = {"triton": triton_ms / 1e3, "flash": flash_ms / 1e3}
+    now = [0.0]
+    ran: list[str] = []
+
+    def clock() -> float:  # before and after each timed run: the run costs one step
+        now[0] += cost[served.kernel]
+        ran.append(served.kernel)
+        return now[0]
+
+    served._race_attention(clock)
+    assert ran == ["triton"] * 6 + ["flash"] * 6  # one unmeasured run each, then 3 timed
+    assert served.kernel == fastest and served.path.pool.triton == (fastest == "triton")
+    runtime = served.runtime()
+    assert runtime["attention_backend"] == fastest
+    assert runtime["attention_race_ms"] == {"triton": triton_ms, "flash": flash_ms}
+    assert greedy(served, PROMPTS[:2], NEW) == reference
+
+
+@needs_triton
+def test_warmup_runs_the_race_before_any_graph_and_a_chosen_backend_never_races(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(paged_backend, "flash_paged_available", lambda *_: True)
+    monkeypatch.setattr(attention_module, "paged_attention", flash_stand_in)
+    traits = dataclasses.replace(device_traits(DEVICE), triton_attention=True)
+    served = backend(model(), None, traits=traits, max_sequence_tokens=32, max_prefill_tokens=32)
+    steps = served._race_steps()
+    # Context within a sequence's tokens, rows within the batch and the pool's blocks.
+    assert [(len(i.token_ids), i.start, len(i.block_table)) for i in steps[0]] == [(1, 31, 4)] * 4
+    assert [len(i.token_ids) for i in steps[1]] == [32]
+    served.warmup(max_batch_size=2, max_input_tokens=16)
+    assert set(served.race_times) == {"triton", "flash"}
+    assert served.kernel in ("triton", "flash")
+    chosen = backend(model(), "triton", traits=traits)
+    chosen.warmup(max_batch_size=1, max_input_tokens=8)
+    assert chosen.contenders == () and chosen.race_times == {}
+    assert chosen.runtime()["attention_race_ms"] == {}

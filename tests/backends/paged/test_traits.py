@@ -67,9 +67,23 @@ def cuda_shaped(
     return PagedTorchBackend(
         model,
         max_sequences=max_sequences,
-        traits=cuda_traits(CPU, fake),
-        **{"max_sequence_tokens": 512, "max_prefill_tokens": 1200, **kw},
+        # Plain-torch attention: CUDA's Triton kernels run under Triton's interpreter here,
+        # which test_attention_backends.py drives on models its speed allows.
+        **{
+            "max_sequence_tokens": 512,
+            "max_prefill_tokens": 1200,
+            "attention_backend": "torch",
+            "traits": cuda_traits(CPU, fake),
+            **kw,
+        },
     )
+
+
+def logit_capped(model: PreTrainedModel, fake: FakeCuda, rows: int) -> PagedTorchBackend:
+    """cuda_shaped with prompt logits at `rows` positions a step at most."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    traits = dataclasses.replace(cuda_traits(CPU, fake), prompt_logit_bytes=4 * vocab * rows)
+    return cuda_shaped(model, fake, traits=traits)
 
 
 def test_each_device_has_its_traits() -> None:
@@ -141,10 +155,7 @@ def test_the_profiled_step_holds_the_prompt_logits_a_step_may_return(
     monkeypatch.setattr(PagedTorchBackend, "_forward_packed", spy)
     model = llama()
     fake = FakeCuda(total=10**6 * paged_kv_bytes_per_token(model), peak=0)
-    traits = dataclasses.replace(cuda_traits(CPU, fake), prompt_logit_bytes=4 * 256 * 700)
-    backend = PagedTorchBackend(
-        model, max_sequences=4, traits=traits, max_sequence_tokens=512, max_prefill_tokens=1200
-    )
+    backend = logit_capped(model, fake, 700)
     (items,) = seen
     assert [(len(i.token_ids), i.prompt_logits, i.sample) for i in items] == [
         (512, True, True), (188, True, True), (500, False, True),
@@ -163,12 +174,8 @@ def test_prompt_logprobs_in_chunks_of_the_logit_budget_equal_the_models(
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     model = load_causal_lm(demo_model_dir, CPU, "float32")
     reference = copy.deepcopy(model)
-    vocab = model.get_output_embeddings().weight.shape[0]
     fake = FakeCuda(total=100_000 * paged_kv_bytes_per_token(model), peak=0)
-    traits = dataclasses.replace(cuda_traits(CPU, fake), prompt_logit_bytes=4 * vocab * 7)
-    backend = PagedTorchBackend(
-        model, max_sequences=4, traits=traits, max_sequence_tokens=512, max_prefill_tokens=1200
-    )
+    backend = logit_capped(model, fake, 7)
     rows: list[int] = []
     forward = backend.forward
 
@@ -188,10 +195,8 @@ def test_prompt_logprobs_in_chunks_of_the_logit_budget_equal_the_models(
         plain = GenerateParameters(max_new_tokens=8, ignore_eos=True)
 
         async def last(request: GenerationRequest) -> Any:
-            event = None
-            async for event in engine.generate(request):
-                pass
-            return event
+            events = [event async for event in engine.generate(request)]
+            return events[-1]
 
         return await asyncio.gather(
             last(GenerationRequest("d", tuple(prompt), detailed)),

@@ -16,6 +16,7 @@ CPU in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_by
 from tgis.backends.paged.forward import KVPool, PagedForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
+from tgis.backends.paged.race import race, winner
 from tgis.backends.paged.traits import DeviceTraits, device_traits
 from tgis.backends.paged.triton_attention import interpreted, triton_available
 from tgis.config import use_inductor_cache
@@ -63,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 # Prompt length of the short sequences warmup decodes with.
 WARMUP_PROMPT = 8
+# The steps `auto` races its kernels over (`_race_steps`): a decode step of this many rows at
+# this much context each, and a prompt chunk of this many tokens (each within the budgets).
+RACE_BATCH = 16
+RACE_CONTEXT = 2048
+RACE_PREFILL = 2048
 
 
 def paged_kv_bytes_per_token(model: PreTrainedModel, kv_dtype: torch.dtype | None = None) -> int:
@@ -129,7 +136,8 @@ class PagedTorchBackend:
         device runs the engine (paged/traits.py; the model's device's own by default);
         `block_size` overrides theirs. attention_backend: "triton", "flash" or "torch"
         (`--attention-backend`; a choice that cannot run here is a ConfigError naming why);
-        None: triton on CUDA where it runs, else flash where it runs, else torch.
+        None: triton on CUDA where it runs (the faster of it and flash attention at warmup,
+        where both run), else flash where it runs, else torch.
 
         Built in stages, each complete before the next starts: the device and attention
         path; the weights and rope tables; the step's own parts (LoRA stacks, the vision
@@ -263,10 +271,16 @@ class PagedTorchBackend:
                 "CUDA machine",
             )
         self._requested, self._triton_why = requested, triton_why
+        # Kernels `auto` times against each other at warmup (paged/race.py), and their times.
+        self.contenders: tuple[str, ...] = ()
+        self.race_times: dict[str, float] = {}
         if requested is not None:
             self.kernel = requested
-        elif self.name == "cuda" and triton_why is None:
+        elif self.traits.triton_attention and triton_why is None:
             self.kernel = "triton"
+            # Under tensor parallelism every rank keeps the Triton kernels: ranks timing
+            # apart could choose apart.
+            self.contenders = ("triton", "flash") if flash and self.parallel is None else ()
         else:
             self.kernel = "flash" if flash else "torch"
         # Pages (flash attention's and the Triton kernels' layout), or head-major blocks.
@@ -329,6 +343,8 @@ class PagedTorchBackend:
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
             "attention_backend": self.kernel,
+            # Where auto timed two kernels at warmup: each one's milliseconds.
+            "attention_race_ms": {k: round(s * 1e3, 3) for k, s in self.race_times.items()},
             "weights": self.weights,
             "quantization": self.quantization.method if self.quantization else None,
             "weight_bytes": self.weight_bytes,
@@ -744,6 +760,7 @@ class PagedTorchBackend:
             if on_shape is not None:
                 on_shape(timings[-1])
 
+        self._race_attention()
         if self.compiled is not None:
             rows = max(shape.rows for shape in plan if shape.phase == "decode")
             for batch in (g for g in GRAPHS if g <= rows):
@@ -757,6 +774,61 @@ class PagedTorchBackend:
                     self._graph_capture_failed(bucket, exc)
                     break
         return timings
+
+    def _race_attention(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Where `auto` has two kernels that run (`contenders`), time a decode step and a
+        prefill chunk with each (paged/race.py) and keep the faster: before any graph records
+        the kernel in use."""
+        if len(self.contenders) < 2:
+            return
+        steps = self._race_steps()
+
+        def run(kernel: str) -> None:
+            self._use_kernel(kernel)
+            for items in steps:
+                self._forward_packed(items).last.sum().item()  # waits for the device
+
+        self.race_times = race(self.contenders, run, clock)
+        self._use_kernel(winner(self.race_times))
+        logger.info(
+            "attention: %s measured fastest at warmup (%s)",
+            self.kernel,
+            ", ".join(f"{k} {s * 1e3:.2f} ms" for k, s in self.race_times.items()),
+        )
+
+    def _use_kernel(self, kernel: str) -> None:
+        """Attend with `kernel` ("triton" or "flash": the same pages pool) from now on."""
+        self.kernel = kernel
+        self.path.pool = dataclasses.replace(self.path.pool, triton=kernel == "triton")
+
+    def _race_steps(self) -> list[list[PackedItem]]:
+        """What the kernels race over: a decode step of up to RACE_BATCH rows at up to
+        RACE_CONTEXT tokens of context each, and one prompt chunk of up to RACE_PREFILL tokens,
+        all in blocks of the pool (serving has not started: nothing else owns them)."""
+        blocks = self._capacity.num_blocks
+        context = max(
+            1, min(RACE_CONTEXT, self.max_sequence_tokens - 1, blocks * self.block_size - 1)
+        )
+        per_seq = -(-(context + 1) // self.block_size)
+        rows = max(1, min(RACE_BATCH, self._capacity.max_sequences, blocks // per_seq))
+        decode = [
+            PackedItem(
+                -1 - i,
+                (1 % self.vocab_size,),
+                context,
+                tuple(range(i * per_seq, (i + 1) * per_seq)),
+            )
+            for i in range(rows)
+        ]
+        length = max(
+            1,
+            min(
+                RACE_PREFILL, self.prefill_chunk, self.max_sequence_tokens, blocks * self.block_size
+            ),
+        )
+        table = tuple(range(-(-length // self.block_size)))
+        prompt = PackedItem(-1 - rows, tuple(j % self.vocab_size for j in range(length)), 0, table)
+        return [decode, [prompt]]
 
     def _graph_capture_failed(self, bucket: int, exc: RuntimeError) -> None:
         """Recording a graph failed: an error when --cuda-graphs asked for them, else decode

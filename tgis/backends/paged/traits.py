@@ -48,6 +48,9 @@ class DeviceTraits:
     # want logprobs are prefilled in chunks of at most this many bytes' rows, and the profiled
     # step holds that many, not a logit row for every prefill token. None: no cap.
     prompt_logit_bytes: int | None = None
+    # Whether `--attention-backend auto` attends with tgis's Triton kernels where they run
+    # (racing them against flash attention at warmup where that runs too).
+    triton_attention: bool = False
 
     def prompt_logit_tokens(self, vocab_size: int, prefill_chunk: int) -> int | None:
         """The prompt positions one step returns logits for at most (None: no cap)."""
@@ -65,6 +68,7 @@ def cuda_traits(device: torch.device, calls: CudaMemoryCalls | None = None) -> D
         KV_MEMORY_FRACTION["cuda"],
         FUSE_GATE_UP["cuda"],
         CUDA_PROMPT_LOGIT_BYTES,
+        triton_attention=True,
     )
 
 
