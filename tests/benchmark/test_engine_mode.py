@@ -81,8 +81,60 @@ def test_each_engine_counts_one_sample_per_decode_step(tmp_path: Path, arch: str
     # Through the serving loop: the first token comes from the prefill, the next 2 from decode
     # steps of the whole batch.
     assert len(measure.loop) == 2
-    assert all(0 < forward < step for step, forward in measure.loop)
+    assert all(0 < s.forward < s.step and s.device == 0 for s in measure.loop)
     assert not {0, 1, 2} & set(bench.token_pool)
+
+
+def test_a_simulated_device_times_each_step_and_what_the_host_hid_behind_it(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """--simulated-device-ms 3: the demo model's vocabulary and tokenizer over a timer whose
+    steps take at least 3 ms on a device timeline of their own. Each loop step records the
+    device's busy time (at least the 3 ms), the host's work and the share of it hidden."""
+    out = tmp_path / "e.json"
+    result = runner.invoke(
+        app,
+        ["benchmark", "--engine", "--model-id", str(demo_model_dir), *TINY,
+         "--simulated-device-ms", "3", "-o", str(out)],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["simulated_device_ms"] == 3 and data["config"]["device"] == "simulated"
+    for step in data["engine_steps"]:
+        device, hidden = step["decode_device_s"], step["decode_hidden_host_s"]
+        assert device["p50"] >= 0.003 and step["decode_latency_s"]["p50"] >= 0.003
+        assert 0 <= hidden["p50"] <= device["p50"]
+        # The loop's step holds the device's time and the host's work not hidden behind it.
+        assert step["decode_step_s"]["mean"] >= step["decode_host_s"]["mean"] > 0
+    assert "  device" in result.output and "host hidden" in result.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--simulated-device-ms", "-1"], "--simulated-device-ms -1.0 must be 0 to 10000"),
+        (["--simulated-device-ms", "2", "--compile"], "--compile shapes the model's forward"),
+        (["--simulated-device-ms", "2", "--quantize", "int8"], "--quantize shapes the model's"),
+    ],
+)
+def test_a_simulated_device_refuses_what_it_cannot_honour(
+    demo_model_dir: Path, flags: list[str], message: str
+) -> None:
+    result = runner.invoke(
+        app, ["benchmark", "--engine", "--model-id", str(demo_model_dir), *TINY, *flags]
+    )
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert str(result.exception).startswith(message)
+
+
+def test_the_simulated_device_is_for_engine_runs_only() -> None:
+    result = runner.invoke(
+        app, ["benchmark", "--url", "http://127.0.0.1:9", "--simulated-device-ms", "2"]
+    )
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert "--simulated-device-ms" in str(result.exception)
 
 
 def test_an_interrupted_engine_run_keeps_what_it_measured(

@@ -17,8 +17,16 @@ the means: prefill batch * prompt_tokens / mean, decode batch / mean (one token 
 Then the same batch goes once through the serving engine's loop (tgis.engine.Engine, run on
 this thread as `tgis serve` runs it; the requests sent from an event loop in another thread):
 each decode step of the whole batch is one sample of the loop's step (`decode_step_s`: from
-the forward's inputs to the tokens handed over), of its forward (`decode_forward_s`), and of
-the host work around the forward (`decode_host_s`: sampling, stop rules, handing tokens over).
+the step before's tokens handed over to its own, scheduling included), of its forward
+(`decode_forward_s`), and of the host's work in it (`decode_host_s`: the step less the time the
+host waited for the device, or less its forward where the device's time is not known:
+scheduling, sampling's launch, stop rules, handing tokens over).
+
+With `simulated_device_ms` the backend is a timer (tgis.backends.simulated) over the model's
+vocabulary and the engine's forwards and sampling run on a `SimulatedStream`, whose steps take
+that long on a timeline of their own: each loop step also gives the device's busy time
+(`decode_device_s`) and the host work hidden behind it (`decode_hidden_host_s`: the device's
+time less the host's wait for it).
 """
 
 from __future__ import annotations
@@ -30,14 +38,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from tgis.backends.simulated import SimulatedBackend
 from tgis.benchmark.metrics import distribution
 from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
+from tgis.engine.stream import DeviceStream, SimulatedStream
 from tgis.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -156,19 +167,22 @@ class BatchMeasure:
     batch_size: int
     prefill: list[float] = field(default_factory=list)
     decode: list[float] = field(default_factory=list)
-    # Decode steps of the whole batch in the engine's loop: (step, forward) seconds.
-    loop: list[tuple[float, float]] = field(default_factory=list)
+    # Decode steps of the whole batch in the engine's loop.
+    loop: list[LoopStep] = field(default_factory=list)
 
     def summary(self, prompt_tokens: int, decode_tokens: int) -> dict[str, Any]:
         """The `engine_steps` entry of the results schema."""
         prefill, decode = distribution(self.prefill), distribution(self.decode)
-        loop = {}
+        loop: dict[str, Any] = {}
         if self.loop:
             loop = {
-                "decode_step_s": distribution([step for step, _ in self.loop]),
-                "decode_forward_s": distribution([forward for _, forward in self.loop]),
-                "decode_host_s": distribution([step - forward for step, forward in self.loop]),
+                "decode_step_s": distribution([s.step for s in self.loop]),
+                "decode_forward_s": distribution([s.forward for s in self.loop]),
+                "decode_host_s": distribution([s.host for s in self.loop]),
             }
+            if any(s.device for s in self.loop):
+                loop["decode_device_s"] = distribution([s.device for s in self.loop])
+                loop["decode_hidden_host_s"] = distribution([s.hidden for s in self.loop])
         return {
             "batch_size": self.batch_size,
             "runs": len(self.prefill),
@@ -184,17 +198,52 @@ class BatchMeasure:
         }
 
 
-class LoopTimings:
-    """An EngineObserver keeping each decode step's rows, duration and forward time."""
+@dataclass(frozen=True)
+class LoopStep:
+    """One decode step of the engine's loop (seconds): from the step before's end to its own,
+    its forward, the time the host waited for the device in it, and the device's busy time
+    (0: not known, a real device)."""
 
-    def __init__(self) -> None:
-        self.decode: list[tuple[int, float, float]] = []
+    step: float
+    forward: float
+    waited: float = 0.0
+    device: float = 0.0
+
+    @property
+    def host(self) -> float:
+        """The host's work in the step, hidden behind the device or not."""
+        return self.step - max(self.forward, self.waited)
+
+    @property
+    def hidden(self) -> float:
+        """The host's work done while the device was busy."""
+        return max(0.0, self.device - self.waited)
+
+
+class LoopTimings:
+    """An EngineObserver keeping each decode step's rows and `LoopStep`, the device's times
+    read from `stream` (the engine's) between one step's end and the next."""
+
+    def __init__(self, stream: DeviceStream | None = None) -> None:
+        self.stream = stream
+        self.decode: list[tuple[int, LoopStep]] = []
+        self._last: tuple[float, float, float] | None = None  # end, busy, waited
 
     def on_step(
         self, method: str, batch_size: int, tokens: int, duration: float, forward: float
     ) -> None:
-        if method == "next_token":
-            self.decode.append((batch_size, duration, forward))
+        now = time.perf_counter()
+        busy = self.stream.busy_s if self.stream is not None else 0.0
+        waited = self.stream.waited_s if self.stream is not None else 0.0
+        if method == "next_token" and self._last is not None:
+            end, busy_before, waited_before = self._last
+            self.decode.append(
+                (
+                    batch_size,
+                    LoopStep(now - end, forward, waited - waited_before, busy - busy_before),
+                )
+            )
+        self._last = (now, busy, waited)
 
     def on_step_failure(self, method: str, reason: str) -> None:
         pass
@@ -230,11 +279,14 @@ class EngineBenchmark:
         seed: int = 0,
         warmups: int = 1,
         avoid_ids: set[int] | None = None,
-        engine: Callable[[EngineObserver], Engine] | None = None,
+        engine: Callable[[EngineObserver, DeviceStream | None], Engine] | None = None,
+        stream: Callable[[], DeviceStream] | None = None,
     ) -> None:
-        """engine: builds the serving engine over `backend` with an observer (its loop is then
-        measured per batch size too: `serving_engines`); None: the backend alone."""
-        self.engine = engine
+        """engine: builds the serving engine over `backend` with an observer and a device
+        stream (its loop is then measured per batch size too: `serving_engines`); None: the
+        backend alone. stream: makes the stream each engine's steps run on (a simulated
+        device's; None: the device's own)."""
+        self.engine, self.stream = engine, stream
         self.backend, self.batch_sizes = backend, list(batch_sizes)
         self.prompt_tokens, self.decode_tokens = prompt_tokens, decode_tokens
         self.runs, self.warmups = runs, warmups
@@ -267,16 +319,19 @@ class EngineBenchmark:
                     self.run_once(batch, measure if index >= self.warmups else None)
                     progress.advance(task)
                 if self.engine is not None:
-                    timings = LoopTimings()
-                    measure.loop = self.loop_steps(self.engine(timings), timings, batch)
+                    stream = self.stream() if self.stream is not None else None
+                    timings = LoopTimings(stream)
+                    engine = self.engine(timings, stream)
+                    try:
+                        measure.loop = self.loop_steps(engine, timings, batch)
+                    finally:
+                        if stream is not None:
+                            stream.close()
         return self.summaries()
 
-    def loop_steps(
-        self, engine: Engine, timings: LoopTimings, batch: int
-    ) -> list[tuple[float, float]]:
+    def loop_steps(self, engine: Engine, timings: LoopTimings, batch: int) -> list[LoopStep]:
         """`batch` random prompts through `engine`'s loop (observed by `timings`), run on this
-        thread until they are done: (step, forward) seconds of each decode step of the whole
-        batch."""
+        thread until they are done: each decode step of the whole batch."""
         from tgis.engine.types import GenerationRequest
         from tgis.params import GenerateParameters
 
@@ -312,7 +367,7 @@ class EngineBenchmark:
         sender.join()
         if failures:
             raise failures[0]
-        return [(step, forward) for rows, step, forward in timings.decode if rows == batch]
+        return [step for rows, step in timings.decode if rows == batch]
 
     def run_once(self, batch: int, measure: BatchMeasure | None) -> None:
         """Prefill `batch` random prompts, decode them greedily, release them; record the
@@ -370,9 +425,83 @@ class EngineBenchmark:
             measure.decode.extend(decode_s)
 
 
+def check_simulated(
+    ms: float,
+    compile: bool,
+    num_shard: int,
+    model_impl: str,
+    quantize: str | None,
+    kv_cache_dtype: str | None,
+) -> None:
+    """--simulated-device-ms's value, and none of the flags that shape a real forward."""
+    if not 0 <= ms <= 10_000:
+        raise ConfigError(
+            f"--simulated-device-ms {ms} must be 0 to 10000 milliseconds", "e.g. 2 for a 1B model"
+        )
+    given = forward_flags(compile, num_shard, model_impl, quantize, kv_cache_dtype)
+    if given:
+        raise ConfigError(
+            f"{given[0]} shapes the model's forward, which --simulated-device-ms replaces by a "
+            "timer",
+            f"drop {given[0]} or --simulated-device-ms",
+        )
+
+
+def forward_flags(
+    compile: bool,
+    num_shard: int,
+    model_impl: str,
+    quantize: str | None,
+    kv_cache_dtype: str | None,
+) -> list[str]:
+    """The flags given that shape the model's forward in `--engine` runs."""
+    return [
+        flag
+        for given, flag in (
+            (compile, "--compile"),
+            (num_shard != 1, "--num-shard"),
+            (model_impl != "auto", "--model-impl"),
+            (quantize is not None, "--quantize"),
+            (kv_cache_dtype is not None, "--kv-cache-dtype"),
+        )
+        if given
+    ]
+
+
+def simulated_backend(model_dir: Path, max_batch: int, max_tokens: int) -> SimulatedBackend:
+    """A simulated device over `model_dir`'s vocabulary (its config's `vocab_size`)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 2:
+        raise ConfigError(f"{model_dir / 'config.json'} has no vocab_size")
+    return SimulatedBackend(vocab, max_batch, max_tokens)
+
+
+class OnStream:
+    """A paged backend whose forwards run on `stream`, each one step (the direct runs of a
+    simulated device)."""
+
+    def __init__(self, backend: PagedBackend, stream: DeviceStream) -> None:
+        self.backend, self.stream = backend, stream
+        self.name, self.device, self.vocab_size = backend.name, backend.device, backend.vocab_size
+
+    @property
+    def capacity(self) -> Any:
+        return self.backend.capacity
+
+    def forward(self, items: Sequence[PackedItem]) -> Any:
+        return self.stream.submit(lambda: self.backend.forward(items), step=True).result()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 def serving_engines(
     backend: Backend | PagedBackend, model_dir: Path, max_batch: int
-) -> Callable[[EngineObserver], Engine]:
+) -> Callable[[EngineObserver, DeviceStream | None], Engine]:
     """What builds the engine `tgis serve` would run over `backend` (not started; an engine
     stops once, so one per measurement), its scheduler's budgets the backend's: `max_batch`
     sequences, prompts prefilled in steps of the backend's size. The tokenizer is read once."""
@@ -391,8 +520,8 @@ def serving_engines(
         prompt_logit_tokens=capacity.prompt_logit_tokens,
     )
 
-    def build(observer: EngineObserver) -> Engine:
-        return Engine(backend, tokenizer, limits, max_batch, eos, observer)
+    def build(observer: EngineObserver, stream: DeviceStream | None = None) -> Engine:
+        return Engine(backend, tokenizer, limits, max_batch, eos, observer, stream=stream)
 
     return build
 
@@ -411,9 +540,12 @@ def run_engine(
     model_impl: str = "auto",
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
+    simulated_device_ms: float | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
-    and whether Ctrl-C cut the run short (the document then holds the batch sizes measured)."""
+    and whether Ctrl-C cut the run short (the document then holds the batch sizes measured).
+    `simulated_device_ms`: the model's forward replaced by a simulated device's steps of that
+    many milliseconds (module doc)."""
     from tgis.benchmark.results import build_results
     from tgis.hub import resolve_model_dir
 
@@ -425,13 +557,26 @@ def run_engine(
         if value < 1:
             raise ConfigError(f"{flag} {value} must be at least 1")
     model_dir = resolve_model_dir(model_id)
-    device = default_device()
-    backend = load_backend(
-        model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile,
-        num_shard, model_impl, quantize, kv_cache_dtype,
-    )  # fmt: skip
+    streams: Callable[[], DeviceStream] | None = None
+    if simulated_device_ms is None:
+        device = default_device()
+        backend = load_backend(
+            model_dir, device, dtype, max(batch_sizes), prompt_tokens, decode_tokens, compile,
+            num_shard, model_impl, quantize, kv_cache_dtype,
+        )  # fmt: skip
+        measured: Backend | PagedBackend = backend
+    else:
+        check_simulated(
+            simulated_device_ms, compile, num_shard, model_impl, quantize, kv_cache_dtype
+        )
+        device = "simulated"
+        streams = partial(SimulatedStream, simulated_device_ms / 1e3)
+        simulated = simulated_backend(
+            model_dir, max(batch_sizes), prompt_tokens + decode_tokens + 1
+        )
+        backend, measured = simulated, OnStream(simulated, streams())
     bench = EngineBenchmark(
-        backend,
+        measured,
         batch_sizes,
         prompt_tokens,
         decode_tokens,
@@ -439,6 +584,7 @@ def run_engine(
         seed,
         avoid_ids=special_token_ids(model_dir),
         engine=serving_engines(backend, model_dir, max(batch_sizes)),
+        stream=streams,
     )
     interrupted = False
     try:
@@ -446,8 +592,8 @@ def run_engine(
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        close = getattr(backend, "close", None)
-        if close is not None:  # tensor-parallel shards
+        close = getattr(measured, "close", None)
+        if close is not None:  # tensor-parallel shards, a simulated device's stream
             close()
     config = {
         "mode": "engine",
@@ -464,6 +610,7 @@ def run_engine(
         "model_impl": model_impl,
         "quantize": quantize,
         "kv_cache_dtype": kv_cache_dtype,
+        "simulated_device_ms": simulated_device_ms,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

@@ -323,6 +323,11 @@ def engine_table(data: dict[str, Any]) -> Table:
                 ("decode_forward_s", "  forward", ""),
                 ("decode_host_s", "  host", ""),
             ]
+        if step.get("decode_device_s"):  # a simulated device's busy time, and what it hid
+            rows += [
+                ("decode_device_s", "  device", ""),
+                ("decode_hidden_host_s", "  host hidden", ""),
+            ]
         for index, (key, name, rate) in enumerate(rows):
             table.add_row(
                 str(step["batch_size"]) if index == 0 else "",

@@ -150,6 +150,10 @@ _ENGINE_STEP = {
         "decode_step_s": _DISTRIBUTION,
         "decode_forward_s": _DISTRIBUTION,
         "decode_host_s": _DISTRIBUTION,
+        # Optional (added within version 1): with a simulated device, its busy time in each
+        # of those steps and the host work hidden behind it.
+        "decode_device_s": _DISTRIBUTION,
+        "decode_hidden_host_s": _DISTRIBUTION,
     },
 }
 _HTTP_CONFIG = {
@@ -212,6 +216,8 @@ _ENGINE_CONFIG = {
         "decode_tokens": {"type": "integer", "minimum": 1},
         "runs": {"type": "integer", "minimum": 1},
         "seed": {"type": "integer"},
+        # Optional (added within version 1): the simulated device's step, or null.
+        "simulated_device_ms": {"type": ["number", "null"], "minimum": 0},
     },
 }
 RESULTS_SCHEMA: dict[str, Any] = {

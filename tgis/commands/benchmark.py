@@ -298,6 +298,17 @@ def command(
             min=1,
         ),
     ] = 1,
+    simulated_device_ms: Annotated[
+        float | None,
+        typer.Option(
+            "--simulated-device-ms",
+            help="--engine: replace the model's forward by a timer whose steps take MS on a "
+            "simulated device of their own (the model's vocabulary and tokenizer kept): the "
+            "engine's host work against an accelerator's step time, on any machine.",
+            rich_help_panel=ENGINE,
+            show_default=False,
+        ),
+    ] = None,
     compare: Annotated[
         tuple[Path, Path] | None,
         typer.Option(
@@ -387,23 +398,21 @@ def command(
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
             dtype, seed, compile, num_shard, model_impl, quantize, kv_cache_dtype,
+            simulated_device_ms,
         )  # fmt: skip
         return
-    for given, flag in (
-        (compile, "--compile"),
-        (num_shard != 1, "--num-shard"),
-        (model_impl != "auto", "--model-impl"),
-        (quantize is not None, "--quantize"),
-        (kv_cache_dtype is not None, "--kv-cache-dtype"),
-    ):
-        if given:
-            from tgis.errors import ConfigError
+    from tgis.benchmark.engine_mode import forward_flags
 
-            raise ConfigError(
-                f"{flag} applies to --engine (the backend in this process); a load test "
-                "measures the server as it was started",
-                f"add --engine, or drop {flag}",
-            )
+    given = ["--simulated-device-ms"] if simulated_device_ms is not None else []
+    given += forward_flags(compile, num_shard, model_impl, quantize, kv_cache_dtype)
+    if given:
+        from tgis.errors import ConfigError
+
+        raise ConfigError(
+            f"{given[0]} applies to --engine (the backend in this process); a load test "
+            "measures the server as it was started",
+            f"add --engine, or drop {given[0]}",
+        )
     rate_list, slos = check_options(
         kind, rates, slo, duration, warmup, max_vus, num_rates, requests
     )
@@ -493,6 +502,7 @@ def _engine(
     model_impl: str = "auto",
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
+    simulated_device_ms: float | None = None,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -518,6 +528,7 @@ def _engine(
         model_impl,
         quantize,
         kv_cache_dtype,
+        simulated_device_ms,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

@@ -44,6 +44,7 @@ from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import NgramProposer, Proposer, Verified
 from tgis.engine.step_runner import PackedSteps, SlotSteps, StepRunner
+from tgis.engine.stream import DeviceStream
 from tgis.engine.thinking import ThinkingLimit
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
@@ -88,14 +89,17 @@ class Engine:
         on_fatal: Callable[[], None] | None = None,
         speculate: int = 0,
         proposer: Proposer | None = None,
+        stream: DeviceStream | None = None,
     ) -> None:
         """prefix_caching: share the KV blocks of common prompt prefixes (paged backends).
         on_fatal: called if the model thread ever ends other than by `stop` (after every
         request has its answer); `tgis serve` exits then, so that a supervisor restarts it.
         speculate: draft tokens verified with each decode, at most (paged backends; 0: none),
         from `proposer` (default: n-gram prompt lookup; a DraftModelProposer for a draft
-        model)."""
+        model). stream: where the steps' forwards and sampling are submitted
+        (tgis.engine.stream; a SimulatedStream times them as an accelerator would)."""
         self.backend = backend
+        self.stream = stream or DeviceStream()
         self.on_fatal = on_fatal
         self.tokenizer = tokenizer
         capacity = backend.capacity

@@ -38,6 +38,7 @@ from tgis.engine.scheduler import Scheduler, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import Verified, verify
+from tgis.engine.stream import DeviceStream
 from tgis.engine.types import EngineObserver, ImageInput
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class StepHost(Protocol):
 
     eos_token_ids: tuple[int, ...]
     _live: dict[int, LiveSequence]
+    stream: DeviceStream
 
     def _guarded(self, live: LiveSequence, work: Callable[..., Any], *args: Any) -> None: ...
 
@@ -138,12 +140,16 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         samples."""
         eos_token_ids = self.engine.eos_token_ids
         pending: PendingSample | None = None
-        try:
-            pending = SamplingBatch([lv.row for lv in lives], eos_token_ids).launch(logits)
-        except Exception as exc:
-            error = exc
+        rows = [lv.row for lv in lives]
+        launched = self.engine.stream.submit(
+            lambda: SamplingBatch(rows, eos_token_ids).launch(logits)
+        )
         if meanwhile is not None:
             meanwhile()
+        try:
+            pending = launched.result()
+        except Exception as exc:
+            error = exc
         if pending is not None:
             try:
                 return self._finite(method, lives, pending.result())
@@ -279,7 +285,8 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
                 )
                 for chunk, live in zip(step.chunks, lives, strict=True)
             ]  # fmt: skip
-            out = self.backend.forward(items)
+            backend = self.backend
+            out = engine.stream.submit(lambda: backend.forward(items), step=True).result()
         except Exception as exc:
             if not self._retry_alone(method, lives, exc):
                 return

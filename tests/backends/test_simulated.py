@@ -1,0 +1,77 @@
+"""tgis.backends.simulated: a forward that is a timer's, over the model's vocabulary, whose
+tokens are reproducible: the engine over it on a simulated device's stream gives the tokens
+the table's rows choose, the same as over an inline stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.factories import tiny_tokenizer
+from tgis.backends.simulated import SimulatedBackend
+from tgis.engine.backend import PackedItem
+from tgis.engine.engine import Engine
+from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.stream import DeviceStream, SimulatedStream
+from tgis.engine.types import GenerationRequest
+from tgis.params import GenerateParameters
+
+
+def expected_greedy(backend: SimulatedBackend, prompt: list[int], new: int) -> list[int]:
+    """The oracle: each next token is the argmax of the table row of the last token and its
+    position."""
+    tokens = list(prompt)
+    for _ in range(new):
+        row = backend.row(tokens[-1], len(tokens) - 1)
+        tokens.append(int(backend._table[row].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_logits_follow_each_rows_last_token_and_position() -> None:
+    backend = SimulatedBackend(vocab_size=500, max_sequences=2, max_sequence_tokens=64)
+    out = backend.forward([
+        PackedItem(0, (5, 6, 7), 0, (0,)),
+        PackedItem(1, (9,), 3, (4,), prompt_logits=True),
+    ])  # fmt: skip
+    assert out.last.shape == (2, 500)
+    assert torch.equal(out.last[0], backend._table[backend.row(7, 2)])
+    assert torch.equal(out.last[1], backend._table[backend.row(9, 3)])
+    assert out.prompt[0] is None and out.prompt[1] is not None
+    assert backend.capacity.max_sequences == 2 and backend.capacity.block_size == 16
+    with pytest.raises(ValueError, match="takes no images"):
+        backend.encode_images([])
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["inline", "simulated-device"])
+def test_the_engine_over_a_simulated_device_gives_the_tables_tokens(simulated: bool) -> None:
+    tokenizer = tiny_tokenizer()
+    vocab = len(tokenizer)
+    backend = SimulatedBackend(vocab_size=vocab, max_sequences=4, max_sequence_tokens=64)
+    stream = SimulatedStream(step_s=0.001) if simulated else DeviceStream()
+    limits = SchedulerLimits(
+        max_batch_prefill_tokens=256,
+        max_batch_total_tokens=backend.capacity.kv_tokens,
+        max_sequences=4,
+    )
+    engine = Engine(backend, tokenizer, limits, 8, (), stream=stream)
+    engine.start()
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+
+    async def all_of() -> list[list[int]]:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            params = GenerateParameters(max_new_tokens=6, ignore_eos=True)
+            request = GenerationRequest(f"r{i}", tuple(prompt), params)
+            return [event.token.id async for event in engine.generate(request)]
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    try:
+        got = asyncio.run(asyncio.wait_for(all_of(), timeout=60))
+    finally:
+        engine.stop()
+        stream.close()
+    assert got == [expected_greedy(backend, p, 6) for p in prompts]
+    if simulated:
+        assert stream.busy_s >= 6 * 0.001  # at least one step per token

@@ -1,0 +1,88 @@
+"""A paged backend whose forward is a timer (`tgis benchmark --engine --simulated-device-ms`):
+the engine's host work measured against an accelerator of a given step time, on a CPU.
+
+Its forward costs next to nothing and returns logits over the model's whole vocabulary from a
+cheap deterministic function of each row's last token and position (rows of a fixed random
+table), so the tokens are reproducible and sampling, penalties and stop rules run over the real
+vocabulary. The device time is the stream's (`tgis.engine.stream.SimulatedStream`): each step's
+forward takes its `step_s` on the simulated device's own timeline, whatever its rows.
+
+    backend = SimulatedBackend(vocab_size=128_256, max_sequences=64, max_sequence_tokens=4096)
+    engine = Engine(backend, tokenizer, limits, 64, eos, stream=SimulatedStream(step_s=0.002))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.types import ImageInput
+
+# Distinct rows of logits the function draws from: enough that neighbouring tokens differ.
+TABLE_ROWS = 64
+BLOCK_SIZE = 16
+
+
+class SimulatedBackend:
+    """A PagedBackend over a timer; see the module doc."""
+
+    name = "simulated"
+    device = "cpu"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_sequences: int,
+        max_sequence_tokens: int,
+        seed: int = 0,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        if vocab_size < 2 or max_sequences < 1 or max_sequence_tokens < 2:
+            raise ValueError("a simulated device needs a vocabulary, sequences and tokens")
+        self.vocab_size = vocab_size
+        generator = torch.Generator().manual_seed(seed)
+        self._table = torch.randn(TABLE_ROWS, vocab_size, generator=generator)
+        blocks = max_sequences * -(-max_sequence_tokens // block_size)
+        self._capacity = BackendCapacity(
+            max_sequences=max_sequences,
+            max_sequence_tokens=max_sequence_tokens,
+            kv_tokens=blocks * block_size,
+            kv_bytes_per_token=0,
+            block_size=block_size,
+        )
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return self._capacity
+
+    def row(self, token_id: int, position: int) -> int:
+        """The table row of the logits after `token_id` at `position`."""
+        return (token_id * 7919 + position * 104_729) % TABLE_ROWS
+
+    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+        """Logits for each item's sampled row and, where asked, each of its positions."""
+        last: list[int] = []
+        prompt: list[torch.Tensor | None] = []
+        for item in items:
+            rows = [self.row(t, item.start + j) for j, t in enumerate(item.token_ids)]
+            if item.sample:
+                last.append(rows[-1])
+            prompt.append(self._table[rows] if item.prompt_logits else None)
+        logits = self._table[last] if last else self._table[:0]
+        return PackedOutput(logits, tuple(prompt))
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        raise ValueError("a simulated device takes no images")
+
+    def warmup_plan(self, max_batch_size: int, max_input_tokens: int) -> list[Shape]:
+        return []
+
+    def warmup(
+        self,
+        max_batch_size: int,
+        max_input_tokens: int,
+        on_shape: Callable[[ShapeTiming], None] | None = None,
+    ) -> list[ShapeTiming]:
+        return []
