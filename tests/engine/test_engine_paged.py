@@ -38,6 +38,7 @@ def make_engine(
     prefill_tokens: int = 2048,
     prefix_caching: bool = True,
     observer: Metrics | None = None,
+    async_scheduling: bool | None = None,
 ) -> Engine:
     model = load_causal_lm(demo_model_dir, torch.device("cpu"), "float32")
     backend = PagedTorchBackend(
@@ -61,9 +62,16 @@ def make_engine(
         eos_token_ids(demo_model_dir, tokenizer),
         observer,
         prefix_caching=prefix_caching,
+        async_scheduling=async_scheduling,
     )
     engine.start()
     return engine
+
+
+# Each request's tokens and events are the same whether a step is planned after the one
+# before it is handed over (serial, a CPU's default) or while it runs (async scheduling, an
+# accelerator's: the CPU runs it too, its forward inline).
+SCHEDULING = pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "async"])
 
 
 def paged(engine: Engine) -> PagedScheduler:
@@ -79,8 +87,9 @@ def tokens_of(engine: Engine, requests: list[GenerationRequest]) -> list[list[in
     return run(together())
 
 
+@SCHEDULING
 def test_greedy_equals_generate_alone_and_in_a_chunked_batch(
-    demo_model_dir: Path, tokenizer, hf_model
+    demo_model_dir: Path, tokenizer, hf_model, pipelined: bool
 ) -> None:
     """Prompts prefilled 8 tokens at a time while the others decode: every request gets the
     tokens transformers' generate gives it alone."""
@@ -99,7 +108,10 @@ def test_greedy_equals_generate_alone_and_in_a_chunked_batch(
                 pad_token_id=0,
             )
             reference.append(out[0, len(r.input_ids) :].tolist())
-    engine = make_engine(demo_model_dir, tokenizer, prefill_tokens=8, prefix_caching=False)
+    engine = make_engine(
+        demo_model_dir, tokenizer, prefill_tokens=8, prefix_caching=False,
+        async_scheduling=pipelined,
+    )  # fmt: skip
     try:
         assert [tokens_of(engine, [r])[0] for r in reqs] == reference
         assert tokens_of(engine, reqs) == reference
@@ -108,14 +120,20 @@ def test_greedy_equals_generate_alone_and_in_a_chunked_batch(
         engine.stop()
 
 
-def test_preemption_loses_no_request_and_changes_no_token(demo_model_dir: Path, tokenizer) -> None:
+@SCHEDULING
+def test_preemption_loses_no_request_and_changes_no_token(
+    demo_model_dir: Path, tokenizer, pipelined: bool
+) -> None:
     """A pool of 288 tokens for 8 requests that need up to ~60 each: the newest are preempted
     and recomputed; every request completes with the tokens it gets alone."""
     reqs = [
         request(tokenizer, PROMPTS[i], f"r{i}", max_new_tokens=48, ignore_eos=True)
         for i in range(8)
     ]
-    engine = make_engine(demo_model_dir, tokenizer, kv_tokens=288, prefix_caching=False)
+    engine = make_engine(
+        demo_model_dir, tokenizer, kv_tokens=288, prefix_caching=False,
+        async_scheduling=pipelined,
+    )  # fmt: skip
     try:
         alone = [tokens_of(engine, [r])[0] for r in reqs]
         assert paged(engine).preemptions == 0
@@ -126,8 +144,9 @@ def test_preemption_loses_no_request_and_changes_no_token(demo_model_dir: Path, 
         engine.stop()
 
 
+@SCHEDULING
 def test_preempted_requests_keep_their_prompt_details_and_stop_sequences(
-    demo_model_dir: Path, tokenizer
+    demo_model_dir: Path, tokenizer, pipelined: bool
 ) -> None:
     """Requests recomputed after a preemption, their prompts prefilled in chunks, hand the
     same events over as alone: prompt logprobs (taken chunk by chunk, once), token texts, and
@@ -149,7 +168,7 @@ def test_preempted_requests_keep_their_prompt_details_and_stop_sequences(
         ]
 
     engine = make_engine(demo_model_dir, tokenizer, kv_tokens=288, prefill_tokens=8,
-                         prefix_caching=False)  # fmt: skip
+                         prefix_caching=False, async_scheduling=pipelined)  # fmt: skip
     try:
         alone = [events_of(engine, [r])[0] for r in reqs]
         assert paged(engine).preemptions == 0
@@ -186,13 +205,16 @@ def test_preempted_requests_keep_their_prompt_details_and_stop_sequences(
         engine.stop()
 
 
-def test_prefix_cache_hits_in_metrics_and_identical_tokens(demo_model_dir: Path, tokenizer) -> None:
+@SCHEDULING
+def test_prefix_cache_hits_in_metrics_and_identical_tokens(
+    demo_model_dir: Path, tokenizer, pipelined: bool
+) -> None:
     shared = "\n".join(PROMPTS)  # several blocks of 16 tokens
     first = request(tokenizer, shared + "\nclass A:", "a", max_new_tokens=8, ignore_eos=True)
     second = request(tokenizer, shared + "\ndef b():", "b", max_new_tokens=8, ignore_eos=True)
     metrics = Metrics()
     cold = make_engine(demo_model_dir, tokenizer, prefix_caching=False)
-    warm = make_engine(demo_model_dir, tokenizer, observer=metrics)
+    warm = make_engine(demo_model_dir, tokenizer, observer=metrics, async_scheduling=pipelined)
     try:
         expected = tokens_of(cold, [second])[0]
         tokens_of(warm, [first])
@@ -211,10 +233,13 @@ def test_prefix_cache_hits_in_metrics_and_identical_tokens(demo_model_dir: Path,
     assert "tgis_kv_cache_usage 0.0" in text
 
 
-def test_prompt_logprobs_over_chunks_equal_one_pass(demo_model_dir: Path, tokenizer) -> None:
+@SCHEDULING
+def test_prompt_logprobs_over_chunks_equal_one_pass(
+    demo_model_dir: Path, tokenizer, pipelined: bool
+) -> None:
     req = request(tokenizer, PROMPTS[2], max_new_tokens=2, details=True, decoder_input_details=True)
     whole = make_engine(demo_model_dir, tokenizer)
-    chunked = make_engine(demo_model_dir, tokenizer, prefill_tokens=5)
+    chunked = make_engine(demo_model_dir, tokenizer, prefill_tokens=5, async_scheduling=pipelined)
     try:
         a = run(collect(whole.generate(req)))[-1].completion
         b = run(collect(chunked.generate(req)))[-1].completion
@@ -227,8 +252,11 @@ def test_prompt_logprobs_over_chunks_equal_one_pass(demo_model_dir: Path, tokeni
         assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
 
 
-def test_cancel_gives_the_blocks_back(demo_model_dir: Path, tokenizer) -> None:
-    engine = make_engine(demo_model_dir, tokenizer, prefix_caching=False)
+@SCHEDULING
+def test_cancel_gives_the_blocks_back(demo_model_dir: Path, tokenizer, pipelined: bool) -> None:
+    engine = make_engine(
+        demo_model_dir, tokenizer, prefix_caching=False, async_scheduling=pipelined
+    )
 
     async def cancel_after_two() -> None:
         stream = engine.generate(request(tokenizer, PROMPTS[0], max_new_tokens=200))

@@ -493,7 +493,10 @@ class OnStream:
         return self.backend.capacity
 
     def forward(self, items: Sequence[PackedItem]) -> Any:
-        return self.stream.submit(lambda: self.backend.forward(items), step=True).result()
+        """The step's logits, once the step's time on the device is up."""
+        out = self.stream.submit(lambda: self.backend.forward(items), step=True)
+        self.stream.submit(lambda: None).result()
+        return out.result()
 
     def close(self) -> None:
         self.stream.close()

@@ -352,6 +352,31 @@ class BlockManager:
             state.released += 1
             self.stats.released_blocks += 1
 
+    def resolve(self, seq_id: int, position: int, token_id: int) -> None:
+        """The token at `position` of `seq_id`, appended as a placeholder while the step that
+        samples it ran (async scheduling), is `token_id`. Its block has no key yet: keys come
+        only with computed positions, and this one is not computed."""
+        state = self._seqs.get(seq_id)
+        if state is not None and position < len(state.tokens):
+            if position < state.computed_blocks * self.block_size:
+                raise ValueError(f"sequence {seq_id}: position {position} is keyed already")
+            state.tokens[position] = token_id
+
+    def rewind(self, seq_id: int, num_tokens: int) -> None:
+        """`seq_id`'s positions from `num_tokens` on were marked computed by a step that then
+        failed: the full blocks they completed leave the prefix cache (their K/V is not what
+        their keys say) and count as uncomputed again."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            return
+        full = num_tokens // self.block_size
+        for index in range(full, state.computed_blocks):
+            block = state.blocks[index]
+            key = self._key_of.get(block)
+            if key is not None and key == state.keys.key(index, state.tokens, self.block_size):
+                self._uncache(block)
+        state.computed_blocks = min(state.computed_blocks, full)
+
     def free(self, seq_id: int, reuse: bool = True) -> None:
         """`seq_id` leaves: the blocks it holds go back (cached ones stay cached until
         needed). `reuse` False: what they hold is bad (its forward produced NaN), so every

@@ -43,8 +43,8 @@ from tgis.engine.scheduler import Scheduler, SchedulerLimits
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import NgramProposer, Proposer, Verified
-from tgis.engine.step_runner import PackedSteps, SlotSteps, StepRunner
-from tgis.engine.stream import DeviceStream
+from tgis.engine.step_runner import PackedSteps, PipelinedSteps, SlotSteps, StepRunner
+from tgis.engine.stream import DeviceStream, SimulatedStream
 from tgis.engine.thinking import ThinkingLimit
 from tgis.engine.types import EngineObserver, FinishReason, GenerationRequest, TokenEvent
 from tgis.errors import GenerationError, InputValidationError, OverloadedError, TgisError
@@ -90,6 +90,7 @@ class Engine:
         speculate: int = 0,
         proposer: Proposer | None = None,
         stream: DeviceStream | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         """prefix_caching: share the KV blocks of common prompt prefixes (paged backends).
         on_fatal: called if the model thread ever ends other than by `stop` (after every
@@ -97,7 +98,11 @@ class Engine:
         speculate: draft tokens verified with each decode, at most (paged backends; 0: none),
         from `proposer` (default: n-gram prompt lookup; a DraftModelProposer for a draft
         model). stream: where the steps' forwards and sampling are submitted
-        (tgis.engine.stream; a SimulatedStream times them as an accelerator would)."""
+        (tgis.engine.stream; a SimulatedStream times them as an accelerator would).
+        async_scheduling: plan and launch each step while the device runs the one before
+        (PipelinedSteps; a paged backend without speculation); None: where the device runs
+        apart from the host (CUDA, a simulated device), never on a CPU, whose forward is the
+        host's own work."""
         self.backend = backend
         self.stream = stream or DeviceStream()
         self.on_fatal = on_fatal
@@ -113,8 +118,16 @@ class Engine:
                 sliding_window=capacity.sliding_window,
             )
             paged = cast("PagedBackend", backend)
-            self.runner = PackedSteps(self, paged, PagedScheduler(limits, blocks))
+            scheduler = PagedScheduler(limits, blocks)
+            if self._pipelined(async_scheduling, speculate):
+                self.runner = PipelinedSteps(self, paged, scheduler)
+            else:
+                self.runner = PackedSteps(self, paged, scheduler)
         else:
+            if async_scheduling:
+                raise ValueError(
+                    f"async scheduling needs a paged backend; {backend.name} keeps a slot cache"
+                )
             self.runner = SlotSteps(self, cast("Backend", backend), Scheduler(limits))
         if speculate and not self.runner.speculates:
             raise ValueError(
@@ -331,7 +344,7 @@ class Engine:
         fatal = False
         try:
             while not self._stopping.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work)
+                self._drain_inbox(block=not self.runner.has_work)
                 self.runner.run_next()
         except BaseException:  # the loop must never die silently
             log.exception("engine loop failed")
@@ -344,6 +357,16 @@ class Engine:
         if fatal and self.on_fatal is not None:
             self.on_fatal()
         return not fatal
+
+    def _pipelined(self, asked: bool | None, speculate: int) -> bool:
+        """Whether the paged engine schedules asynchronously (see __init__)."""
+        if asked and speculate:
+            raise ValueError("async scheduling cannot verify drafts: speculate is 0 with it")
+        if asked is not None:
+            return asked
+        device = str(getattr(self.backend, "device", ""))  # a test double may not say
+        apart = isinstance(self.stream, SimulatedStream) or device.startswith("cuda")
+        return apart and not speculate
 
     def _drain_inbox(self, block: bool) -> None:
         try:

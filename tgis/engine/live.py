@@ -24,6 +24,7 @@ from tgis.engine.sampling import (
     derive_seed,
     prompt_details,
 )
+from tgis.engine.sequence import PLACEHOLDER_ID
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.stopping import StoppingCriteria
 from tgis.engine.types import FinishReason, GenerationRequest
@@ -118,6 +119,8 @@ class LiveSequence:
         # handed over with the first token.
         self.prompt: PromptDetails | None = None
         self.prompt_recorded = False
+        # Async scheduling: the last of seq.token_ids holds the place of a token being sampled.
+        self.reserved = False
         # The details of a chunked prefill's chunks so far (paged backends), in order.
         self._details: PromptDetails | None = None
         # Features of the request's images (by index) while its prompt is being computed.
@@ -237,16 +240,42 @@ class LiveSequence:
             self.prompt, self._details = self._details, None
             self.prompt_recorded = True
 
-    def advance(self, choice: SampleOutput, row: int, now: float) -> SampledToken:
-        """Take this row's sampled token: the grammar and the stop rules move on; the token
-        goes to the consumer, with the reason the sequence ends if it is the last."""
-        token_id = choice.token_ids[row]
+    def reserve(self) -> None:
+        """Async scheduling: the step that samples this sequence's next token was launched;
+        the token's place is held (PLACEHOLDER_ID) so the next step can be planned now."""
+        self.seq.token_ids.append(PLACEHOLDER_ID)
+        self.seq.generated += 1
+        self.reserved = True
+
+    def unreserve(self) -> None:
+        """The launched step failed: its token's place goes."""
+        if self.reserved:
+            self.seq.token_ids.pop()
+            self.seq.generated -= 1
+            self.reserved = False
+
+    def resolve(self, token_id: int) -> None:
+        """The reserved token is `token_id` (before the next step launches): it takes its
+        place, and the grammar moves on (the next step's mask needs it)."""
+        self.seq.token_ids[-1] = token_id
+        self.last_token = token_id
         if self.row.constraint is not None:
             self.row.constraint.advance(token_id)
+
+    def advance(self, choice: SampleOutput, row: int, now: float) -> SampledToken:
+        """Take this row's sampled token: the grammar and the stop rules move on; the token
+        goes to the consumer, with the reason the sequence ends if it is the last. A reserved
+        token (`resolve`d already) is taken where it is."""
+        token_id = choice.token_ids[row]
+        if self.reserved:
+            self.reserved = False
+        else:
+            if self.row.constraint is not None:
+                self.row.constraint.advance(token_id)
+            self.seq.generated += 1
+            self.seq.token_ids.append(token_id)
+            self.last_token = token_id
         reason = self.criteria.on_token(token_id)
-        self.seq.generated += 1
-        self.seq.token_ids.append(token_id)
-        self.last_token = token_id
         if reason is None:
             reason = self.criteria.limit_reached(now)
         self.finish_reason = reason

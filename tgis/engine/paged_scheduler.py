@@ -153,6 +153,8 @@ class PagedScheduler:
         chunks: list[Chunk] = []
         for seq in self.running:
             need = seq.uncomputed
+            if need == 1 and seq.remaining_tokens <= 0:
+                continue  # its last token is being sampled (async scheduling): it ends then
             if need == 1:
                 chunks.append(self._decode(seq))
             elif need > 1 and budget > 0:
@@ -223,6 +225,35 @@ class PagedScheduler:
             seq.computed = chunk.start + chunk.count
             self.blocks.mark_computed(seq.seq_id, seq.computed)
 
+    def advance(self, step: PackedStep) -> None:
+        """The step was launched (async scheduling): its sequences' positions count as
+        computed for planning the next step; the device computes them before any later
+        step reads them. Their blocks are keyed by the next `schedule` (as `complete` keys
+        them), or `rewind` undoes this if the step fails."""
+        for chunk in step.chunks:
+            if chunk.seq.status is SeqStatus.RUNNING:
+                chunk.seq.computed = chunk.start + chunk.count
+
+    def rewind(self, seq: Sequence, start: int) -> None:
+        """A launched step failed: `seq` computed nothing from `start` on."""
+        if seq.status is SeqStatus.RUNNING:
+            seq.computed = min(seq.computed, start)
+            self.blocks.rewind(seq.seq_id, start)
+
+    def retire(self, seq: Sequence) -> None:
+        """`seq` left while a launched step still writes its blocks: it is planned no more,
+        and its blocks go back with `release` once that step is done."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def release(self, seq: Sequence) -> None:
+        """The blocks of a retired sequence go back."""
+        if seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id, reuse=not seq.poisoned)
+
     def accept(self, seq: Sequence, count: int) -> None:
         """The first `count` draft tokens of `seq`'s last step were accepted (and appended to
         its tokens after `complete`): their K/V, computed in that step, are in the cache too."""
@@ -231,13 +262,8 @@ class PagedScheduler:
 
     def finish(self, seq: Sequence) -> None:
         """A sequence left (finished, cancelled, failed): its blocks go back."""
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        if seq.seq_id in self.blocks:
-            self.blocks.free(seq.seq_id, reuse=not seq.poisoned)
-        seq.status = SeqStatus.FINISHED
+        self.retire(seq)
+        self.release(seq)
 
     @staticmethod
     def _logits(seq: Sequence) -> bool:

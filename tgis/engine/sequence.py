@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from tgis.engine.block_manager import BlockKeys, ImageMark
 
 
+# Async scheduling: the id a token being sampled holds in `token_ids` until it is known (no
+# vocabulary has it; a step never reads it: the host writes the token in before launching).
+PLACEHOLDER_ID = -1
+
+
 class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -27,10 +27,11 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
-from tgis.engine.backend import Backend, PackedItem, PagedBackend
+from tgis.engine.backend import Backend, PackedItem, PackedOutput, PagedBackend
 from tgis.engine.live import LiveSequence
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
 from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
@@ -38,7 +39,7 @@ from tgis.engine.scheduler import Scheduler, Step, StepKind
 from tgis.engine.sequence import SeqStatus
 from tgis.engine.sequence import Sequence as SchedSeq
 from tgis.engine.speculation import Verified, verify
-from tgis.engine.stream import DeviceStream
+from tgis.engine.stream import DeviceStream, Pending
 from tgis.engine.types import EngineObserver, ImageInput
 
 if TYPE_CHECKING:
@@ -112,6 +113,11 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         """`seq` left (finished, cancelled, failed): the scheduler frees its place."""
         self.scheduler.finish(seq)
 
+    @property
+    def has_work(self) -> bool:
+        """Whether a step waits to be planned or run."""
+        return self.scheduler.has_work
+
     def report_state(self, observer: EngineObserver) -> None:
         """The queue and the batch as they are now (after every change)."""
         running = self.scheduler.running
@@ -134,16 +140,18 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         lives: list[LiveSequence],
         logits: torch.Tensor,
         meanwhile: Callable[[], None] | None = None,
+        launched: Pending[PendingSample] | None = None,
     ) -> tuple[list[LiveSequence], SampleOutput]:
         """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
         sequences that got one, and their choice. `meanwhile` runs once, while the device
-        samples."""
+        samples. `launched`: the batch's sampling, submitted already (async scheduling)."""
         eos_token_ids = self.engine.eos_token_ids
         pending: PendingSample | None = None
-        rows = [lv.row for lv in lives]
-        launched = self.engine.stream.submit(
-            lambda: SamplingBatch(rows, eos_token_ids).launch(logits)
-        )
+        if launched is None:
+            rows = [lv.row for lv in lives]
+            launched = self.engine.stream.submit(
+                lambda: SamplingBatch(rows, eos_token_ids).launch(logits)
+            )
         if meanwhile is not None:
             meanwhile()
         try:
@@ -261,30 +269,36 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
             self.scheduler.preemptions,
         )
 
-    def _run(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
-        """One packed forward; the chunks that end at their last known token sample."""
-        engine = self.engine
-        method = step.kind.value
-        start = time.perf_counter()
+    def _items(self, step: PackedStep, lives: list[LiveSequence]) -> list[PackedItem]:
+        """The step's items for the backend, its new sequences begun and the features of the
+        images its chunks reach encoded first."""
         now = time.monotonic()
         cached = 0
         for chunk, live in zip(step.chunks, lives, strict=True):
             if not live.started:
                 live.begin(start_time=now)
                 cached += live.images_cached(chunk.start)
+        self._encode_images(step, lives, cached)
+        return [
+            PackedItem(
+                chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
+                chunk.sample,
+                (live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft
+                 and chunk.start < live.seq.prompt_len)
+                or bool(chunk.draft),
+                live.row_embeds(chunk.start, chunk.count), live.handle.request.adapter,
+                live.grids, live.spans,
+            )
+            for chunk, live in zip(step.chunks, lives, strict=True)
+        ]  # fmt: skip
+
+    def _run(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> None:
+        """One packed forward; the chunks that end at their last known token sample."""
+        engine = self.engine
+        method = step.kind.value
+        start = time.perf_counter()
         try:
-            self._encode_images(step, lives, cached)
-            items = [
-                PackedItem(
-                    chunk.seq.seq_id, chunk.token_ids, chunk.start, chunk.block_table,
-                    chunk.sample,
-                    (live.wants_prompt_logprobs and not live.prompt_recorded and not chunk.draft)
-                    or bool(chunk.draft),
-                    live.row_embeds(chunk.start, chunk.count), live.handle.request.adapter,
-                    live.grids, live.spans,
-                )
-                for chunk, live in zip(step.chunks, lives, strict=True)
-            ]  # fmt: skip
+            items = self._items(step, lives)
             backend = self.backend
             out = engine.stream.submit(lambda: backend.forward(items), step=True).result()
         except Exception as exc:
@@ -377,3 +391,166 @@ class PackedSteps(StepRunner[PagedBackend, PagedScheduler, PackedStep]):
                 continue
             out.append((live, result))
         return out
+
+
+@dataclass
+class _InFlight:
+    """A launched step of `PipelinedSteps`: what it runs, over whom, and its device work."""
+
+    step: PackedStep
+    lives: list[LiveSequence]
+    joined: bool
+    start: float  # perf_counter() when its launch began
+    launch_s: float  # the host's seconds to launch it
+    samples: list[bool]  # each chunk's `sample`, as launched (a reserved token changes it)
+    plain: list[LiveSequence]  # the rows that sample, in the order of the forward's `last`
+    forward: Pending[PackedOutput]
+    sampling: Pending[PendingSample] | None
+    seq_ids: frozenset[int]
+
+
+class PipelinedSteps(PackedSteps):
+    """Async scheduling over a paged backend: while step N runs on the device, the host plans
+    step N+1 and hands step N-1's tokens over.
+
+    Each `run_next`:
+    1. plans the next step, counting the tokens being sampled by the step in flight as known
+       (each sampling sequence holds a placeholder at its end: `LiveSequence.reserve`);
+    2. waits for the step in flight and writes its sampled ids in place of the placeholders
+       (`resolve`; a grammar moves on here, since the next step's mask needs it);
+    3. launches the planned step: its forward and its sampling are submitted to the engine's
+       stream and not waited for;
+    4. hands the previous step's tokens over (stop rules, text, streaming) while the device
+       runs the new one; a sequence that ends there has a row in the new step: its token is
+       dropped, and its blocks go back once that step is done (`retire`, then `release`);
+    5. counts the new step's positions as computed and reserves its sampled tokens' places.
+
+    The host thus waits only for the ids (a small copy) between two steps; scheduling and
+    every per-token rule run while the device computes. A step that fails is undone (its
+    positions uncomputed, their blocks out of the prefix cache) and its chunks run again
+    alone, as `PackedSteps` runs them; the step planned on it is dropped. No drafts: the
+    engine runs `PackedSteps` when it speculates.
+    """
+
+    speculates = False
+
+    def __init__(self, engine: StepHost, backend: PagedBackend, scheduler: PagedScheduler) -> None:
+        super().__init__(engine, backend, scheduler)
+        self._in_flight: _InFlight | None = None
+        self._retired: list[SchedSeq] = []
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def finish(self, seq: SchedSeq) -> None:
+        """`seq` left: its blocks go back now, or once the step in flight that writes them is
+        done."""
+        flight = self._in_flight
+        if flight is not None and seq.seq_id in flight.seq_ids:
+            self.scheduler.retire(seq)
+            self._retired.append(seq)
+        else:
+            self.scheduler.finish(seq)
+
+    def run_next(self) -> None:
+        step = self.scheduler.schedule()
+        previous, self._in_flight = self._in_flight, None
+        resolved: tuple[PackedOutput, list[LiveSequence], SampleOutput] | None = None
+        if previous is not None:
+            resolved = self._resolve(previous)
+            for seq in self._retired:  # the step that wrote their blocks is done
+                self.scheduler.release(seq)
+            self._retired.clear()
+            if resolved is None:  # it failed and ran again alone: `step` was planned on it
+                return
+        launch_failed = False
+        lives: list[LiveSequence] = []
+        if step is not None:
+            lives = [self.engine._live[s.seq_id] for s in step.sequences]
+            joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
+            try:
+                self._in_flight = self._launch(step, lives, joined)
+            except Exception:  # before anything reached the device: it runs after the tokens
+                launch_failed = True
+        if previous is not None and resolved is not None:
+            self._conclude(previous, *resolved)
+        if launch_failed and step is not None:
+            self._run(step, lives, False)
+        flight = self._in_flight
+        if flight is not None:
+            self.scheduler.advance(flight.step)
+            for live, sample in zip(flight.lives, flight.samples, strict=True):
+                if sample and live.seq.status is SeqStatus.RUNNING:
+                    live.reserve()
+
+    def _launch(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> _InFlight:
+        """Submit the step's forward and its sampling to the stream, without waiting."""
+        start = time.perf_counter()
+        items = self._items(step, lives)
+        samples = [chunk.sample for chunk in step.chunks]
+        plain = [lv for lv, sample in zip(lives, samples, strict=True) if sample]
+        backend, stream = self.backend, self.engine.stream
+        forward = stream.submit(lambda: backend.forward(items), step=True)
+        sampling = None
+        if plain:
+            rows, eos = [lv.row for lv in plain], self.engine.eos_token_ids
+            sampling = stream.submit(lambda: SamplingBatch(rows, eos).launch(forward.result().last))
+        return _InFlight(
+            step, lives, joined, start, time.perf_counter() - start, samples, plain, forward,
+            sampling, frozenset(s.seq_id for s in step.sequences),
+        )  # fmt: skip
+
+    def _resolve(
+        self, flight: _InFlight
+    ) -> tuple[PackedOutput, list[LiveSequence], SampleOutput] | None:
+        """Wait for the step and put its sampled ids in place; None when its forward failed
+        (then undone and run again alone)."""
+        method = flight.step.kind.value
+        try:
+            out = flight.forward.result()
+        except Exception as exc:
+            self._undo(flight)
+            if self._retry_alone(method, flight.lives, exc):
+                for chunk, live in zip(flight.step.chunks, flight.lives, strict=True):
+                    if live.seq.status is SeqStatus.RUNNING:  # not preempted meanwhile
+                        self._run(PackedStep(flight.step.kind, (chunk,)), [live], False)
+            return None
+        sampled: list[LiveSequence] = []
+        choice = SampleOutput.concat([])
+        if flight.plain:
+            sampled, choice = self._choose(method, flight.plain, out.last, launched=flight.sampling)
+        blocks = self.scheduler.blocks
+        for live, token in zip(sampled, choice.token_ids, strict=True):
+            if live.reserved:
+                live.resolve(token)
+                blocks.resolve(live.seq.seq_id, len(live.seq.token_ids) - 1, token)
+        # Its positions are in the cache: their full blocks become prefix-cache entries.
+        self.scheduler.complete(flight.step)
+        return out, sampled, choice
+
+    def _undo(self, flight: _InFlight) -> None:
+        """The step's forward failed: nothing it was to compute counts as computed."""
+        for chunk, live in zip(flight.step.chunks, flight.lives, strict=True):
+            live.unreserve()
+            self.scheduler.rewind(chunk.seq, chunk.start)
+
+    def _conclude(
+        self,
+        flight: _InFlight,
+        out: PackedOutput,
+        sampled: list[LiveSequence],
+        choice: SampleOutput,
+    ) -> None:
+        """Hand the step's tokens over (and its prompt details), as `PackedSteps._run` does."""
+        engine = self.engine
+        for live, chunk, part in zip(flight.lives, flight.step.chunks, out.prompt, strict=True):
+            if part is not None:
+                engine._guarded(live, live.record_prefill, part, chunk.start)
+        for live in sampled:
+            engine._guarded(live, live.prompt_done)
+        ok = bool(sampled) or not flight.plain
+        engine._emit(
+            sampled, choice, flight.step.kind.value, flight.step.tokens, flight.start,
+            flight.launch_s, flight.joined, ok,
+        )  # fmt: skip

@@ -23,6 +23,7 @@ device's is measured on a machine without one. Both count the seconds the device
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,9 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+# The interpreter's thread switch interval while a simulated device runs (SimulatedStream).
+SWITCH_S = 0.0002
 
 
 class Pending(Generic[T]):
@@ -77,16 +81,32 @@ class DeviceStream:
 
 
 class SimulatedStream(DeviceStream):
-    """A device's timeline on a thread of its own: work runs in submission order (each piece
-    starts when the one before it ended), a step's forward for at least `step_s`."""
+    """A device's timeline on a thread of its own. Work runs in submission order, each piece
+    starting when it was submitted or when the one before it ended, whichever is later (as a
+    GPU starts a kernel queued while it is idle, even where the thread that stands for it gets
+    to run later: it shares the interpreter's lock with the host).
+
+    A step's work is its forward (`step=True`) and what is submitted after it (its
+    sampling): together they last at least `step_s`. The forward's own result is ready as
+    soon as it is computed (the host can only queue more work on it), the later pieces' once
+    the step's time is up, and the next step starts no earlier.
+
+    While it is open the interpreter switches threads every SWITCH_S instead of every 5 ms,
+    so that the device's thread is not held up for the length of the host's Python work (a
+    GPU runs beside the host's thread, not after it)."""
 
     def __init__(self, step_s: float) -> None:
         if step_s < 0:
             raise ValueError(f"a simulated step takes >= 0 seconds, got {step_s}")
         super().__init__()
         self.step_s = step_s
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], float, Future[object]] | None]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], object], float, bool, Future[object]] | None
+        ] = queue.SimpleQueue()
+        self._free_at = 0.0  # when the last piece of work ended, on the device's timeline
+        self._step_end = 0.0  # when the step under way may end at the earliest
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, SWITCH_S))
         self._thread = threading.Thread(target=self._run, name="tgis-simulated-device", daemon=True)
         self._thread.start()
 
@@ -94,24 +114,33 @@ class SimulatedStream(DeviceStream):
         if not self._thread.is_alive():
             raise RuntimeError("the simulated device was closed")
         future: Future[T] = Future()
-        self._jobs.put((work, self.step_s if step else 0.0, future))  # type: ignore[arg-type]
+        self._jobs.put((work, time.perf_counter(), step, future))  # type: ignore[arg-type]
         return Pending(self, future)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            work, seconds, future = job
-            start = time.perf_counter()
+            work, submitted, step, future = job
+            begin = max(submitted, self._free_at)
+            if step:
+                # The step before lasts until its time is up: the device is busy until then.
+                start = max(begin, self._step_end)
+                time.sleep(max(0.0, start - time.perf_counter()))
+                held = max(0.0, min(start, self._step_end) - self._free_at)
+                self._step_end = start + self.step_s
+            else:
+                start, held = begin, 0.0
             try:
                 value = work()
             except BaseException as exc:
                 error: BaseException | None = exc
             else:
                 error = None
-            left = start + seconds - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
+            if not step:  # the step's later work is done when the step's time is up
+                time.sleep(max(0.0, self._step_end - time.perf_counter()))
+            end = max(time.perf_counter(), start)
             with self._lock:
-                self.busy_s += time.perf_counter() - start
+                self.busy_s += held + end - start
+            self._free_at = end
             if error is None:
                 future.set_result(value)
             else:
@@ -122,3 +151,4 @@ class SimulatedStream(DeviceStream):
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+            sys.setswitchinterval(self._interval)
