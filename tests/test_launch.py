@@ -75,6 +75,19 @@ def test_info_reports_the_admission_policy_in_force(demo_model_dir: Path) -> Non
             service.stop()
 
 
+def test_async_scheduling_reaches_the_engine(demo_model_dir: Path) -> None:
+    """--async-scheduling on a CPU (which schedules serially by default) and off."""
+    from tgis.engine.step_runner import PackedSteps, PipelinedSteps
+
+    for asked, runner in ((None, PackedSteps), (True, PipelinedSteps), (False, PackedSteps)):
+        config = make_config(warmup_enabled=False, async_scheduling=asked)
+        service = build_service(config, demo_model_dir, start_engine=False)
+        try:
+            assert type(service.engine.runner) is runner
+        finally:
+            service.stop()
+
+
 def test_gaudi_queue_threshold_reaches_the_scheduler() -> None:
     config = make_config(backend="gaudi", gaudi=GaudiSettings(queue_threshold_ms=250))
     assert scheduler_limits(config, CAPACITY, 700).queue_threshold_ms == 250

@@ -233,6 +233,7 @@ def build_service(
         on_fatal=exit_soon,
         speculate=config.speculate,
         proposer=draft_proposer(config, backend, draft) if draft else None,
+        async_scheduling=config.async_scheduling,
     )
     prepare_grammars(engine)
     adapters = adapter_store(config, model_dir, backend, engine)

@@ -622,6 +622,18 @@ def test_paged_engine_options() -> None:
     assert "--draft-model x runs on one device; --num-shard 2 shards the model" in error_of(
         backend="cpu", speculate=2, draft_model="x", num_shard=2
     )
+    # Async scheduling: unset (the engine decides by device), asked for, or off; never with
+    # speculation.
+    assert build(backend="cuda").async_scheduling is None
+    assert build(backend="cpu", async_scheduling=True).async_scheduling is True
+    off = build(backend="cuda", env={"TGIS_ASYNC_SCHEDULING": "false"})
+    assert off.async_scheduling is False
+    assert (
+        "--async-scheduling true and --speculate 4: drafts are proposed from the tokens of the "
+        "step before, which async scheduling plans the next step without (drop one of them "
+        "(--speculate 0 or --no-async-scheduling))"
+    ) in error_of(backend="cuda", async_scheduling=True, speculate=4)
+    assert build(backend="cuda", async_scheduling=False, speculate=4).speculate == 4
     assert build(backend="cuda", env={"CUDA_MEMORY_FRACTION": "0.5"}).cuda_memory_fraction == 0.5
     assert "--cuda-memory-fraction 0.9 applies to the cuda backend, not cpu" in error_of(
         backend="cpu", cuda_memory_fraction=0.9

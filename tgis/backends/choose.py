@@ -52,6 +52,7 @@ PAGED_ONLY = {
     "prefix_caching": "prefix caching",
     "cuda_graphs": "CUDA graphs of decode",
     "speculate": "speculative decoding",
+    "async_scheduling": "async scheduling",
     "lora_adapters": "LoRA adapters",
     "lora_adapter_dir": "LoRA adapters",
     "quantize": "weight quantization",

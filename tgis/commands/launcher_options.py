@@ -289,6 +289,18 @@ PrefixCaching = Annotated[
         negatable=True,
     ),
 ]
+AsyncScheduling = Annotated[
+    bool | None,
+    _opt(
+        "async_scheduling",
+        DEVICE,
+        "paged engine: plan and launch each step while the device runs the one before, and "
+        "hand that one's tokens over meanwhile; --no-async-scheduling plans each step after "
+        "the one before is handed over.",
+        "on where the device runs apart from the host (cuda), off on a cpu; off with --speculate",
+        negatable=True,
+    ),
+]
 Speculate = Annotated[
     int | None,
     _opt(
@@ -551,6 +563,7 @@ OPTIONS: dict[str, Any] = {
     "compile_cache": CompileCache,
     "compile": Compile,
     "cuda_graphs": CudaGraphs,
+    "async_scheduling": AsyncScheduling,
     "prefix_caching": PrefixCaching,
     "speculate": Speculate,
     "draft_model": DraftModel,
@@ -620,6 +633,7 @@ WARMUP_OPTIONS = (
     "compile_cache",
     "compile",
     "cuda_graphs",
+    "async_scheduling",
     "cuda_memory_fraction",
     "max_concurrent_requests",
     "max_input_tokens",

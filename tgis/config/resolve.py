@@ -28,6 +28,7 @@ from tgis.config.model import ModelFacts
 from tgis.config.parse import flag
 from tgis.config.rules import (
     attention_backend,
+    check_async_scheduling,
     check_backend_options,
     check_draft_model,
     check_sharding,
@@ -104,6 +105,7 @@ def build_serve_config(
         gaudi = None
     num_shard = check_sharding(backend, values, r)
     check_draft_model(values, r, num_shard)
+    check_async_scheduling(values, r)
     lora_adapters, lora_adapter_dir, max_loras, max_lora_rank = lora_settings(values, r)
     prefill_mode = check_backend_options(backend, values, r)
     impl = model_impl(backend, values, r)
@@ -173,6 +175,7 @@ def build_serve_config(
         compile_cache=values["compile_cache"] or None,
         compile=bool(values["compile"]),
         cuda_graphs=values["cuda_graphs"],
+        async_scheduling=values["async_scheduling"],
         prefix_caching=values["prefix_caching"],
         cuda_memory_fraction=values["cuda_memory_fraction"],
         speculate=values["speculate"] or 0,

@@ -295,6 +295,18 @@ def _loopback(addr: str) -> bool:
         return False
 
 
+def check_async_scheduling(values: dict[str, Any], r: Sources) -> None:
+    """--async-scheduling plans a step before the one in flight is handed over, so it cannot
+    verify drafts that need that step's tokens (--speculate)."""
+    if values["async_scheduling"] and values["speculate"]:
+        raise ConfigError(
+            f"{r.label('async_scheduling', 'true')} and {r.label('speculate', values['speculate'])}"
+            ": drafts are proposed from the tokens of the step before, which async scheduling "
+            "plans the next step without",
+            "drop one of them (--speculate 0 or --no-async-scheduling)",
+        )
+
+
 def check_draft_model(values: dict[str, Any], r: Sources, num_shard: int) -> None:
     """--draft-model drafts for --speculate, on one device."""
     draft = values["draft_model"]

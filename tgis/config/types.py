@@ -76,6 +76,7 @@ class LauncherArgs:
     compile_cache: str | None = None
     compile: bool | None = None
     cuda_graphs: bool | None = None
+    async_scheduling: bool | None = None
     prefix_caching: bool | None = None
     cuda_memory_fraction: float | None = None
     speculate: int | None = None
@@ -280,6 +281,10 @@ class ServeConfig:
     # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup). None: not
     # set, on wherever the paged engine has flash attention; True: required; False: eager.
     cuda_graphs: bool | None = None
+    # The paged engine plans and launches each step while the device runs the one before
+    # (tgis.engine.step_runner.PipelinedSteps). None: not set, where the device runs apart
+    # from the host and nothing speculates; True: required; False: off.
+    async_scheduling: bool | None = None
     # Share KV blocks of common prompt prefixes (the paged engine). None: not set, on wherever
     # the paged engine runs; True: required (an error where it cannot run); False: off.
     prefix_caching: bool | None = None
