@@ -503,7 +503,10 @@ class OnStream:
 
 
 def serving_engines(
-    backend: Backend | PagedBackend, model_dir: Path, max_batch: int
+    backend: Backend | PagedBackend,
+    model_dir: Path,
+    max_batch: int,
+    async_scheduling: bool | None = None,
 ) -> Callable[[EngineObserver, DeviceStream | None], Engine]:
     """What builds the engine `tgis serve` would run over `backend` (not started; an engine
     stops once, so one per measurement), its scheduler's budgets the backend's: `max_batch`
@@ -524,7 +527,10 @@ def serving_engines(
     )
 
     def build(observer: EngineObserver, stream: DeviceStream | None = None) -> Engine:
-        return Engine(backend, tokenizer, limits, max_batch, eos, observer, stream=stream)
+        return Engine(
+            backend, tokenizer, limits, max_batch, eos, observer, stream=stream,
+            async_scheduling=async_scheduling,
+        )  # fmt: skip
 
     return build
 
@@ -544,6 +550,7 @@ def run_engine(
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
     simulated_device_ms: float | None = None,
+    async_scheduling: bool | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured).
@@ -586,7 +593,7 @@ def run_engine(
         runs,
         seed,
         avoid_ids=special_token_ids(model_dir),
-        engine=serving_engines(backend, model_dir, max(batch_sizes)),
+        engine=serving_engines(backend, model_dir, max(batch_sizes), async_scheduling),
         stream=streams,
     )
     interrupted = False
@@ -614,6 +621,7 @@ def run_engine(
         "quantize": quantize,
         "kv_cache_dtype": kv_cache_dtype,
         "simulated_device_ms": simulated_device_ms,
+        "async_scheduling": async_scheduling,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

@@ -218,6 +218,8 @@ _ENGINE_CONFIG = {
         "seed": {"type": "integer"},
         # Optional (added within version 1): the simulated device's step, or null.
         "simulated_device_ms": {"type": ["number", "null"], "minimum": 0},
+        # Optional (added within version 1): --async-scheduling as given (null: the default).
+        "async_scheduling": {"type": ["boolean", "null"]},
     },
 }
 RESULTS_SCHEMA: dict[str, Any] = {

@@ -298,6 +298,16 @@ def command(
             min=1,
         ),
     ] = 1,
+    async_scheduling: Annotated[
+        bool | None,
+        typer.Option(
+            "--async-scheduling/--no-async-scheduling",
+            help="--engine: the serving loop plans each step while the device runs the one "
+            "before (as `tgis serve --async-scheduling`).",
+            rich_help_panel=ENGINE,
+            show_default="on where the device runs apart from the host",
+        ),
+    ] = None,
     simulated_device_ms: Annotated[
         float | None,
         typer.Option(
@@ -398,12 +408,13 @@ def command(
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
             dtype, seed, compile, num_shard, model_impl, quantize, kv_cache_dtype,
-            simulated_device_ms,
+            simulated_device_ms, async_scheduling,
         )  # fmt: skip
         return
     from tgis.benchmark.engine_mode import forward_flags
 
     given = ["--simulated-device-ms"] if simulated_device_ms is not None else []
+    given += ["--async-scheduling"] if async_scheduling is not None else []
     given += forward_flags(compile, num_shard, model_impl, quantize, kv_cache_dtype)
     if given:
         from tgis.errors import ConfigError
@@ -503,6 +514,7 @@ def _engine(
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
     simulated_device_ms: float | None = None,
+    async_scheduling: bool | None = None,
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -529,6 +541,7 @@ def _engine(
         quantize,
         kv_cache_dtype,
         simulated_device_ms,
+        async_scheduling,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)
