@@ -305,7 +305,7 @@ def command(
             help="--engine: the serving loop plans each step while the device runs the one "
             "before (as `tgis serve --async-scheduling`).",
             rich_help_panel=ENGINE,
-            show_default="on where the device runs apart from the host",
+            show_default="on with --simulated-device-ms, else off",
         ),
     ] = None,
     simulated_device_ms: Annotated[

@@ -297,7 +297,7 @@ AsyncScheduling = Annotated[
         "paged engine: plan and launch each step while the device runs the one before, and "
         "hand that one's tokens over meanwhile; --no-async-scheduling plans each step after "
         "the one before is handed over.",
-        "on where the device runs apart from the host (cuda), off on a cpu; off with --speculate",
+        "off (on only when asked: it has not yet run on a GPU); never with --speculate",
         negatable=True,
     ),
 ]

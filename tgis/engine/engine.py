@@ -364,9 +364,9 @@ class Engine:
             raise ValueError("async scheduling cannot verify drafts: speculate is 0 with it")
         if asked is not None:
             return asked
-        device = str(getattr(self.backend, "device", ""))  # a test double may not say
-        apart = isinstance(self.stream, SimulatedStream) or device.startswith("cuda")
-        return apart and not speculate
+        # Only the simulated device schedules asynchronously unless asked: the path has not
+        # run on a GPU yet.
+        return isinstance(self.stream, SimulatedStream) and not speculate
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from tgis.engine.block_manager import BlockKeys, BlockManager, image_spans
 from tgis.engine.scheduler import SchedulerLimits, StepKind
-from tgis.engine.sequence import SeqStatus, Sequence
+from tgis.engine.sequence import PLACEHOLDER_ID, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class PagedScheduler:
         chunks: list[Chunk] = []
         for seq in self.running:
             need = seq.uncomputed
-            if need == 1 and seq.remaining_tokens <= 0:
+            if need == 1 and seq.remaining_tokens <= 0 and seq.token_ids[-1] == PLACEHOLDER_ID:
                 continue  # its last token is being sampled (async scheduling): it ends then
             if need == 1:
                 chunks.append(self._decode(seq))

@@ -464,6 +464,14 @@ class PipelinedSteps(PackedSteps):
             self._retired.clear()
             if resolved is None:  # it failed and ran again alone: `step` was planned on it
                 return
+        if step is not None:
+            # A sequence failed while its step was read back (its row's scores, its grammar)
+            # has left: its planned chunk goes too.
+            kept = tuple(
+                c for c in step.chunks
+                if c.seq.seq_id in self.engine._live and c.seq.status is SeqStatus.RUNNING
+            )  # fmt: skip
+            step = PackedStep(step.kind, kept) if kept else None
         launch_failed = False
         lives: list[LiveSequence] = []
         if step is not None:
