@@ -91,10 +91,12 @@ async def collect(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
 
 
 async def slots_freed(engine: Engine, failure: str) -> None:
-    """Wait (5 s at most) until the engine runs no sequence and its backend holds none (a slot
-    backend's slots; a paged one's blocks are the scheduler's)."""
+    """Wait (5 s at most) until the engine runs no sequence, has no step in flight (async
+    scheduling gives a sequence's blocks back once the step that wrote them is done), and its
+    backend holds none (a slot backend's slots; a paged one's blocks are the scheduler's)."""
     for _ in range(100):
-        if not engine.scheduler.running and getattr(engine.backend, "running", 0) == 0:
+        idle = not engine.scheduler.running and not engine.runner.has_work
+        if idle and getattr(engine.backend, "running", 0) == 0:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(failure)
