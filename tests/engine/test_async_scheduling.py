@@ -18,11 +18,13 @@ from tests.factories import tiny_tokenizer
 from tgis.backends.simulated import SimulatedBackend
 from tgis.engine.backend import PackedItem, PackedOutput
 from tgis.engine.engine import Engine
+from tgis.engine.live import LiveSequence
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.step_runner import PackedSteps, PipelinedSteps
 from tgis.engine.stream import DeviceStream, SimulatedStream
 from tgis.engine.types import FinishReason, GenerationRequest, TokenEvent
+from tgis.errors import GenerationError
 from tgis.params import GenerateParameters, GrammarSpec
 
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24]]
@@ -80,6 +82,18 @@ def generate(
 
 def ids(results: list[Any]) -> list[list[int]]:
     return [[event.token.id for event in events] for events in results]
+
+
+def blocks_in_use_once_idle(engine: Engine) -> int:
+    """The blocks still held once the runner has no step in flight (2 s at most)."""
+    scheduler = engine.scheduler
+    assert isinstance(scheduler, PagedScheduler)
+    for _ in range(200):
+        if not engine.runner.has_work and not scheduler.blocks.used_blocks:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert not engine.runner.has_work, "a step is still in flight"
+    return scheduler.blocks.used_blocks
 
 
 def test_a_simulated_device_schedules_asynchronously_and_a_cpu_does_not() -> None:
@@ -147,13 +161,7 @@ def test_async_tokens_equal_the_serial_engines_and_late_stops_drop_the_extra_tok
             engine = engine_over(backend, stream, pipelined, eos=eos)
             try:
                 results = generate(engine, PROMPTS, **params)
-                scheduler = engine.scheduler
-                assert isinstance(scheduler, PagedScheduler)
-                deadline = 100
-                while scheduler.blocks.used_blocks and deadline:
-                    deadline -= 1
-                    asyncio.run(asyncio.sleep(0.01))
-                assert scheduler.blocks.used_blocks == 0
+                assert blocks_in_use_once_idle(engine) == 0
             finally:
                 engine.stop()
                 stream.close()
@@ -210,6 +218,35 @@ def test_a_failed_step_is_undone_and_its_sequences_run_again_alone() -> None:
     assert log[failed + 1 : failed + 3] == ["forward 1", "forward 1"]  # each alone
 
 
+def test_a_token_refused_as_it_is_read_back_ends_that_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Putting a sampled id in place raises for one request (its grammar refuses it): that
+    request fails, its chunk leaves the step planned meanwhile, its blocks go back, and the
+    other request gets the tokens it gets with nothing failing."""
+    vocab = len(tiny_tokenizer())
+    expected = ids(generate_with(Recorded(vocab, []), False))
+    original = LiveSequence.resolve
+
+    def resolve(self: LiveSequence, token_id: int) -> None:
+        if self.handle.request.request_id == "r1" and self.seq.generated == 3:
+            raise ValueError("the grammar refuses the token")
+        original(self, token_id)
+
+    monkeypatch.setattr(LiveSequence, "resolve", resolve)
+    stream = SimulatedStream(step_s=0.0)
+    engine = engine_over(Recorded(vocab, []), stream, True)
+    try:
+        results = generate(engine, PROMPTS[:2], max_new_tokens=5, ignore_eos=True)
+        assert ids(results[:1]) == expected[:1]
+        assert isinstance(results[1], GenerationError) and "refuses" in str(results[1])
+        assert blocks_in_use_once_idle(engine) == 0
+        assert ids(generate(engine, PROMPTS[:1], max_new_tokens=5, ignore_eos=True)) == expected[:1]
+    finally:
+        engine.stop()
+        stream.close()
+
+
 def generate_with(backend: SimulatedBackend, pipelined: bool) -> list[Any]:
     stream = SimulatedStream(step_s=0.0) if pipelined else DeviceStream()
     engine = engine_over(backend, stream, pipelined)
@@ -240,13 +277,7 @@ def test_a_cancelled_sequence_in_flight_gives_its_blocks_back_after_its_step() -
 
     try:
         asyncio.run(cancel_after_two())
-        scheduler = engine.scheduler
-        assert isinstance(scheduler, PagedScheduler)
-        deadline = 200
-        while (scheduler.blocks.used_blocks or engine.runner.has_work) and deadline:
-            deadline -= 1
-            asyncio.run(asyncio.sleep(0.01))
-        assert scheduler.blocks.used_blocks == 0 and not engine.runner.has_work
+        assert blocks_in_use_once_idle(engine) == 0
         # The engine serves on.
         assert len(ids(generate(engine, PROMPTS[:1], max_new_tokens=3, ignore_eos=True))[0]) == 3
     finally:

@@ -12,7 +12,7 @@ import pytest
 from tgis.engine.block_manager import BlockManager
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits, StepKind
-from tgis.engine.sequence import SeqStatus, Sequence
+from tgis.engine.sequence import PLACEHOLDER_ID, SeqStatus, Sequence
 
 _ids = itertools.count()
 
@@ -201,6 +201,64 @@ def test_prefix_cache_hit_skips_the_shared_blocks() -> None:
     step = s.schedule()
     assert step is not None and (step.chunks[0].start, step.chunks[0].count) == (12, 3)
     assert s.blocks.stats.hit_tokens == 12
+
+
+def launch(s: PagedScheduler, step: PackedStep) -> None:
+    """What async scheduling does at a launch: the step's positions count as computed, and
+    each sampling sequence holds a placeholder for the token being sampled."""
+    s.advance(step)
+    for chunk in step.chunks:
+        if chunk.sample:
+            chunk.seq.token_ids.append(PLACEHOLDER_ID)
+            chunk.seq.generated += 1
+
+
+def test_a_launched_step_fills_the_prefix_cache_only_once_it_lands() -> None:
+    """Async scheduling: the blocks a launched step writes are no prefix-cache hit for a
+    sequence planned while it runs (the step may still fail); once it lands they are."""
+    s = scheduler(blocks=32, block_size=4, prefix_caching=True)
+    shared = list(range(500, 512))  # 3 full blocks
+    a = seq([*shared, 1], new=4)
+    s.add([a])
+    first = s.schedule()
+    assert first is not None
+    launch(s, first)
+    b = seq([*shared, 2], new=1)
+    s.add([b])
+    second = s.schedule()  # planned while `first` runs
+    assert second is not None and [(c.start, c.count) for c in second.chunks] == [(13, 1), (0, 13)]
+    assert s.blocks.stats.hit_tokens == 0
+    s.land(first)
+    a.token_ids[-1] = 7  # its sampled token in place of the placeholder
+    s.blocks.resolve(a.seq_id, 13, 7)
+    launch(s, second)
+    c = seq([*shared, 3], new=1)
+    s.add([c])
+    third = s.schedule()
+    assert third is not None and (third.chunks[-1].start, third.chunks[-1].count) == (12, 1)
+    assert s.blocks.stats.hit_tokens == 12
+
+
+def test_a_failed_launch_is_rewound_placeholder_and_all() -> None:
+    """A launched step that fails: its positions are uncomputed, no block it was to fill is
+    keyed, and the block manager forgets the placeholder its sequence held."""
+    s = scheduler(blocks=32, block_size=4, prefix_caching=True)
+    a = seq(list(range(500, 508)), new=4)  # 2 full blocks
+    s.add([a])
+    step = s.schedule()
+    assert step is not None
+    launch(s, step)
+    assert s.schedule() is not None  # plans a's decode over the placeholder
+    assert s.blocks.num_tokens(a.seq_id) == 9
+    a.token_ids.pop()  # the placeholder goes
+    a.generated -= 1
+    s.rewind(a, 0)
+    assert a.computed == 0 and s.blocks.num_tokens(a.seq_id) == 8
+    assert len(s.blocks.block_table(a.seq_id)) == 2
+    b = seq(list(range(500, 508)), new=1)
+    s.add([b])
+    again = s.schedule()
+    assert again is not None and s.blocks.stats.hit_tokens == 0
 
 
 def test_no_lookup_for_sequences_that_want_every_prompt_logit() -> None:

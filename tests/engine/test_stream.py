@@ -4,11 +4,12 @@ step taking at least the device's step time, and its busy seconds counted."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 
-from tgis.engine.stream import DeviceStream, SimulatedStream
+from tgis.engine.stream import SWITCH_S, DeviceStream, SimulatedStream
 
 
 def test_inline_work_runs_at_once_and_raises_where_it_is_read() -> None:
@@ -50,3 +51,17 @@ def test_a_simulated_device_runs_in_order_on_its_own_thread_and_takes_its_step()
 def test_a_negative_step_is_refused() -> None:
     with pytest.raises(ValueError, match=">= 0 seconds"):
         SimulatedStream(step_s=-1)
+
+
+def test_the_switch_interval_comes_back_whatever_order_the_devices_close_in() -> None:
+    """Two simulated devices open at once: the fast switch holds until the last one closes,
+    then the interval found before the first one is back."""
+    before = sys.getswitchinterval()
+    first, second = SimulatedStream(0.0), SimulatedStream(0.0)
+    assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_S))
+    first.close()
+    assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_S))
+    second.close()
+    assert sys.getswitchinterval() == pytest.approx(before)
+    second.close()  # closing twice changes nothing
+    assert sys.getswitchinterval() == pytest.approx(before)

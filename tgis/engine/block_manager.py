@@ -362,6 +362,18 @@ class BlockManager:
                 raise ValueError(f"sequence {seq_id}: position {position} is keyed already")
             state.tokens[position] = token_id
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """`seq_id` has only its first `num_tokens` tokens again (a placeholder appended for a
+        step that failed is gone): the later ones, never computed nor keyed, are forgotten
+        and the blocks only they needed go back."""
+        state = self._seqs.get(seq_id)
+        if state is None or num_tokens >= len(state.tokens):
+            return
+        if num_tokens < state.computed_blocks * self.block_size:
+            raise ValueError(f"sequence {seq_id}: position {num_tokens} is keyed already")
+        del state.tokens[num_tokens:]
+        self.trim(seq_id, num_tokens)
+
     def rewind(self, seq_id: int, num_tokens: int) -> None:
         """`seq_id`'s positions from `num_tokens` on were marked computed by a step that then
         failed: the full blocks they completed leave the prefix cache (their K/V is not what

@@ -109,6 +109,10 @@ class PagedScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.preemptions = 0
+        # Async scheduling: where the launched step's chunk of each sequence starts. Its
+        # positions count as computed for planning, but no block they fill is keyed for the
+        # prefix cache until the step `land`s (it may still fail).
+        self._landing: dict[int, int] = {}
         # Steps since a sequence was last admitted (TGI's "waiting tokens").
         self.waiting_steps = 0
         soft = limits.prefill_step_tokens
@@ -228,21 +232,36 @@ class PagedScheduler:
     def advance(self, step: PackedStep) -> None:
         """The step was launched (async scheduling): its sequences' positions count as
         computed for planning the next step; the device computes them before any later
-        step reads them. Their blocks are keyed by the next `schedule` (as `complete` keys
-        them), or `rewind` undoes this if the step fails."""
+        step reads them. Their blocks are keyed once the step `land`s, or `rewind` undoes
+        this if it fails."""
         for chunk in step.chunks:
             if chunk.seq.status is SeqStatus.RUNNING:
                 chunk.seq.computed = chunk.start + chunk.count
+                self._landing[chunk.seq.seq_id] = chunk.start
+
+    def land(self, step: PackedStep) -> None:
+        """The launched step is done: its K/V are in the cache, and the full blocks they fill
+        become prefix-cache entries. A sequence preempted since the launch (and perhaps
+        admitted again, from its tokens) is left as it is now."""
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if self._landing.pop(seq.seq_id, None) is not None and seq.status is SeqStatus.RUNNING:
+                self.blocks.mark_computed(seq.seq_id, chunk.start + chunk.count)
 
     def rewind(self, seq: Sequence, start: int) -> None:
-        """A launched step failed: `seq` computed nothing from `start` on."""
+        """A launched step failed: `seq` computed nothing from `start` on, and the block
+        manager forgets what it was told of tokens the sequence no longer has (its reserved
+        placeholder)."""
+        self._landing.pop(seq.seq_id, None)
         if seq.status is SeqStatus.RUNNING:
             seq.computed = min(seq.computed, start)
             self.blocks.rewind(seq.seq_id, start)
+            self.blocks.truncate(seq.seq_id, len(seq.token_ids))
 
     def retire(self, seq: Sequence) -> None:
         """`seq` left while a launched step still writes its blocks: it is planned no more,
         and its blocks go back with `release` once that step is done."""
+        self._landing.pop(seq.seq_id, None)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -343,14 +362,17 @@ class PagedScheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     return
             # Accepted draft tokens are computed tokens now, whose full blocks the prefix
-            # cache may keep (and behind whose window blocks go back).
-            self.blocks.mark_computed(seq.seq_id, seq.computed)
+            # cache may keep (and behind whose window blocks go back); a launched step's
+            # positions wait until it lands.
+            landed = min(seq.computed, self._landing.get(seq.seq_id, seq.computed))
+            self.blocks.mark_computed(seq.seq_id, landed)
             index += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Send `seq` back to the head of the queue; it will be recomputed from its tokens."""
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
+        self._landing.pop(seq.seq_id, None)
         seq.computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

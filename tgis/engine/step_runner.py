@@ -503,7 +503,12 @@ class PipelinedSteps(PackedSteps):
         sampling = None
         if plain:
             rows, eos = [lv.row for lv in plain], self.engine.eos_token_ids
-            sampling = stream.submit(lambda: SamplingBatch(rows, eos).launch(forward.result().last))
+            try:
+                sampling = stream.submit(
+                    lambda: SamplingBatch(rows, eos).launch(forward.result().last)
+                )
+            except Exception:  # the forward is queued: its rows are sampled when it is read
+                log.exception("queueing a step's sampling failed; it samples when read back")
         return _InFlight(
             step, lives, joined, start, time.perf_counter() - start, samples, plain, forward,
             sampling, frozenset(s.seq_id for s in step.sequences),
@@ -528,13 +533,15 @@ class PipelinedSteps(PackedSteps):
         choice = SampleOutput.concat([])
         if flight.plain:
             sampled, choice = self._choose(method, flight.plain, out.last, launched=flight.sampling)
-        blocks = self.scheduler.blocks
+        blocks, engine = self.scheduler.blocks, self.engine
         for live, token in zip(sampled, choice.token_ids, strict=True):
             if live.reserved:
-                live.resolve(token)
-                blocks.resolve(live.seq.seq_id, len(live.seq.token_ids) - 1, token)
+                # A grammar that refuses the token ends that request alone.
+                engine._guarded(live, live.resolve, token)
+                if live.seq.seq_id in engine._live:
+                    blocks.resolve(live.seq.seq_id, len(live.seq.token_ids) - 1, token)
         # Its positions are in the cache: their full blocks become prefix-cache entries.
-        self.scheduler.complete(flight.step)
+        self.scheduler.land(flight.step)
         return out, sampled, choice
 
     def _undo(self, flight: _InFlight) -> None:

@@ -80,6 +80,31 @@ class DeviceStream:
         """Stop taking work (nothing to stop here)."""
 
 
+class _FastSwitch:
+    """The interpreter's switch interval while any simulated device is open: SWITCH_S from the
+    first one opened, the interval found before it once the last one is closed (in whatever
+    order they close)."""
+
+    _lock = threading.Lock()
+    _open = 0
+    _saved = 0.0
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls._lock:
+            if cls._open == 0:
+                cls._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(cls._saved, SWITCH_S))
+            cls._open += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls._lock:
+            cls._open -= 1
+            if cls._open == 0:
+                sys.setswitchinterval(cls._saved)
+
+
 class SimulatedStream(DeviceStream):
     """A device's timeline on a thread of its own. Work runs in submission order, each piece
     starting when it was submitted or when the one before it ended, whichever is later (as a
@@ -105,8 +130,7 @@ class SimulatedStream(DeviceStream):
         ] = queue.SimpleQueue()
         self._free_at = 0.0  # when the last piece of work ended, on the device's timeline
         self._step_end = 0.0  # when the step under way may end at the earliest
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._interval, SWITCH_S))
+        _FastSwitch.enter()
         self._thread = threading.Thread(target=self._run, name="tgis-simulated-device", daemon=True)
         self._thread.start()
 
@@ -151,4 +175,4 @@ class SimulatedStream(DeviceStream):
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
-            sys.setswitchinterval(self._interval)
+            _FastSwitch.leave()
