@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.factories import tiny_tokenizer
-from tgis.backends.simulated import SimulatedBackend
+from tgis.backends.simulated import HEAD, SimulatedBackend
 from tgis.engine.backend import PackedItem
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
@@ -42,6 +42,17 @@ def test_logits_follow_each_rows_last_token_and_position() -> None:
     assert backend.capacity.max_sequences == 2 and backend.capacity.block_size == 16
     with pytest.raises(ValueError, match="takes no images"):
         backend.encode_images([])
+
+
+@pytest.mark.parametrize("vocab", [4096, 128_256])
+def test_each_rows_logits_are_peaked_as_a_language_models(vocab: int) -> None:
+    """The likeliest token holds a good part of the mass and top-p 0.9 is reached within the
+    row's HEAD likely tokens, as on a model's logits (flat logits would send top-p through
+    the whole vocabulary)."""
+    backend = SimulatedBackend(vocab_size=vocab, max_sequences=1, max_sequence_tokens=8)
+    probs = backend._table.softmax(dim=-1).sort(dim=-1, descending=True).values
+    assert bool(((probs[:, 0] > 0.2) & (probs[:, 0] < 0.95)).all())
+    assert bool((probs[:, :HEAD].sum(dim=-1) > 0.9).all())
 
 
 @pytest.mark.parametrize("simulated", [False, True], ids=["inline", "simulated-device"])

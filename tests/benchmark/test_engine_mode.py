@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.factories import make_model_dir
 from tgis.benchmark.engine_mode import (
+    MIXED_SAMPLING,
     EngineBenchmark,
     load_backend,
     parse_batch_sizes,
@@ -18,6 +20,7 @@ from tgis.benchmark.engine_mode import (
 from tgis.benchmark.results import validate_results
 from tgis.cli import app
 from tgis.errors import ConfigError
+from tgis.params import GenerateParameters
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = ["--batch-sizes", "1,2", "--prompt-tokens", "16", "--decode-tokens", "4", "--runs", "2"]
@@ -109,6 +112,55 @@ def test_a_simulated_device_times_each_step_and_what_the_host_hid_behind_it(
         # The loop's step holds the device's time and the host's work not hidden behind it.
         assert step["decode_step_s"]["mean"] >= step["decode_host_s"]["mean"] > 0
     assert "  device" in result.output and "host hidden" in result.output
+
+
+def test_mixed_sampling_sends_each_kind_in_turns_and_times_the_exposed_host(
+    demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--sampling mixed: the loop's requests are greedy, temperature/top-p, repetition penalty
+    and stop strings in turns, and each step records the host work the device waited for."""
+    from tgis.engine.engine import Engine
+
+    sent: list[GenerateParameters] = []
+    original = Engine.generate
+
+    def generate(self: Engine, request: Any) -> Any:
+        sent.append(request.params)
+        return original(self, request)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = tmp_path / "e.json"
+    result = runner.invoke(
+        app,
+        ["benchmark", "--engine", "--model-id", str(demo_model_dir), "--batch-sizes", "4",
+         "--prompt-tokens", "8", "--decode-tokens", "4", "--runs", "1",
+         "--simulated-device-ms", "1", "--sampling", "mixed", "-o", str(out)],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    data = json.loads(out.read_text())
+    validate_results(data)
+    assert data["config"]["sampling"] == "mixed"
+    kinds = [(p.do_sample, p.top_p, p.repetition_penalty, tuple(p.stop)) for p in sent]
+    assert kinds == [
+        (False, None, None, ()),
+        (True, 0.9, None, ()),
+        (False, None, 1.2, ()),
+        (False, None, None, tuple(MIXED_SAMPLING[3]["stop"])),
+    ]
+    (step,) = data["engine_steps"]
+    exposed = step["decode_exposed_host_s"]
+    assert 0 <= exposed["p50"] <= step["decode_step_s"]["p50"]
+    assert "host exposed" in result.output
+
+
+def test_an_unknown_sampling_kind_is_refused(demo_model_dir: Path) -> None:
+    result = runner.invoke(
+        app, ["benchmark", "--engine", "--model-id", str(demo_model_dir), *TINY,
+              "--sampling", "beam"],
+    )  # fmt: skip
+    assert isinstance(result.exception, ConfigError), (result.output, result.exception)
+    assert str(result.exception).startswith("--sampling 'beam' is not one of greedy, mixed")
 
 
 @pytest.mark.parametrize(

@@ -408,3 +408,20 @@ def test_logit_bias_is_added_to_the_raw_logits_before_every_other_processor() ->
         value * 2.0 if value < 0 else value / 2.0
     )
     assert torch.equal(logits, logits_for(9, rows=3))  # never modified in place
+
+
+def test_a_cpu_batch_chooses_as_the_queued_one_step_after_step() -> None:
+    """The CPU's ways (penalties over each row's seen ids alone, draws and ranks for the
+    sampled rows alone) choose what the queued way (dense over the whole batch) does, step
+    after step as the penalised rows' histories grow."""
+    on_cpu, queued = mixed_rows(), mixed_rows()
+    for row, twin in zip(on_cpu, queued, strict=True):
+        twin.seed = row.seed  # unseeded rows drew a random seed each
+    assert any(r.penalized for r in on_cpu) and 0 < sum(r.do_sample for r in on_cpu) < len(on_cpu)
+    for step in range(8):
+        logits = logits_for(step, rows=len(on_cpu))
+        a = SamplingBatch(on_cpu, [0], queued=False).choose(logits)
+        b = SamplingBatch(queued, [0], queued=True).choose(logits)
+        assert (a.token_ids, a.ranks) == (b.token_ids, b.ranks), step
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.top_ids == b.top_ids

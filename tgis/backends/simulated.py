@@ -3,8 +3,8 @@ the engine's host work measured against an accelerator of a given step time, on 
 
 Its forward costs next to nothing and returns logits over the model's whole vocabulary from a
 cheap deterministic function of each row's last token and position (rows of a fixed random
-table), so the tokens are reproducible and sampling, penalties and stop rules run over the real
-vocabulary. The device time is the stream's (`tgis.engine.stream.SimulatedStream`): each step's
+table, each peaked as a language model's: `peaked_table`), so the tokens are reproducible and
+sampling, penalties and stop rules run over the real vocabulary. The device time is the stream's (`tgis.engine.stream.SimulatedStream`): each step's
 forward takes its `step_s` on the simulated device's own timeline, whatever its rows.
 
     backend = SimulatedBackend(vocab_size=128_256, max_sequences=64, max_sequence_tokens=4096)
@@ -13,6 +13,7 @@ forward takes its `step_s` on the simulated device's own timeline, whatever its 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +24,24 @@ from tgis.engine.types import ImageInput
 # Distinct rows of logits the function draws from: enough that neighbouring tokens differ.
 TABLE_ROWS = 64
 BLOCK_SIZE = 16
+# Each row is shaped as a language model's next-token logits: HEAD likely tokens, each
+# HEAD_STEP below the one before, over a flat tail; the first holds about half the mass (so
+# top-p and typical-p find their tokens among the first candidates, as on a real model).
+HEAD = 32
+HEAD_STEP = 0.5
+
+
+def peaked_table(rows: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, vocab_size] float32 logits: a standard normal tail, and HEAD random tokens of
+    each row raised to log(vocab) + 2.5, then down by HEAD_STEP each."""
+    table = torch.randn(rows, vocab_size, generator=generator)
+    head = min(HEAD, vocab_size)
+    top = math.log(vocab_size) + 2.5
+    boost = top - HEAD_STEP * torch.arange(head, dtype=torch.float32)
+    for row in range(rows):
+        tokens = torch.randperm(vocab_size, generator=generator)[:head]
+        table[row, tokens] = boost
+    return table
 
 
 class SimulatedBackend:
@@ -43,7 +62,7 @@ class SimulatedBackend:
             raise ValueError("a simulated device needs a vocabulary, sequences and tokens")
         self.vocab_size = vocab_size
         generator = torch.Generator().manual_seed(seed)
-        self._table = torch.randn(TABLE_ROWS, vocab_size, generator=generator)
+        self._table = peaked_table(TABLE_ROWS, vocab_size, generator)
         blocks = max_sequences * -(-max_sequence_tokens // block_size)
         self._capacity = BackendCapacity(
             max_sequences=max_sequences,

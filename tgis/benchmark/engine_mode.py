@@ -25,8 +25,14 @@ scheduling, sampling's launch, stop rules, handing tokens over).
 With `simulated_device_ms` the backend is a timer (tgis.backends.simulated) over the model's
 vocabulary and the engine's forwards and sampling run on a `SimulatedStream`, whose steps take
 that long on a timeline of their own: each loop step also gives the device's busy time
-(`decode_device_s`) and the host work hidden behind it (`decode_hidden_host_s`: the device's
-time less the host's wait for it).
+(`decode_device_s`), the host work hidden behind it (`decode_hidden_host_s`: the device's
+time less the host's wait for it), and the host work the device waited for
+(`decode_exposed_host_s`: the step less the device's busy time).
+
+The loop's requests decode greedily (`sampling` "greedy"), or (`sampling` "mixed") in turns
+of four kinds, as a served batch mixes them (`MIXED_SAMPLING`): greedy; seeded sampling at
+temperature 0.8 with top-p 0.9; greedy with a repetition penalty of 1.2; greedy with two stop
+strings.
 """
 
 from __future__ import annotations
@@ -54,6 +60,16 @@ from tgis.errors import ConfigError
 if TYPE_CHECKING:
     from tgis.engine.engine import Engine
     from tgis.engine.types import EngineObserver
+
+# The serving loop's requests under `sampling` "mixed", in turns (module doc). The stop
+# strings are words of no tokenizer's vocabulary, so each request still runs its full length.
+MIXED_SAMPLING: tuple[dict[str, Any], ...] = (
+    {},
+    {"do_sample": True, "temperature": 0.8, "top_p": 0.9},
+    {"repetition_penalty": 1.2},
+    {"stop": ["<|tgis-bench-stop|>", "\u241e\u241e\u241e"]},
+)
+SAMPLING_KINDS = ("greedy", "mixed")
 
 # The largest KV block of any device (cuda's): pools sized in whole blocks of it fit every device.
 MAX_BLOCK = 256
@@ -183,6 +199,7 @@ class BatchMeasure:
             if any(s.device for s in self.loop):
                 loop["decode_device_s"] = distribution([s.device for s in self.loop])
                 loop["decode_hidden_host_s"] = distribution([s.hidden for s in self.loop])
+                loop["decode_exposed_host_s"] = distribution([s.exposed for s in self.loop])
         return {
             "batch_size": self.batch_size,
             "runs": len(self.prefill),
@@ -218,6 +235,11 @@ class LoopStep:
     def hidden(self) -> float:
         """The host's work done while the device was busy."""
         return max(0.0, self.device - self.waited)
+
+    @property
+    def exposed(self) -> float:
+        """The host's work the device waited for: the step less the device's busy time."""
+        return max(0.0, self.step - self.device)
 
 
 class LoopTimings:
@@ -281,12 +303,18 @@ class EngineBenchmark:
         avoid_ids: set[int] | None = None,
         engine: Callable[[EngineObserver, DeviceStream | None], Engine] | None = None,
         stream: Callable[[], DeviceStream] | None = None,
+        sampling: str = "greedy",
     ) -> None:
         """engine: builds the serving engine over `backend` with an observer and a device
         stream (its loop is then measured per batch size too: `serving_engines`); None: the
         backend alone. stream: makes the stream each engine's steps run on (a simulated
-        device's; None: the device's own)."""
-        self.engine, self.stream = engine, stream
+        device's; None: the device's own). sampling: the loop's requests' (module doc)."""
+        if sampling not in SAMPLING_KINDS:
+            raise ConfigError(
+                f"--sampling {sampling!r} is not one of {', '.join(SAMPLING_KINDS)}",
+                "use --sampling greedy (every request) or mixed (four kinds in turns)",
+            )
+        self.engine, self.stream, self.sampling = engine, stream, sampling
         self.backend, self.batch_sizes = backend, list(batch_sizes)
         self.prompt_tokens, self.decode_tokens = prompt_tokens, decode_tokens
         self.runs, self.warmups = runs, warmups
@@ -335,10 +363,17 @@ class EngineBenchmark:
         from tgis.engine.types import GenerationRequest
         from tgis.params import GenerateParameters
 
-        params = GenerateParameters(max_new_tokens=self.decode_tokens, ignore_eos=True)
+        kinds = MIXED_SAMPLING if self.sampling == "mixed" else MIXED_SAMPLING[:1]
         requests = [
             GenerationRequest(
-                f"bench-{i}", tuple(self.rng.choices(self.token_pool, k=self.prompt_tokens)), params
+                f"bench-{i}",
+                tuple(self.rng.choices(self.token_pool, k=self.prompt_tokens)),
+                GenerateParameters(
+                    max_new_tokens=self.decode_tokens,
+                    ignore_eos=True,
+                    seed=i if kinds[i % len(kinds)].get("do_sample") else None,
+                    **kinds[i % len(kinds)],
+                ),
             )
             for i in range(batch)
         ]
@@ -551,6 +586,7 @@ def run_engine(
     kv_cache_dtype: str | None = None,
     simulated_device_ms: float | None = None,
     async_scheduling: bool | None = None,
+    sampling: str = "greedy",
 ) -> tuple[dict[str, Any], bool]:
     """Load `model_id` (a directory or cached id) and measure it; returns the results document
     and whether Ctrl-C cut the run short (the document then holds the batch sizes measured).
@@ -595,6 +631,7 @@ def run_engine(
         avoid_ids=special_token_ids(model_dir),
         engine=serving_engines(backend, model_dir, max(batch_sizes), async_scheduling),
         stream=streams,
+        sampling=sampling,
     )
     interrupted = False
     try:
@@ -622,6 +659,7 @@ def run_engine(
         "kv_cache_dtype": kv_cache_dtype,
         "simulated_device_ms": simulated_device_ms,
         "async_scheduling": async_scheduling,
+        "sampling": sampling,
         "interrupted": interrupted,
     }
     return build_results(config, [], engine_steps=bench.summaries()), interrupted

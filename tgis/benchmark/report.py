@@ -327,6 +327,7 @@ def engine_table(data: dict[str, Any]) -> Table:
             rows += [
                 ("decode_device_s", "  device", ""),
                 ("decode_hidden_host_s", "  host hidden", ""),
+                ("decode_exposed_host_s", "  host exposed", ""),
             ]
         for index, (key, name, rate) in enumerate(rows):
             table.add_row(

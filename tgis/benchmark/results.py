@@ -151,9 +151,10 @@ _ENGINE_STEP = {
         "decode_forward_s": _DISTRIBUTION,
         "decode_host_s": _DISTRIBUTION,
         # Optional (added within version 1): with a simulated device, its busy time in each
-        # of those steps and the host work hidden behind it.
+        # of those steps, the host work hidden behind it, and the host work it waited for.
         "decode_device_s": _DISTRIBUTION,
         "decode_hidden_host_s": _DISTRIBUTION,
+        "decode_exposed_host_s": _DISTRIBUTION,
     },
 }
 _HTTP_CONFIG = {
@@ -220,6 +221,8 @@ _ENGINE_CONFIG = {
         "simulated_device_ms": {"type": ["number", "null"], "minimum": 0},
         # Optional (added within version 1): --async-scheduling as given (null: the default).
         "async_scheduling": {"type": ["boolean", "null"]},
+        # Optional (added within version 1): the serving loop's requests' sampling.
+        "sampling": {"enum": ["greedy", "mixed"]},
     },
 }
 RESULTS_SCHEMA: dict[str, Any] = {

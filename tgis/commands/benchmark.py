@@ -308,6 +308,16 @@ def command(
             show_default="on with --simulated-device-ms, else off",
         ),
     ] = None,
+    sampling: Annotated[
+        str | None,
+        typer.Option(
+            "--sampling",
+            help="--engine: how the serving loop's requests sample: greedy, or mixed (greedy, "
+            "temperature/top-p, repetition penalty and stop strings in turns).",
+            rich_help_panel=ENGINE,
+            show_default="greedy",
+        ),
+    ] = None,
     simulated_device_ms: Annotated[
         float | None,
         typer.Option(
@@ -408,13 +418,14 @@ def command(
         _engine(
             console, output, plot, model_id, batch_sizes, prompt_tokens, decode_tokens, runs,
             dtype, seed, compile, num_shard, model_impl, quantize, kv_cache_dtype,
-            simulated_device_ms, async_scheduling,
+            simulated_device_ms, async_scheduling, sampling or "greedy",
         )  # fmt: skip
         return
     from tgis.benchmark.engine_mode import forward_flags
 
     given = ["--simulated-device-ms"] if simulated_device_ms is not None else []
     given += ["--async-scheduling"] if async_scheduling is not None else []
+    given += ["--sampling"] if sampling is not None else []
     given += forward_flags(compile, num_shard, model_impl, quantize, kv_cache_dtype)
     if given:
         from tgis.errors import ConfigError
@@ -515,6 +526,7 @@ def _engine(
     kv_cache_dtype: str | None = None,
     simulated_device_ms: float | None = None,
     async_scheduling: bool | None = None,
+    sampling: str = "greedy",
 ) -> None:
     """`--engine`: measure the backend in-process, print the table, write --output/--plot."""
     from rich.console import Console
@@ -542,6 +554,7 @@ def _engine(
         kv_cache_dtype,
         simulated_device_ms,
         async_scheduling,
+        sampling,
     )
     console.print(engine_table(data))
     save(console, output, plot, [("engine", data)], data)

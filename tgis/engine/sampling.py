@@ -18,6 +18,8 @@ counts per row, updated there with each chosen token), processors run over the w
 neutral values for rows that do not use them, top_p / typical_p sort the whole vocabulary
 instead of trying a few candidates first, and the chosen ids, logprobs and ranks come back in
 one copy. Only top-n alternatives, when a row asks for them, wait for the device mid-step.
+On a CPU the work follows the rows that need it instead: penalties read and write only each
+penalised row's seen ids (kept beside its mask), and only sampled rows draw and count ranks.
 
 Choice: argmax for greedy rows; for sampled rows, inverse-CDF sampling with one uniform draw
 per row from a counter-based generator: draw n of a row is SplitMix64 of (seed + (n + 1) *
@@ -157,6 +159,8 @@ class SamplingRow:
         self._ids: list[int] | None = list(prompt_ids) if self.penalized else None
         self._seen: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        # On a CPU: the seen ids themselves, in the order first seen (`seen_ids`).
+        self._seen_ids: torch.Tensor | None = None
 
     def params_row(self, vocab: int) -> list[float]:
         """This row's line of the parameter table (neutral values for unused processors)."""
@@ -205,6 +209,14 @@ class SamplingRow:
             self._ids = None
         return self._seen, self._counts
 
+    def seen_ids(self, vocab: int) -> torch.Tensor:
+        """The distinct ids of prompt and generated tokens, int64 on the CPU (penalised rows
+        whose state is on the CPU): what the sparse penalties read, kept as tokens come."""
+        seen, _ = self.penalty_state(vocab, torch.device("cpu"))
+        if self._seen_ids is None:
+            self._seen_ids = seen.nonzero().squeeze(1)
+        return self._seen_ids
+
     def record(self, token: torch.Tensor) -> None:
         """Record the chosen token, a [1] int64 tensor on the logits' device."""
         if self.penalized:
@@ -212,6 +224,8 @@ class SamplingRow:
                 assert self._ids is not None
                 self._ids.append(int(token.item()))
             else:
+                if self._seen_ids is not None and not bool(self._seen[token]):
+                    self._seen_ids = torch.cat([self._seen_ids, token])
                 self._seen.index_fill_(0, token, True)
                 self._counts.index_put_((token,), torch.ones_like(token, dtype=torch.float32), True)
         self.generated += 1
@@ -230,6 +244,7 @@ class SamplingRow:
             else:
                 ids = torch.tensor(list(tokens), device=self._seen.device)
                 row._seen = self._seen.clone().index_fill_(0, ids, True)
+                row._seen_ids = None
                 row._counts = self._counts.clone().index_add_(
                     0, ids, torch.ones_like(ids, dtype=torch.float32)
                 )
@@ -331,7 +346,10 @@ class SamplingBatch:
             eos_mask[to_device(eos, torch.long, device)] = True
             scores = scores.masked_fill((column(_NO_EOS) > 0) & eos_mask, _NEG_INF)
         penalized = [r.penalized for r in rows]
-        if any(penalized):
+        queued = self._queued(device)
+        if any(penalized) and not queued:
+            scores = _penalize_rows(scores, rows, vocab)
+        elif any(penalized):
             blank = torch.zeros(vocab, dtype=torch.float32, device=device)
             unseen = torch.zeros(vocab, dtype=torch.bool, device=device)
             states = [
@@ -351,7 +369,6 @@ class SamplingBatch:
         if any(r.top_k for r in rows):
             largest = max(min(r.top_k, vocab) for r in rows)
             scores = _top_k(scores, column(_TOP_K).squeeze(1).long(), largest)
-        queued = self._queued(device)
         candidates = vocab if queued else _CANDIDATES
         for index, warper, kind in (
             (_TOP_P, _top_p, "top_p"),
@@ -373,23 +390,31 @@ class SamplingBatch:
         device, vocab = scores.device, scores.shape[-1]
         logprobs = torch.log_softmax(scores, dim=-1)  # [B, V]
         sampled = [r.do_sample for r in self.rows]
-        ranks: torch.Tensor | None = None
-        if any(sampled):
+        some = [i for i, s in enumerate(sampled) if s]
+        # On a CPU only the sampled rows draw (and count their rank); queued, every row does,
+        # so that no row list goes up to the device.
+        subset = bool(some) and len(some) < len(sampled) and not self._queued(device)
+        if some and subset:
+            at = torch.tensor(some)
+            next_ids = scores.argmax(dim=-1)
+            states = torch.tensor([self.rows[i].draw_state() for i in some], dtype=torch.long)
+            drawn = _draw(logprobs[at], states, vocab)
+            next_ids[at] = drawn
+            chosen = logprobs.gather(1, next_ids.unsqueeze(1))  # [B, 1]
+            ranks = torch.ones_like(next_ids)
+            ranks[at] = torch.count_nonzero(logprobs[at] > chosen[at], dim=-1) + 1
+        elif some:
             states = to_device([r.draw_state() for r in self.rows], torch.long, device)
-            # Inverse-CDF sampling: one uniform draw per row, one cumsum per step.
-            cdf = logprobs.exp().cumsum(dim=-1)  # [B, V]
-            u = uniforms(states).unsqueeze(1) * cdf[:, -1:]
-            # right=True skips zero-probability tokens (flat stretches of the CDF).
-            next_ids = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=vocab - 1)
+            next_ids = _draw(logprobs, states, vocab)
             if not all(sampled):
                 greedy = to_device([not s for s in sampled], torch.bool, device)
                 next_ids = torch.where(greedy, scores.argmax(dim=-1), next_ids)
-        else:
-            next_ids = scores.argmax(dim=-1)  # greedy rows have rank 1 by construction
-        chosen = logprobs.gather(1, next_ids.unsqueeze(1))  # [B, 1]
-        if any(sampled):  # a greedy row's count is 0: argmax is the first of any ties
+            chosen = logprobs.gather(1, next_ids.unsqueeze(1))  # [B, 1]
+            # A greedy row's count is 0: argmax is the first of any ties.
             ranks = torch.count_nonzero(logprobs > chosen, dim=-1) + 1
         else:
+            next_ids = scores.argmax(dim=-1)  # greedy rows have rank 1 by construction
+            chosen = logprobs.gather(1, next_ids.unsqueeze(1))  # [B, 1]
             ranks = torch.ones_like(next_ids)
         for i, row in enumerate(self.rows):
             row.record(next_ids[i : i + 1])
@@ -435,6 +460,36 @@ class PendingSample:
         values = self._host.wait().tolist()
         token_ids = [int(t) for t in values[0]]
         return SampleOutput(token_ids, values[1], [int(r) for r in values[2]], top_ids, top_lps)
+
+
+def _draw(logprobs: torch.Tensor, states: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform draw per row (from its random `states`), one cumsum
+    over the rows' probabilities; right=True skips zero-probability tokens (flat stretches
+    of the CDF)."""
+    cdf = logprobs.exp().cumsum(dim=-1)  # [B, V]
+    u = uniforms(states).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=vocab - 1)
+
+
+def _penalize_rows(scores: torch.Tensor, rows: Sequence[SamplingRow], vocab: int) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on a CPU: only the penalised rows' seen
+    tokens are read and written (a few hundred of a row's vocabulary), not [B, V] masks.
+    The same values as the dense processors."""
+    out = scores.clone()
+    for i, row in enumerate(rows):
+        if not row.penalized:
+            continue
+        ids = row.seen_ids(vocab)
+        _, counts = row.penalty_state(vocab, scores.device)
+        values = out[i, ids]
+        if row.repetition_penalty:
+            p = row.repetition_penalty
+            values = torch.where(values < 0, values * p, values / p)
+        if row.frequency_penalty or row.presence_penalty:
+            c = counts[ids]
+            values = values - (c * row.frequency_penalty + (c > 0) * row.presence_penalty)
+        out[i, ids] = values
+    return out
 
 
 def _on_rows(
