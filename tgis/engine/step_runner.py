@@ -441,7 +441,9 @@ class PipelinedSteps(PackedSteps):
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        """Whether a step waits to be planned or run, is in flight, or has just landed with
+        blocks of retired sequences still to give back."""
+        return self.scheduler.has_work or self._in_flight is not None or bool(self._retired)
 
     def finish(self, seq: SchedSeq) -> None:
         """`seq` left: its blocks go back now, or once the step in flight that writes them is
