@@ -19,6 +19,10 @@ from tgis.config import DEMO_MODEL
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Servers the suite starts decode eagerly unless a test asks for the compiled decode (on by
+# default on a CPU): a first start would build its packages for minutes in another process.
+os.environ.setdefault("TGIS_COMPILE", "false")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,6 +51,7 @@ def run_tgis(
     base = {
         k: v for k, v in os.environ.items() if not k.startswith(("MAX_", "HF_", "TGIS_", "MODEL_"))
     }
+    base["TGIS_COMPILE"] = "false"  # as the suite's own (above), unless `env` says
     base.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "tgis", *args],

@@ -126,6 +126,7 @@ def test_the_runtime_says_how_the_backend_runs(tmp_path: Path) -> None:
         "this is cpu)",
         "cuda_graphs": [],
         "compiled_decode": [],
+        "compiled_decode_state": "off",
         "quantization": None,
         "kv_blocks": 512 // paged.block_size,
         "kv_block_size": paged.block_size,

@@ -3,6 +3,7 @@ refuses every option that design cannot honour; `load_backend` loads what it cho
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.factories import make_model_dir
-from tgis.backends.choose import BackendChoice, choose_backend, load_backend
+from tgis.backends.choose import BackendChoice, choose_backend, compiled_decode, load_backend
 from tgis.backends.fallback.backend import TorchDynamicBackend
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.config import LauncherArgs, ModelFacts, ServeConfig, build_serve_config
@@ -158,11 +159,29 @@ def test_load_backend_loads_the_choice(tmp_path: Path) -> None:
     llama = make_model_dir(tmp_path / "llama", "llama")
     gpt2 = make_model_dir(tmp_path / "gpt2", "gpt2")
     flags = {"backend": "cpu", "max_total_tokens": 64, "max_batch_total_tokens": 512}
-    config, facts = config_of(dict(read_model_facts(llama).config), **flags)
+    config, facts = config_of(dict(read_model_facts(llama).config), **flags, compile=False)
     paged = load_backend(config, llama)
     assert isinstance(paged, PagedTorchBackend) and paged.compiled is None
     compiled = load_backend(config_of(dict(facts.config), **flags, compile=True)[0], llama)
     assert isinstance(compiled, PagedTorchBackend) and compiled.compiled is not None
+    # Unset, the paged engine on one CPU compiles its decode (its packages under --compile-
+    # cache, or HF_HOME); sharded, over bitsandbytes' weights or without warmup it does not.
+    config = config_of(dict(facts.config), **flags)[0]
+    assert config.compile is None
+    assert compiled_decode(config, choose_backend(config, facts))
+    auto = load_backend(
+        config_of(dict(facts.config), **flags, compile_cache=str(tmp_path))[0], llama
+    )
+    assert isinstance(auto, PagedTorchBackend) and auto.compiled is not None
+    assert auto.compiled.packages is not None
+    assert auto.compiled.packages.directory.parent == tmp_path
+    assert auto.compile_state == "eager"  # until warmup builds or loads its graphs
+    choice = choose_backend(config, facts)
+    assert not compiled_decode(config, dataclasses.replace(choice, shards=2))
+    assert not compiled_decode(config, dataclasses.replace(choice, design="fallback"))
+    assert not compiled_decode(dataclasses.replace(config, backend="cuda"), choice)
+    assert not compiled_decode(dataclasses.replace(config, warmup_enabled=False), choice)
+    assert not compiled_decode(dataclasses.replace(config, quantize="bitsandbytes"), choice)
     config, _ = config_of(dict(read_model_facts(gpt2).config), **flags, compile=True)
     slot = load_backend(config, gpt2)
     assert isinstance(slot, TorchDynamicBackend) and slot.compiled

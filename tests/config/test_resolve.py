@@ -566,9 +566,12 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     assert (
         build(backend="cpu", compile=True, env={"TGIS_COMPILE_CACHE": "/c"}).compile_cache == "/c"
     )
-    assert "TGIS_COMPILE_CACHE=/c has nothing to keep on cpu" in error_of(
-        backend="cpu", env={"TGIS_COMPILE_CACHE": "/c"}
+    # On cpu the compiled decode is on unless --no-compile, and its packages go there.
+    assert build(backend="cpu", env={"TGIS_COMPILE_CACHE": "/c"}).compile is None
+    assert "TGIS_COMPILE_CACHE=/c has nothing to keep on cpu with --no-compile" in error_of(
+        backend="cpu", compile=False, env={"TGIS_COMPILE_CACHE": "/c"}
     )
+    assert "has nothing to keep on cuda:" in error_of(backend="cuda", compile_cache="/c")
     assert "has nothing to keep on gaudi" in error_of(backend="gaudi", compile_cache="/c")
     assert "on cuda with --cuda-graphs" in error_of(
         backend="cuda", cuda_graphs=True, compile_cache="/c"

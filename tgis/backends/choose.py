@@ -36,6 +36,7 @@ from tgis.backends.models.families import (
 from tgis.config import ENV_NAMES, ModelFacts, ServeConfig
 from tgis.config.checkpoint_quant import vision_checkpoint_refusal
 from tgis.config.parse import flag
+from tgis.config.types import BITSANDBYTES_METHODS
 from tgis.errors import BackendUnavailableError, ConfigError
 from tgis.vision.families import VisionFamily, text_config, vision_family_of
 
@@ -235,15 +236,34 @@ def _refuse(config: ServeConfig, names: tuple[str, ...], message: str, fix: str 
         )
 
 
+def compiled_decode(config: ServeConfig, choice: BackendChoice) -> bool:
+    """Whether decode steps run through compiled graphs: as --compile says, else (unset) for
+    the paged engine on one CPU, where its graphs are packages a later start loads
+    (paged/packages.py), with warmup on and weights its graphs take (not bitsandbytes')."""
+    if config.compile is not None:
+        return config.compile
+    return (
+        config.backend == "cpu"
+        and choice.design == "paged"
+        and choice.shards == 1
+        and config.warmup_enabled
+        and config.quantize not in BITSANDBYTES_METHODS
+    )
+
+
 def load_backend(
     config: ServeConfig,
     model_dir: Path,
     choice: BackendChoice | None = None,
     shared_kv_bytes_per_token: int = 0,
+    compile_in_background: bool = True,
 ) -> Backend | PagedBackend:
     """Load the backend `choice` names (by default `choose_backend`'s for the model in
     `model_dir`) with the config's limits. `shared_kv_bytes_per_token`: what a draft model's
-    KV cache takes per token of the paged pool (its share of free memory)."""
+    KV cache takes per token of the paged pool (its share of free memory).
+    `compile_in_background`: the paged engine's compiled decode, where it is not in its
+    store yet, is built by a process of its own while this one serves eagerly (False: at
+    warmup, as `tgis warmup` does)."""
     if choice is None:
         from tgis.hub import read_model_facts
 
@@ -262,7 +282,7 @@ def load_backend(
         return Seq2SeqBackend.load(*where, **slots)
     compiled = {
         "kv_tokens": config.max_batch_total_tokens,
-        "compile": config.compile,
+        "compile": compiled_decode(config, choice),
         "compile_cache": Path(config.compile_cache) if config.compile_cache else None,
     }
     if choice.design == "paged":
@@ -281,6 +301,7 @@ def load_backend(
             quantization=Quantization.of(config),
             kv_cache_dtype=kv_dtype(config.kv_cache_dtype),
             attention_backend=config.attention_backend,
+            compile_in_background=compile_in_background,
         )
     if choice.design == "fallback":
         from tgis.backends.fallback.backend import TorchDynamicBackend

@@ -255,8 +255,8 @@ CompileCache = Annotated[
     _opt(
         "compile_cache",
         DEVICE,
-        "Where compiled programs persist: XLA's cache (tpu), inductor's (--compile), the neuron export.",
-        "none",
+        "Where compiled programs persist: the compiled decode's packages (cpu), XLA's cache (tpu), inductor's (--compile on cuda), the neuron export.",
+        "cpu: tgis/compiled under HF_HOME",
     ),
 ]
 Compile = Annotated[
@@ -264,8 +264,9 @@ Compile = Annotated[
     _opt(
         "compile",
         DEVICE,
-        "cpu/cuda: run decode steps through torch.compile (compiled during warmup).",
-        "",
+        "cpu/cuda: run decode steps through compiled graphs. On by default for the paged engine on a CPU: a first start serves eagerly while a process of its own compiles them into --compile-cache, later starts load them; --no-compile opts out.",
+        "on for the paged engine on cpu",
+        negatable=True,
     ),
 ]
 CudaGraphs = Annotated[

@@ -56,7 +56,7 @@ def command(
     console = Console()
     render_config(console, config, choice)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    loaded = load_backend(config, model_dir, choice)
+    loaded = load_backend(config, model_dir, choice, compile_in_background=False)
     try:
         report = _warm(console, loaded, config)
     finally:

@@ -173,7 +173,7 @@ def build_serve_config(
         quantized_checkpoint=from_checkpoint,
         kv_cache_dtype=kv_dtype,
         compile_cache=values["compile_cache"] or None,
-        compile=bool(values["compile"]),
+        compile=values["compile"],
         cuda_graphs=values["cuda_graphs"],
         async_scheduling=values["async_scheduling"],
         prefix_caching=values["prefix_caching"],

@@ -640,11 +640,14 @@ def check_backend_options(backend: str, values: dict[str, Any], r: Sources) -> s
                 f"{r.label('cuda_memory_fraction', fraction)} must be in (0, 1]",
                 "use a share of the GPU's memory such as 0.9",
             )
-    if values["compile_cache"] and not (backend in STATIC_BACKENDS or values["compile"]):
+    compiles = values["compile"] or (backend == "cpu" and values["compile"] is None)
+    if values["compile_cache"] and not (backend in STATIC_BACKENDS or compiles):
         raise ConfigError(
             f"{r.label('compile_cache', values['compile_cache'])} has nothing to keep on "
-            f"{backend}{' with --cuda-graphs' if values['cuda_graphs'] else ''}: it holds XLA "
-            "programs (tpu), the start-up export (neuron) or torch.compile's caches (--compile)",
-            "drop --compile-cache (TGIS_COMPILE_CACHE), or add --compile on cpu/cuda",
+            f"{backend}{' with --cuda-graphs' if values['cuda_graphs'] else ''}"
+            f"{' with --no-compile' if values['compile'] is False else ''}: it holds XLA "
+            "programs (tpu), the start-up export (neuron), the compiled decode's packages "
+            "(cpu) or torch.compile's caches (--compile on cuda)",
+            "drop --compile-cache (TGIS_COMPILE_CACHE), or compile on cpu/cuda",
         )
     return prefill_mode

@@ -273,11 +273,14 @@ class ServeConfig:
     # The paged engine's KV pool: None, the model's dtype; or one of KV_CACHE_DTYPES' float8
     # names (cpu/cuda, the plain-torch attention path).
     kv_cache_dtype: str | None = None
-    # Directory where compiled device programs persist (tpu: XLA's cache; cpu/cuda with
-    # compile: torch inductor's; neuron: the start-up export); None: the runtime's default.
+    # Directory where compiled device programs persist (tpu: XLA's cache; cpu: the compiled
+    # decode's packages; cuda with compile: torch inductor's; neuron: the start-up export);
+    # None: the runtime's default.
     compile_cache: str | None = None
-    # cpu/cuda: decode steps through torch.compile (compiled at warmup).
-    compile: bool = False
+    # cpu/cuda: decode steps through compiled graphs. None (what the launcher resolves when
+    # --compile is not given): the chooser's default, on for the paged engine on one CPU
+    # (backends/choose.py's `compiled_decode`); built here, off unless asked.
+    compile: bool | None = False
     # cuda: decode replayed from CUDA graphs per batch bucket (recorded at warmup). None: not
     # set, on wherever the paged engine has flash attention; True: required; False: eager.
     cuda_graphs: bool | None = None

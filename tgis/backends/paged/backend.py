@@ -46,6 +46,7 @@ from tgis.backends.paged.compile import GRAPHS, CompiledDecode, weight_copies_by
 from tgis.backends.paged.forward import KVPool, PagedForward
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeGraphs
 from tgis.backends.paged.lora import LoraShapes, LoraStacks
+from tgis.backends.paged.packages import BackgroundBuild, BuildRecipe, PackageStore, default_root
 from tgis.backends.paged.race import race, winner
 from tgis.backends.paged.traits import DeviceTraits, device_traits
 from tgis.backends.paged.triton_attention import interpreted, triton_available
@@ -112,6 +113,9 @@ class PagedTorchBackend:
         bidirectional_images: bool = False,
         traits: DeviceTraits | None = None,
         attention_backend: str | None = None,
+        packages: PackageStore | None = None,
+        autotune: bool = True,
+        build: BuildRecipe | None = None,
     ) -> None:
         """Wrap an already loaded `model` (eval mode, on its device, in its dtype) and
         allocate the pool. max_sequences: the most sequences one step holds (the batch);
@@ -137,7 +141,11 @@ class PagedTorchBackend:
         `block_size` overrides theirs. attention_backend: "triton", "flash" or "torch"
         (`--attention-backend`; a choice that cannot run here is a ConfigError naming why);
         None: triton on CUDA where it runs (the faster of it and flash attention at warmup,
-        where both run), else flash where it runs, else torch.
+        where both run), else flash where it runs, else torch. packages: with `compile`, the
+        store that keeps the compiled graphs as packages (paged/packages.py); autotune: as
+        paged/compile.py's `compile_options`. build: how a process of its own builds
+        missing packages while this one serves eagerly (`warmup` starts it); None: warmup
+        builds them itself.
 
         Built in stages, each complete before the next starts: the device and attention
         path; the weights and rope tables; the step's own parts (LoRA stacks, the vision
@@ -194,8 +202,10 @@ class PagedTorchBackend:
             # With graphs, one more block than the scheduler knows: padding rows write there.
             self.path.pool = self._allocate_pool(num_blocks + int(graphs))
         # What runs over the pool.
+        self.build_recipe = build
+        self.background: BackgroundBuild | None = None
         if compile:
-            self.compiled = CompiledDecode(self.path, max_sequences)
+            self.compiled = CompiledDecode(self.path, max_sequences, packages, autotune)
         if graphs:
             self.graphs = DecodeGraphs(
                 self.path,
@@ -342,6 +352,7 @@ class PagedTorchBackend:
             "attention": self.attention,
             "cuda_graphs": list(self.graphs.captured) if self.graphs is not None else [],
             "compiled_decode": self.compiled.graphs if self.compiled is not None else [],
+            "compiled_decode_state": self.compile_state,
             "attention_backend": self.kernel,
             # Where auto timed two kernels at warmup: each one's milliseconds.
             "attention_race_ms": {k: round(s * 1e3, 3) for k, s in self.race_times.items()},
@@ -350,6 +361,19 @@ class PagedTorchBackend:
             "weight_bytes": self.weight_bytes,
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
         }
+
+    @property
+    def compile_state(self) -> str:
+        """Where the compiled decode stands: "off", "eager" (not compiled yet), "building"
+        (in a process of its own; eager meanwhile), "failed" (eager; the build's log says
+        why) or "ready"."""
+        if self.compiled is None:
+            return "off"
+        if self.compiled.graphs:
+            return "ready"
+        if self.background is not None:
+            return "building" if self.background.running else "failed"
+        return "eager"
 
     def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
         """Whether the projections run over oneDNN-packed weights (common/gemm.py), and
@@ -406,14 +430,33 @@ class PagedTorchBackend:
         quantization: Quantization | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
+        block_size: int | None = None,
+        packages: PackageStore | None = None,
+        autotune: bool = True,
+        compile_in_background: bool = False,
     ) -> PagedTorchBackend:
         """Load the model in `model_dir` onto `device` ("cpu", "cuda", "cuda:1"); the rest
         as `__init__` takes it (the weight layout measured on a CPU by default: nothing else
-        holds the model). With `compile`, `compile_cache` keeps inductor's caches (a second
-        start compiles faster)."""
-        if compile and compile_cache is not None:
-            use_inductor_cache(compile_cache)
+        holds the model). With `compile` on a CPU, the compiled graphs are packages in the
+        store under `compile_cache` (default: paged/packages.py's `default_root`) keyed for
+        this model and these settings, unless `packages` names the store; the ones missing
+        are built at warmup, or with `compile_in_background` by a process of its own while
+        this one serves eagerly. On CUDA, `compile_cache` keeps inductor's caches."""
         model, vision = load_model(model_dir, torch.device(device), dtype, num_threads)
+        recipe = None
+        if compile and torch.device(device).type == "cpu":
+            recipe = BuildRecipe(
+                model_dir,
+                dtype,
+                quantization.method if quantization is not None else None,
+                quantization.group_size if quantization is not None else None,
+                None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch."),
+                block_size or device_traits(torch.device(device)).block_size,
+                max_sequence_tokens,
+            )
+            packages = packages or PackageStore.of(compile_cache or default_root(), recipe)
+        elif compile and compile_cache is not None:
+            use_inductor_cache(compile_cache)
         return cls(
             model,
             max_sequences=max_sequences,
@@ -429,6 +472,10 @@ class PagedTorchBackend:
             kv_cache_dtype=kv_cache_dtype,
             vision=vision,
             attention_backend=attention_backend,
+            block_size=block_size,
+            packages=packages,
+            autotune=autotune,
+            build=recipe if compile_in_background else None,
         )
 
     @property
@@ -763,8 +810,12 @@ class PagedTorchBackend:
         self._race_attention()
         if self.compiled is not None:
             rows = max(shape.rows for shape in plan if shape.phase == "decode")
-            for batch in (g for g in GRAPHS if g <= rows):
-                timed(batch, self.compiled.compile)
+            self.compiled.load_packages()
+            if self.build_recipe is not None and not self.compiled.packaged():
+                self._build_in_background()
+            else:
+                for batch in (g for g in GRAPHS if g <= rows):
+                    timed(batch, self.compiled.compile)
         timings += run_plan(plan, self.run_shape, on_shape)
         if self.graphs is not None:
             for bucket in sorted(self.graphs.buckets, reverse=True):
@@ -774,6 +825,37 @@ class PagedTorchBackend:
                     self._graph_capture_failed(bucket, exc)
                     break
         return timings
+
+    def _build_in_background(self) -> None:
+        """Start the process that builds the missing packages; decode runs eagerly until it
+        ends, then through the packages it built (loaded on its watcher's thread)."""
+        compiled, recipe = self.compiled, self.build_recipe
+        assert compiled is not None and compiled.packages is not None and recipe is not None
+        store = compiled.packages
+
+        def done(code: int) -> None:
+            if code != 0:
+                logger.warning(
+                    "building the compiled decode failed (exit %d; see %s): decode stays eager",
+                    code,
+                    store.log,
+                )
+                return
+            compiled.load_packages()
+
+        self.background = BackgroundBuild(recipe.command(store, compiled.autotune), store.log, done)
+        self.background.start()
+        logger.info(
+            "compiled decode: building in a process of its own (log: %s); decode runs "
+            "eagerly until it is ready",
+            store.log,
+        )
+
+    def close(self) -> None:
+        """The server stops: a build in its own process stops too (the packages it finished
+        stay in the store)."""
+        if self.background is not None:
+            self.background.stop()
 
     def _race_attention(self, clock: Callable[[], float] = time.perf_counter) -> None:
         """Where `auto` has two kernels that run (`contenders`), time a decode step and a

@@ -17,12 +17,19 @@ embeddings, and prompt logprobs run the eager forward.
 
 Memory: each graph holds its packed copy of the weights, and the eager forward keeps the
 originals for prefill, so the weights take three times their size.
+
+Compiled in process (`torch.compile`), the graphs last as long as the process: their frozen
+weights keep inductor's caches out. With a `PackageStore` (paged/packages.py) each graph is
+instead exported and compiled ahead of time into a package on disk, which the next start
+loads in seconds; the pool's tensors are the package's inputs (any number of blocks), the
+weights its constants.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -30,6 +37,9 @@ from torch import Tensor
 from tgis.backends.models.decoder import LayerWeights
 from tgis.backends.paged.attention import StepMetadata, decode_attention, step_metadata, write_kv
 from tgis.backends.paged.forward import PagedForward
+
+if TYPE_CHECKING:
+    from tgis.backends.paged.packages import PackageStore
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +87,9 @@ paged_decode_attention = torch.ops.tgis.paged_decode_attention.default
 # The graphs compiled at warmup, by the smallest batch each serves: batch 1 alone, then every
 # batch from 2 up. Each holds a packed copy of the weights.
 GRAPHS = (1, 2)
+# The most rows a packaged graph takes (its batch is free up to this, whatever the server's
+# --max-batch-size, so one package serves them all).
+PACKAGE_ROWS = 4096
 
 
 def weight_copies_bytes(weight_bytes: int) -> int:
@@ -84,58 +97,49 @@ def weight_copies_bytes(weight_bytes: int) -> int:
     return len(GRAPHS) * weight_bytes
 
 
-def compile_options(device: torch.device) -> dict[str, Any]:
-    """Inductor's settings for the decode graphs on `device` (module doc)."""
+def compile_options(device: torch.device, autotune: bool = True) -> dict[str, Any]:
+    """Inductor's settings for the decode graphs on `device` (module doc); `autotune` False
+    keeps ATen's GEMMs without timing inductor's (minutes less to compile, slower at few
+    rows)."""
     options: dict[str, Any] = {"freezing": True}
-    if device.type == "cpu":
+    if device.type == "cpu" and autotune:
         options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return options
 
 
-class CompiledDecode:
-    """The compiled decode steps of `path` for batches up to `max_batch` (module doc)."""
+class _DecodeStep(torch.nn.Module):
+    """One decode step of `decode`'s path, with the pool's tensors as inputs: what
+    torch.compile compiles and torch.export traces, and what runs eagerly (counted in
+    `CompiledDecode.eager_steps`) where no graph takes the step."""
 
-    def __init__(self, path: PagedForward, max_batch: int) -> None:
-        if path.pool.flash:
-            raise ValueError("compiled decode runs the plain-torch attention path's pool")
-        self.path = path
-        self.max_batch = max_batch
-        self._weights = path.as_constants()
-        self._window = {w: i for i, w in enumerate(path.windows)}
-        self._compiled = torch.compile(self._step)
-        self._graphs: set[int] = set()  # of GRAPHS, those compiled
-        self.eager_steps = 0  # serving steps no compiled graph accepted
+    def __init__(self, decode: CompiledDecode) -> None:
+        super().__init__()
+        self.decode = decode
 
-    @property
-    def graphs(self) -> list[str]:
-        """The batch sizes each compiled graph serves, as /info shows them."""
-        return [self._label(g) for g in sorted(self._graphs)]
-
-    def _label(self, graph: int) -> str:
-        return "1" if graph == 1 else f"{graph}-{self.max_batch}"
-
-    def _step(
+    def forward(
         self,
         input_ids: Tensor,
         positions: Tensor,
         slot_mapping: Tensor,
         blocks: Tensor,
         masks: tuple[Tensor, ...],
+        keys: tuple[Tensor, ...],
+        values: tuple[Tensor, ...],
     ) -> Tensor:
-        if not torch.compiler.is_compiling():
-            self.eager_steps += 1
-        weights, pool = self._weights, self.path.pool
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            self.decode.eager_steps += 1
+        weights, window = self.decode._weights, self.decode._window
 
         def attention(index: int, layer: LayerWeights, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return paged_decode_attention(
                 q,
                 k,
                 v,
-                pool.keys[index],
-                pool.values[index],
+                keys[index],
+                values[index],
                 slot_mapping,
                 blocks,
-                masks[self._window[layer.window]],
+                masks[window[layer.window]],
                 weights.scaling,
                 weights.attn_softcap or 0.0,
             )
@@ -143,23 +147,83 @@ class CompiledDecode:
         x = weights._inputs(weights._embed(input_ids))
         return weights._logits(weights.layers_over(x, positions, attention))
 
+
+class CompiledDecode:
+    """The compiled decode steps of `path` for batches up to `max_batch` (module doc)."""
+
+    def __init__(
+        self,
+        path: PagedForward,
+        max_batch: int,
+        packages: PackageStore | None = None,
+        autotune: bool = True,
+    ) -> None:
+        """packages: where each graph is kept as a package (built there if missing, loaded
+        from there if not; module doc); None: compiled in this process. autotune: as
+        `compile_options`."""
+        if path.pool.flash:
+            raise ValueError("compiled decode runs the plain-torch attention path's pool")
+        self.path = path
+        self.max_batch = max_batch
+        self.packages, self.autotune = packages, autotune
+        self._weights = path.as_constants()
+        self._window = {w: i for i, w in enumerate(path.windows)}
+        self._step = _DecodeStep(self)
+        self._compiled = torch.compile(self._step)
+        self._graphs: set[int] = set()  # of GRAPHS, those compiled in this process
+        # Of GRAPHS, those loaded from packages: what runs them (set by another thread).
+        self._loaded: dict[int, Callable[..., Tensor]] = {}
+        self.eager_steps = 0  # serving steps no compiled graph accepted
+
+    @property
+    def graphs(self) -> list[str]:
+        """The batch sizes each compiled graph serves, as /info shows them."""
+        return [self._label(g) for g in sorted(self._graphs | set(self._loaded))]
+
+    def packaged(self) -> bool:
+        """Whether every graph's package is in the store."""
+        return self.packages is not None and all(self.packages.has(g) for g in GRAPHS)
+
+    def load_packages(self) -> list[int]:
+        """Load the graphs whose packages are in the store (and are not loaded yet); from the
+        next step on, decode runs through them. Returns those loaded now."""
+        if self.packages is None:
+            return []
+        loaded = []
+        for graph in GRAPHS:
+            if graph not in self._loaded and self.packages.has(graph):
+                runner = torch._inductor.aoti_load_package(str(self.packages.path(graph)))
+                self._loaded[graph] = runner
+                loaded.append(graph)
+                logger.info("decode of batch %s loaded from %s", self._label(graph),
+                            self.packages.path(graph))  # fmt: skip
+        return loaded
+
+    def _label(self, graph: int) -> str:
+        return "1" if graph == 1 else f"{graph}-{self.max_batch}"
+
     def _inputs(
-        self, input_ids: Tensor, positions: Tensor, meta: StepMetadata
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: StepMetadata,
+        pool: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None,
+    ) -> tuple[Any, ...]:
+        """The graph's inputs for a step over the path's pool (or `pool`: keys, values)."""
         decode = meta.decode
         if decode is None or not decode.whole:
             raise ValueError("a compiled decode step takes decode rows only")
         masks = tuple(decode.masks[w] for w in self.path.windows)
-        return input_ids, positions, meta.slot_mapping, decode.blocks, masks
+        keys, values = pool or (self.path.pool.keys, self.path.pool.values)
+        return input_ids, positions, meta.slot_mapping, decode.blocks, masks, keys, values
 
-    @torch.inference_mode()
-    def compile(self, batch: int) -> None:
-        """Compile the graph that serves `batch` rows (one of GRAPHS) from a dummy
-        step over the pool's first blocks (nothing owns them before serving). The batch (from
-        2 up) and the KV length are marked dynamic, so later steps do not specialise them."""
-        pool = self.path.pool
-        size = pool.block_size
-        pages = max(1, min(3, pool.num_blocks // batch))
+    def _dummy(
+        self, batch: int, num_blocks: int, pool: tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+    ) -> tuple[tuple[Any, ...], int]:
+        """A decode step of `batch` rows over the first blocks of `pool` (of `num_blocks`),
+        several each (so no KV length is specialised); and the pages each row reads."""
+        size = self.path.pool.block_size
+        pages = max(1, min(3, num_blocks // batch))
         tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(batch)]
         kv_len = pages * size
         meta = step_metadata(
@@ -169,14 +233,30 @@ class CompiledDecode:
             size,
             self.path.device,
             self.path.windows,
-            pool.num_blocks,
-            pool.kv_heads,
+            num_blocks,
+            self.path.pool.kv_heads,
             flash=False,
         )
         ids = torch.zeros(batch, dtype=torch.long, device=self.path.device)
         positions = torch.full_like(ids, kv_len - 1)
-        inputs = self._inputs(ids, positions, meta)
-        *per_row, blocks, masks = inputs
+        return self._inputs(ids, positions, meta, pool), pages
+
+    @torch.inference_mode()
+    def compile(self, batch: int) -> None:
+        """Make the graph that serves `batch` rows (one of GRAPHS): from its package when
+        the store has it, else built into the store and loaded (`_package`), else (no
+        store) compiled in this process from a dummy step over the pool's first blocks
+        (nothing owns them before serving). The batch (from 2 up) and the KV length are
+        marked dynamic, so later steps do not specialise them."""
+        graph = max(g for g in GRAPHS if g <= batch)
+        if self.packages is not None:
+            if not self.packages.has(graph):
+                self._package(graph)
+            self.load_packages()
+            return
+        pool = self.path.pool
+        inputs, pages = self._dummy(batch, pool.num_blocks, (pool.keys, pool.values))
+        *per_row, blocks, masks, _, _ = inputs
         if blocks.shape[0] > 1:
             torch._dynamo.mark_dynamic(blocks, 0)
         for mask in masks:  # [rows, 1, 1, KV length]
@@ -186,11 +266,43 @@ class CompiledDecode:
             for tensor in (*per_row, *masks):
                 torch._dynamo.mark_dynamic(tensor, 0)
         # Inductor reads these while it compiles, which happens inside this first call.
-        with torch._inductor.config.patch(compile_options(self.path.device)):
+        with torch._inductor.config.patch(compile_options(self.path.device, self.autotune)):
             self._compiled(*inputs)
-        graph = max(g for g in GRAPHS if g <= batch)
         self._graphs.add(graph)
         logger.info("decode of batch %s compiled", self._label(graph))
+
+    def _package(self, graph: int) -> None:
+        """Export `graph` over a scratch pool of a few blocks (the pool's length is one of the
+        package's free sizes, as the batch from 2 up and the KV length are) and compile it
+        ahead of time into the store."""
+        assert self.packages is not None
+        pool, device = self.path.pool, self.path.device
+        scratch = 3 * max(GRAPHS) + 2
+        shape = (pool.kv_heads, scratch, *pool.keys[0].shape[2:])
+        keys = tuple(torch.zeros(shape, dtype=k.dtype, device=device) for k in pool.keys)
+        values = tuple(torch.zeros(shape, dtype=v.dtype, device=device) for v in pool.values)
+        batch = max(g for g in GRAPHS if g >= graph) if graph > 1 else 1
+        inputs, _ = self._dummy(batch, scratch, (keys, values))
+        rows = torch.export.Dim("rows", min=2, max=PACKAGE_ROWS) if graph > 1 else None
+        length = torch.export.Dim("kv_length", min=2, max=1 << 24)
+        gathered = torch.export.Dim("gathered", min=2, max=1 << 30)
+        blocks = torch.export.Dim("blocks", min=2, max=1 << 30)
+        row = {0: rows} if rows is not None else {}
+        dynamic = (
+            row, row, row, {0: gathered},
+            tuple({**row, 3: length} for _ in inputs[4]),
+            tuple({1: blocks} for _ in keys), tuple({1: blocks} for _ in values),
+        )  # fmt: skip
+        program = torch.export.export(self._step, inputs, dynamic_shapes=dynamic)
+        options = compile_options(device, self.autotune)
+        self.packages.save(
+            graph,
+            lambda path: torch._inductor.aoti_compile_and_package(
+                program, package_path=str(path), inductor_configs=options
+            ),
+        )
+        logger.info("decode of batch %s compiled into %s", self._label(graph),
+                    self.packages.path(graph))  # fmt: skip
 
     @torch.inference_mode()
     def run(self, input_ids: Tensor, positions: Tensor, meta: StepMetadata) -> Tensor:
@@ -198,6 +310,9 @@ class CompiledDecode:
         written into the pool), through the compiled graph that accepts it, else eagerly
         (counted in `eager_steps`)."""
         inputs = self._inputs(input_ids, positions, meta)
+        loaded = self._loaded.get(1 if input_ids.shape[0] == 1 else 2)
+        if loaded is not None:
+            return loaded(*inputs)
         if not self._graphs:
             return self._step(*inputs)
         with torch.compiler.set_stance("eager_on_recompile"):

@@ -1,0 +1,167 @@
+"""tgis.backends.paged.packages: the compiled decode kept as packages on disk. A start builds
+them (at warmup, or in a process of its own while it serves eagerly) and a later start loads
+them instead of compiling; the packaged decode gives the eager forward's greedy tokens; a store
+is keyed by everything its packages depend on; a failed build leaves the server eager. Packages
+are built without autotuning here (minutes less; the graphs are the same)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.backends.paged_driver import greedy
+from tests.factories import make_model_dir
+from tgis.backends.paged import packages as packages_module
+from tgis.backends.paged.backend import PagedTorchBackend
+from tgis.backends.paged.compile import CompiledDecode
+from tgis.backends.paged.packages import BuildRecipe, PackageStore, default_root
+
+NEW = 6
+# Within the tiny model's 128-token vocabulary; across its 16-token blocks.
+PROMPTS = ((5, 17, 42, 99, 7, 63, 120), (100, 11), tuple(range(4, 22)))
+
+
+def recipe(model_dir: Path, **changes: object) -> BuildRecipe:
+    fields = {
+        "model_dir": model_dir,
+        "dtype": None,
+        "quantize": None,
+        "group_size": None,
+        "kv_cache_dtype": None,
+        "block_size": 16,
+        "max_sequence_tokens": 64,
+        **changes,
+    }
+    return BuildRecipe(**fields)  # type: ignore[arg-type]
+
+
+def backend(model_dir: Path, root: Path, compile: bool = True, **kw: object) -> PagedTorchBackend:
+    return PagedTorchBackend.load(
+        model_dir,
+        "cpu",
+        max_sequences=4,
+        max_sequence_tokens=64,
+        max_prefill_tokens=64,
+        kv_tokens=512,
+        compile=compile,
+        compile_cache=root,
+        autotune=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("model") / "llama", "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """The eager forward's greedy tokens, each prompt alone."""
+    eager = backend(model_dir, tmp_path_factory.mktemp("unused"), compile=False)
+    return [greedy(eager, [p], NEW)[0] for p in PROMPTS]
+
+
+def test_a_store_is_keyed_by_what_its_packages_depend_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model_dir(tmp_path / "llama", "llama")
+    root = tmp_path / "root"
+    store = PackageStore.of(root, recipe(model))
+    assert store == PackageStore.of(root, recipe(model))
+    assert store.directory.parent == root and store.directory.name.startswith("llama-")
+    for change in ({"dtype": "bfloat16"}, {"block_size": 32}, {"max_sequence_tokens": 128},
+                   {"quantize": "int8"}, {"kv_cache_dtype": "float8_e4m3fn"}):  # fmt: skip
+        assert PackageStore.of(root, recipe(model, **change)) != store, change
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(1, weights.stat().st_mtime_ns + 1))  # the weights were replaced
+    assert PackageStore.of(root, recipe(model)) != store
+    monkeypatch.setattr(packages_module.torch, "__version__", "0.0.0")
+    assert PackageStore.of(root, recipe(model)).directory != store.directory
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+    assert default_root() == tmp_path / "hf" / "tgis" / "compiled"
+
+
+def test_a_package_is_in_place_whole_or_not_at_all(tmp_path: Path) -> None:
+    store = PackageStore(tmp_path / "store")
+
+    def half(path: Path) -> None:
+        path.write_bytes(b"half a package")
+        raise RuntimeError("the compiler died")
+
+    with pytest.raises(RuntimeError, match="died"):
+        store.save(1, half)
+    assert not store.has(1) and list(store.directory.iterdir()) == []
+    assert store.save(2, lambda path: path.write_bytes(b"whole")) == store.path(2)
+    assert store.has(2) and store.path(2).read_bytes() == b"whole"
+
+
+def test_packaged_decode_gives_the_eager_tokens_and_a_second_start_loads_it(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first start builds both graphs' packages at warmup; decoding then runs every step
+    through them and gives the eager tokens, alone and batched. A second start with the same
+    settings loads them at warmup and compiles nothing."""
+    first = backend(model_dir, tmp_path)
+    decode = first.compiled
+    assert decode is not None and decode.packages is not None and not decode.packaged()
+    first.warmup(4, 16)
+    assert decode.packaged() and first.runtime()["compiled_decode"] == ["1", "2-4"]
+    assert first.compile_state == "ready"
+    steps = decode.eager_steps
+    assert [greedy(first, [p], NEW)[0] for p in PROMPTS] == reference
+    assert greedy(first, PROMPTS, NEW) == reference
+    assert decode.eager_steps == steps  # no decode step ran eagerly
+
+    def no_compiling(self: CompiledDecode, graph: int) -> None:
+        raise AssertionError(f"graph {graph} was compiled again")
+
+    monkeypatch.setattr(CompiledDecode, "_package", no_compiling)
+    second = backend(model_dir, tmp_path)
+    assert second.compiled is not None and second.compiled.packages == decode.packages
+    second.warmup(4, 16)
+    assert second.compile_state == "ready"
+    assert greedy(second, PROMPTS, NEW) == reference
+
+
+def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """With the store empty, warmup starts the build in a process of its own and returns:
+    decode runs eagerly (the same tokens) until the build ends, then through the packages
+    it built, from the next step on."""
+    server = backend(model_dir, tmp_path, compile_in_background=True)
+    decode = server.compiled
+    assert decode is not None
+    server.warmup(4, 16)
+    assert server.compile_state == "building" and decode.graphs == []
+    assert greedy(server, PROMPTS, NEW) == reference  # eagerly, while it builds
+    assert server.background is not None
+    server.background.join(timeout=300)
+    assert server.compile_state == "ready", server.background.log.read_text()[-2000:]
+    assert decode.graphs == ["1", "2-4"] and decode.packaged()
+    steps = decode.eager_steps
+    assert greedy(server, PROMPTS, NEW) == reference
+    assert decode.eager_steps == steps
+    server.close()
+
+
+def test_a_build_that_fails_leaves_the_server_eager_and_says_where_to_look(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(self: BuildRecipe, store: PackageStore, autotune: bool = True) -> list[str]:
+        return [sys.executable, "-c", "print('out of memory'); raise SystemExit(3)"]
+
+    monkeypatch.setattr(BuildRecipe, "command", failing)
+    server = backend(model_dir, tmp_path, compile_in_background=True)
+    server.warmup(4, 16)
+    assert server.background is not None
+    server.background.join(timeout=60)
+    assert server.compile_state == "failed"
+    assert "out of memory" in server.background.log.read_text()
+    assert greedy(server, PROMPTS, NEW) == reference
