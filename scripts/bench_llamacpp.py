@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ from bench_serve import (
     pct,
     prompts,
     run_server,
+    stop,
+    wait_ready,
 )
 
 DEMO_MODEL = ROOT / "tgis" / "assets" / "demo-model"
@@ -75,13 +78,15 @@ def serve_both(
     workdir: Path,
     port: int,
     repeat: int = 1,
-    compile: bool = False,
+    compile: bool = True,
     tgis_flags: tuple[str, ...] = (),
-) -> dict[str, list[dict[str, Any]]]:
+) -> dict[str, Any]:
     """Each load (streams, requests) on tgis serve, then on llama-server; `repeat` rounds of
     both in turn, each figure the median of its rounds (this kind of machine drifts by tens of
-    percent between runs). `compile`: tgis serves with --compile (its inductor caches kept in
-    the workdir, so later rounds start faster). `tgis_flags`: more flags of tgis serve."""
+    percent between runs). `compile`: tgis serves as it does with no flag, its compiled decode
+    kept in the workdir: the start-ups are timed first (`start_times`: a first start that
+    builds the packages, a second that loads them), and the loads run with them loaded;
+    False: --no-compile. `tgis_flags`: more flags of tgis serve."""
     texts = prompts(model_dir, sum(n for _, n in loads) + 4, 100, seed=0)
     warm, rest = texts[:4], texts[4:]
     load_texts = []
@@ -93,9 +98,10 @@ def serve_both(
     tgis_cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--port",
                 str(port), "--hostname", "127.0.0.1", "--no-grpc", "--dtype", "float32",
                 "--max-total-tokens", "512", "--max-batch-size", str(most)]  # fmt: skip
-    if compile:
-        tgis_cmd += ["--compile", "--compile-cache", str(workdir / "inductor-cache")]
+    store = workdir / "compiled"
+    tgis_cmd += ["--compile-cache", str(store)] if compile else ["--no-compile"]
     tgis_cmd += list(tgis_flags)
+    starts = start_times(tgis_cmd, url, workdir / f"{name}-tgis-start.log") if compile else None
     # One slot per stream, each with room for a prompt and its answer.
     llama_cmd = [llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-np", str(most), "-c", str(most * 512), "-t", str(os.cpu_count() or 1),
@@ -113,7 +119,46 @@ def serve_both(
                     for (streams, _), (res, rss) in zip(load_texts, results, strict=True)
                 ]
             )
-    return {server: median_rows(runs) for server, runs in rounds.items()}
+    table: dict[str, Any] = {server: median_rows(runs) for server, runs in rounds.items()}
+    if starts is not None:
+        table["starts"] = starts
+    return table
+
+
+def start_times(cmd: list[str], url: str, log: Path) -> dict[str, float]:
+    """tgis serve's start-ups with the compiled decode: a first start over an empty store
+    (seconds until /health answers, and until /info says the packages a process of its own
+    built are loaded), then a second start (seconds until /health answers, its packages
+    loaded by then)."""
+    import shutil
+
+    store = Path(cmd[cmd.index("--compile-cache") + 1])
+    shutil.rmtree(store, ignore_errors=True)
+    times: dict[str, float] = {}
+    for start in ("first", "second"):
+        with log.open("a") as out:
+            begun = time.perf_counter()
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        try:
+            wait_ready(url, proc, 600, "/health")
+            times[f"{start}_ready_s"] = time.perf_counter() - begun
+            while (state := compiled_state(url)) == "building":
+                if time.perf_counter() - begun > 1800:
+                    raise RuntimeError("the compiled decode was not built in 30 minutes")
+                time.sleep(1)
+            if state != "ready":
+                raise RuntimeError(f"the compiled decode is {state}; see {store}")
+            times[f"{start}_compiled_s"] = time.perf_counter() - begun
+        finally:
+            stop(proc)
+    return times
+
+
+def compiled_state(url: str) -> str:
+    import httpx
+
+    return str(httpx.get(url + "/info", timeout=5).json()["runtime"]["compiled_decode_state"])
 
 
 def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -182,10 +227,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=18090)
     parser.add_argument("--repeat", type=int, default=1, help="rounds; figures are medians")
-    parser.add_argument("--compile", action="store_true", help="tgis serve --compile")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="tgis serve --no-compile (eager decode)"
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     quantized = dict(item.split("=", 1) for item in args.quant_gguf)
+    args.compile = not args.no_compile
     if not quantized and not (args.demo_gguf and args.smol_gguf):
         parser.error("give --demo-gguf and --smol-gguf, or --quant-gguf METHOD=FILE")
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +253,10 @@ def main() -> None:
             args.new_tokens, args.workdir, args.port, args.repeat, args.compile,
         )  # fmt: skip
         bare_ms = statistics.median(
-            bare_decode_ms(smol_dir, "float32", compile=args.compile)[0] for _ in range(args.repeat)
+            bare_decode_ms(
+                smol_dir, "float32", compile=args.compile, compile_cache=args.workdir / "compiled"
+            )[0]
+            for _ in range(args.repeat)
         )
         ratios.update({
             "demo_itl_x1_tgis_over_llama": itl_ratio(demo, 1),
@@ -228,6 +279,11 @@ def main() -> None:
           f"{'TTFT p50':>11}{'RSS MB':>9}{'err':>5}")  # fmt: skip
     for name, table in tables.items():
         for server, rows in table.items():
+            if server == "starts":
+                print(f"{name}: tgis serve start-up " + ", ".join(
+                    f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in rows.items()
+                ))  # fmt: skip
+                continue
             for r in rows:
                 print(f"{name:<11}{server:<11}{r['streams']:>8}{r['output_tok_s']:>10.1f}"
                       f"{r['itl_p50_ms']:>9.2f}ms{r['itl_p99_ms']:>9.2f}ms"

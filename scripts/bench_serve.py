@@ -13,6 +13,8 @@
    plus tgis at 1 and 32 streams, a bare in-process decode loop over the same model, and
    prefix caching: TTFT of the second of two 200-token prompts sharing 150 tokens over the
    first's (5 pairs, one request at a time).
+   tgis decodes eagerly here (--no-compile), as the peer does; its compiled decode, the
+   default on a CPU, is measured against llama.cpp's server (scripts/bench_llamacpp.py).
 
     python scripts/bench_serve.py --workdir /tmp/tgis-bench
 """
@@ -238,11 +240,15 @@ def run_server(
 
 
 def bare_decode_ms(
-    model_dir: Path, dtype: str = "float32", steps: int = 64, compile: bool = False
+    model_dir: Path,
+    dtype: str = "float32",
+    steps: int = 64,
+    compile: bool = False,
+    compile_cache: Path | None = None,
 ) -> tuple[float, float]:
     """ms per token of in-process greedy decode at batch 1: tgis's backend (the paged one
-    `tgis serve` runs for this Llama; with `compile`, its decode compiled first), and HF's
-    forward."""
+    `tgis serve --max-total-tokens 512` runs for this Llama; with `compile`, its decode
+    compiled first, or loaded from the packages in `compile_cache`), and HF's forward."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -251,8 +257,8 @@ def bare_decode_ms(
 
     prompt = tuple(range(10, 110))
     backend = PagedTorchBackend.load(
-        model_dir, device="cpu", dtype=dtype, max_sequences=1, max_sequence_tokens=256,
-        max_prefill_tokens=256, compile=compile,
+        model_dir, device="cpu", dtype=dtype, max_sequences=1, max_sequence_tokens=512,
+        max_prefill_tokens=256, compile=compile, compile_cache=compile_cache,
     )  # fmt: skip
     if compile:
         backend.warmup(1, len(prompt))
@@ -337,7 +343,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
     tgis_cmd = [py, "-m", "tgis", "serve", "--model-id", str(model_dir), "--port", str(port), "--hostname", "127.0.0.1",
-                "--max-total-tokens", "1024", "--max-batch-size", "32", "--dtype", args.dtype]  # fmt: skip
+                "--max-total-tokens", "1024", "--max-batch-size", "32", "--dtype", args.dtype,
+                "--no-compile"]  # fmt: skip
     rows = []
     solo = main_load[:8]
     (res16, rss16), (res1, rss1), (res32, rss32), (prefix, _) = run_server(

@@ -395,7 +395,8 @@ def serve_and_measure(
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--backend", "cpu",
            "--dtype", dtype, "--port", str(args.port), "--hostname", "127.0.0.1", "--no-grpc",
-           "--max-batch-size", "4", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
+           "--max-batch-size", "4", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+           "--no-compile"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)

@@ -40,7 +40,7 @@ def served(url: str | None) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "tgis", "serve", "--hostname", "127.0.0.1",
-               "--port", str(port), "--no-grpc"]  # fmt: skip
+               "--port", str(port), "--no-grpc", "--no-compile"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -104,7 +104,7 @@ def server_env() -> dict[str, str]:
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [
         sys.executable, "-m", "tgis", "serve",
-        "--hostname", "127.0.0.1", "--port", str(port), "--no-grpc",
+        "--hostname", "127.0.0.1", "--port", str(port), "--no-grpc", "--no-compile",
         "--max-concurrent-requests", str(args.max_concurrent_requests),
     ]  # fmt: skip
     if args.model_id:

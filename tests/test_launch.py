@@ -21,6 +21,7 @@ from tgis.engine.backend import BackendCapacity
 from tgis.engine.draft import DraftModelProposer
 from tgis.errors import ConfigError, ModelNotFoundError
 from tgis.launch import (
+    StartupTimes,
     backend_runtime,
     build_service,
     load_draft_model,
@@ -249,9 +250,12 @@ def test_start_up_starts_the_grammar_tokenizer_and_logs_its_phases(
         assert grammars._ll_tokenizer is not None and grammars.error is None
         messages = [r.getMessage() for r in caplog.records]
         (line,) = [m for m in messages if m.startswith("start-up: ")]
+        # The demo model on a CPU: no profiling forward (the pool is sized by --max-batch-
+        # total-tokens or the host's memory), warmup runs its plan.
         assert re.fullmatch(
-            r"start-up: tokenizer \S+ s, load \S+ s, warmup \S+ s, tokenizer facts \S+ s, "
-            r"engine \S+ s; grammar tokenizer (built in \S+ s|building in a thread of its own)",
+            r"start-up: tokenizer \S+ s, load \S+ s, warmup \S+ s \(plan \S+ s\), "
+            r"tokenizer facts \S+ s, engine \S+ s; grammar tokenizer (built in \S+ s|building "
+            r"in a thread of its own)",
             line,
         ), line
         ready = "structured output ready: grammar tokenizer built in "
@@ -261,3 +265,16 @@ def test_start_up_starts_the_grammar_tokenizer_and_logs_its_phases(
         assert not service.engine.healthy()  # not started: `tgis serve` runs it on its thread
     finally:
         service.stop()
+
+
+def test_start_up_times_name_the_parts_of_a_phase() -> None:
+    times = StartupTimes()
+    times.done("load", {"profile": 0.5, "nothing": 0.0})
+    times.done("warmup", {"compile": 1.25, "plan": 0.5})
+    times.done("engine")
+    text = str(times)
+    assert re.fullmatch(
+        r"load \S+ s \(profile 0\.50 s\), warmup \S+ s \(compile 1\.25 s, plan 0\.50 s\), "
+        r"engine \S+ s",
+        text,
+    ), text

@@ -211,14 +211,14 @@ def build_service(
     phases.done("tokenizer")
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, choice, draft.kv_bytes_per_token if draft else 0)
-    phases.done("load")
+    phases.done("load", {"profile": getattr(backend, "profile_s", 0.0)})
     capacity = backend.capacity
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
     if config.warmup_enabled:
         report = run_warmup(backend, config)
         log.info("%s", report.summary())
-        phases.done("warmup")
+        phases.done("warmup", getattr(backend, "warmup_phases", {}))
     # What requests read of the tokenizer, read once (a walk over its vocabulary).
     tokenizer_facts(tokenizer)
     phases.done("tokenizer facts")
@@ -276,20 +276,31 @@ def image_processor(model_dir: Path) -> ImageProcessor:
 
 
 class StartupTimes:
-    """Where start-up's time went: seconds per phase, for its log line."""
+    """Where start-up's time went: seconds per phase, and of its parts where the phase
+    knows them (the backend's profiling forward within load; warmup's attention race,
+    compile, plan and graphs), for its log line."""
 
     def __init__(self) -> None:
         self._last = time.perf_counter()
         self.phases: list[tuple[str, float]] = []
+        self.parts: dict[str, dict[str, float]] = {}
 
-    def done(self, phase: str) -> None:
-        """`phase` ended now (it began when the one before it ended)."""
+    def done(self, phase: str, parts: dict[str, float] | None = None) -> None:
+        """`phase` ended now (it began when the one before it ended); `parts`: seconds of
+        what it did, within its own."""
         now = time.perf_counter()
         self.phases.append((phase, now - self._last))
+        if parts := {k: v for k, v in (parts or {}).items() if v > 0}:
+            self.parts[phase] = dict(parts)
         self._last = now
 
     def __str__(self) -> str:
-        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
+        def line(phase: str, seconds: float) -> str:
+            parts = self.parts.get(phase)
+            inner = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) if parts else ""
+            return f"{phase} {seconds:.2f} s" + (f" ({inner})" if inner else "")
+
+        return ", ".join(line(phase, seconds) for phase, seconds in self.phases)
 
 
 def prepare_grammars(engine: Engine) -> None:

@@ -112,7 +112,7 @@ def test_packaged_decode_gives_the_eager_tokens_and_a_second_start_loads_it(
     assert decode is not None and decode.packages is not None and not decode.packaged()
     first.warmup(4, 16)
     assert decode.packaged() and first.runtime()["compiled_decode"] == ["1", "2-4"]
-    assert first.compile_state == "ready"
+    assert first.compile_state == "ready" and set(first.warmup_phases) == {"compile", "plan"}
     steps = decode.eager_steps
     assert [greedy(first, [p], NEW)[0] for p in PROMPTS] == reference
     assert greedy(first, PROMPTS, NEW) == reference
@@ -125,7 +125,7 @@ def test_packaged_decode_gives_the_eager_tokens_and_a_second_start_loads_it(
     second = backend(model_dir, tmp_path)
     assert second.compiled is not None and second.compiled.packages == decode.packages
     second.warmup(4, 16)
-    assert second.compile_state == "ready"
+    assert second.compile_state == "ready" and "compile" in second.warmup_phases
     assert greedy(second, PROMPTS, NEW) == reference
 
 

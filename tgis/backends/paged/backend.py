@@ -204,6 +204,8 @@ class PagedTorchBackend:
         # What runs over the pool.
         self.build_recipe = build
         self.background: BackgroundBuild | None = None
+        # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
+        self.warmup_phases: dict[str, float] = {}
         if compile:
             self.compiled = CompiledDecode(self.path, max_sequences, packages, autotune)
         if graphs:
@@ -527,6 +529,7 @@ class PagedTorchBackend:
         could fill (`most` tokens, whole blocks each). Either way no layer's tensor of the
         pool (with `spare_blocks` more) outgrows 32-bit indexing."""
         self._memory_tokens: int | None = None
+        self.profile_s = 0.0  # the profiling forward's seconds (none: 0)
         fraction = self.traits.kv_memory_fraction if fraction is None else fraction
         whole = -(-most // self.block_size) * self.block_size
         memory = self.traits.memory
@@ -534,7 +537,9 @@ class PagedTorchBackend:
             source = f"--max-batch-total-tokens {kv_tokens}"
             budget = kv_tokens
         elif memory is not None:
+            start = time.perf_counter()
             free = max(0, self._free_after_peak(memory, fraction) - reserved)
+            self.profile_s = time.perf_counter() - start
             source = f"{fraction:.0%} of the device less weights and the prefill peak"
             self._memory_tokens = free // per_token
             budget = min(self._memory_tokens, whole)
@@ -807,7 +812,19 @@ class PagedTorchBackend:
             if on_shape is not None:
                 on_shape(timings[-1])
 
+        phases = self.warmup_phases
+        phases.clear()
+        clock = time.perf_counter()
+
+        def done(phase: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[phase] = phases.get(phase, 0.0) + now - clock
+            clock = now
+
         self._race_attention()
+        if self.race_times:
+            done("attention race")
         if self.compiled is not None:
             rows = max(shape.rows for shape in plan if shape.phase == "decode")
             self.compiled.load_packages()
@@ -816,7 +833,9 @@ class PagedTorchBackend:
             else:
                 for batch in (g for g in GRAPHS if g <= rows):
                     timed(batch, self.compiled.compile)
+            done("compile")
         timings += run_plan(plan, self.run_shape, on_shape)
+        done("plan")
         if self.graphs is not None:
             for bucket in sorted(self.graphs.buckets, reverse=True):
                 try:
@@ -824,6 +843,7 @@ class PagedTorchBackend:
                 except RuntimeError as exc:
                     self._graph_capture_failed(bucket, exc)
                     break
+            done("graphs")
         return timings
 
     def _build_in_background(self) -> None:
