@@ -43,9 +43,10 @@ def backend(model_dir: Path, root: Path, compile: bool = True, **kw: object) -> 
         model_dir,
         "cpu",
         max_sequences=4,
-        max_sequence_tokens=64,
+        # Longer than the build process's 8-block pool floor: it must hold one sequence.
+        max_sequence_tokens=256,
         max_prefill_tokens=64,
-        kv_tokens=512,
+        kv_tokens=1024,
         compile=compile,
         compile_cache=root,
         autotune=False,

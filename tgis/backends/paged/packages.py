@@ -214,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_sequences=max(GRAPHS),
         max_sequence_tokens=args.max_sequence_tokens,
         max_prefill_tokens=args.block_size,
-        kv_tokens=args.block_size * 8,
+        # A pool that holds one sequence (the compiling steps use a scratch pool of their own).
+        kv_tokens=args.block_size * max(8, -(-args.max_sequence_tokens // args.block_size)),
         block_size=args.block_size,
         compile=True,
         packages=store,
