@@ -345,11 +345,16 @@ def backend_runtime(backend: Backend | PagedBackend) -> dict[str, Any]:
 
 def service_info(service: Service) -> ModelInfo:
     """`/info` of a loaded service: the backend's dtype, the KV budget it holds, the model's
-    kind (an encoder-decoder model is a text2text-generation one)."""
+    kind (an encoder-decoder model is a text2text-generation one), and how it runs, kept
+    current where the backend says it changed (its compiled decode built meanwhile)."""
     from tgis.server.info import ModelInfo
 
     capacity = service.backend.capacity
     dtype = getattr(service.backend, "dtype", None)
+    runtime = backend_runtime(service.backend)
+    watch = getattr(service.backend, "watch_runtime", None)
+    if watch is not None:
+        watch(runtime.update)
     return ModelInfo.from_config(
         service.config,
         model_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
@@ -359,7 +364,7 @@ def service_info(service: Service) -> ModelInfo:
         model_pipeline_tag="text2text-generation"
         if capacity.encoder_decoder
         else "text-generation",
-        runtime=backend_runtime(service.backend),
+        runtime=runtime,
         images=capacity.images,
     )
 

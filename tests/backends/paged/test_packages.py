@@ -139,6 +139,8 @@ def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
     server = backend(model_dir, tmp_path, compile_in_background=True)
     decode = server.compiled
     assert decode is not None
+    told: list[dict[str, object]] = []  # what /info is told (launch.service_info)
+    server.watch_runtime(told.append)
     server.warmup(4, 16)
     assert server.compile_state == "building" and decode.graphs == []
     assert greedy(server, PROMPTS, NEW) == reference  # eagerly, while it builds
@@ -146,6 +148,9 @@ def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
     server.background.join(timeout=300)
     assert server.compile_state == "ready", server.background.log.read_text()[-2000:]
     assert decode.graphs == ["1", "2-4"] and decode.packaged()
+    assert [(t["compiled_decode_state"], t["compiled_decode"]) for t in told] == [
+        ("ready", ["1", "2-4"])
+    ]
     steps = decode.eager_steps
     assert greedy(server, PROMPTS, NEW) == reference
     assert decode.eager_steps == steps
@@ -160,9 +165,12 @@ def test_a_build_that_fails_leaves_the_server_eager_and_says_where_to_look(
 
     monkeypatch.setattr(BuildRecipe, "command", failing)
     server = backend(model_dir, tmp_path, compile_in_background=True)
+    told: list[dict[str, object]] = []
+    server.watch_runtime(told.append)
     server.warmup(4, 16)
     assert server.background is not None
     server.background.join(timeout=60)
     assert server.compile_state == "failed"
+    assert [t["compiled_decode_state"] for t in told] == ["failed"]
     assert "out of memory" in server.background.log.read_text()
     assert greedy(server, PROMPTS, NEW) == reference

@@ -204,6 +204,8 @@ class PagedTorchBackend:
         # What runs over the pool.
         self.build_recipe = build
         self.background: BackgroundBuild | None = None
+        # Called with `runtime()` when it changes after start-up (a build in the background).
+        self._runtime_watchers: list[Callable[[dict[str, Any]], None]] = []
         # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
         self.warmup_phases: dict[str, float] = {}
         if compile:
@@ -860,8 +862,11 @@ class PagedTorchBackend:
                     code,
                     store.log,
                 )
-                return
-            compiled.load_packages()
+            else:
+                compiled.load_packages()
+            runtime = self.runtime()
+            for watcher in self._runtime_watchers:
+                watcher(runtime)
 
         self.background = BackgroundBuild(recipe.command(store, compiled.autotune), store.log, done)
         self.background.start()
@@ -870,6 +875,11 @@ class PagedTorchBackend:
             "eagerly until it is ready",
             store.log,
         )
+
+    def watch_runtime(self, watcher: Callable[[dict[str, Any]], None]) -> None:
+        """Call `watcher` with `runtime()` whenever it changes after start-up (the compiled
+        decode built in the background, or its build failed): what /info shows follows."""
+        self._runtime_watchers.append(watcher)
 
     def close(self) -> None:
         """The server stops: a build in its own process stops too (the packages it finished
