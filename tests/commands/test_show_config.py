@@ -34,3 +34,24 @@ def test_short_values_stay_in_the_table() -> None:
     row = next(line for line in text.splitlines() if line.startswith("│ model_id"))
     assert "gpt2" in row and len("gpt2") <= LONG_VALUE
     assert "model_id:" not in text
+
+
+def test_the_compiled_decode_by_default_is_said_where_it_applies() -> None:
+    """Unset --compile: the paged engine on one CPU compiles its decode, and --check says so;
+    --no-compile, or a design that does not compile by default, says nothing of it."""
+    from tgis.backends.choose import choose_backend
+
+    llama = ModelFacts(
+        "llama", 2048, config={"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    )
+
+    def text(**flags: object) -> str:
+        config = build_serve_config(LauncherArgs(backend="cpu", **flags), llama, {})
+        console = Console(record=True, width=200)
+        render_config(console, config, choose_backend(config, llama))
+        return console.export_text()
+
+    assert "decode: compiled (the default here" in text()
+    assert "decode:" not in text(compile=False)
+    assert "decode:" not in text(compile=True)  # asked for: the table says so
+    assert "decode:" not in text(model_impl="transformers")

@@ -55,5 +55,13 @@ def render_config(
         console.print(f"[bold]{key}[/]: {escape(text)}", soft_wrap=True, highlight=False)
     if choice is not None:
         console.print(f"[bold]engine[/]: {escape(choice.describe())}", soft_wrap=True)
+        from tgis.backends.choose import compiled_decode
+
+        if config.compile is None and compiled_decode(config, choice):
+            console.print(
+                "[bold]decode[/]: compiled (the default here: a first start decodes eagerly "
+                "while its graphs compile in a process of its own; --no-compile opts out)",
+                soft_wrap=True,
+            )
     for note in config.notes:
         console.print(f"[cyan]note:[/] {escape(note)}")
