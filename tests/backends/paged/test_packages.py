@@ -174,3 +174,24 @@ def test_a_build_that_fails_leaves_the_server_eager_and_says_where_to_look(
     assert [t["compiled_decode_state"] for t in told] == ["failed"]
     assert "out of memory" in server.background.log.read_text()
     assert greedy(server, PROMPTS, NEW) == reference
+
+
+def test_a_failed_build_is_kept_so_later_starts_serve_eagerly_at_once(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """The build process keeps its failure in the store; a later start reads it, starts no
+    build and decodes eagerly from the start (`failed`); a package saved clears it."""
+    assert packages_module.main([str(tmp_path / "no-model"), "--store", str(tmp_path / "s"),
+                                 "--block-size", "16", "--max-sequence-tokens", "64"]) == 1  # fmt: skip
+    failure = PackageStore(tmp_path / "s").failure
+    assert failure is not None and "no-model" in failure
+    server = backend(model_dir, tmp_path, compile_in_background=True)
+    assert server.compiled is not None and server.compiled.packages is not None
+    store = server.compiled.packages
+    store.fail("RuntimeError: the export met an op it cannot trace")
+    server.warmup(4, 16)
+    assert server.background is None and server.compile_state == "failed"
+    assert server.compile_failure is not None and "cannot trace" in server.compile_failure
+    assert greedy(server, PROMPTS, NEW) == reference
+    store.save(1, lambda path: path.write_bytes(b"a package"))
+    assert store.failure is None

@@ -206,6 +206,8 @@ class PagedTorchBackend:
         self.background: BackgroundBuild | None = None
         # Called with `runtime()` when it changes after start-up (a build in the background).
         self._runtime_watchers: list[Callable[[dict[str, Any]], None]] = []
+        # Why an earlier build of the compiled decode's packages failed (the store keeps it).
+        self.compile_failure: str | None = None
         # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
         self.warmup_phases: dict[str, float] = {}
         if compile:
@@ -377,7 +379,7 @@ class PagedTorchBackend:
             return "ready"
         if self.background is not None:
             return "building" if self.background.running else "failed"
-        return "eager"
+        return "failed" if self.compile_failure is not None else "eager"
 
     def _packing(self, requested: bool | None, compile: bool, model: PreTrainedModel) -> bool:
         """Whether the projections run over oneDNN-packed weights (common/gemm.py), and
@@ -850,10 +852,22 @@ class PagedTorchBackend:
 
     def _build_in_background(self) -> None:
         """Start the process that builds the missing packages; decode runs eagerly until it
-        ends, then through the packages it built (loaded on its watcher's thread)."""
+        ends, then through the packages it built (loaded on its watcher's thread). Where the
+        store keeps an earlier build's failure, decode stays eager without trying again (`tgis
+        warmup` builds in the foreground and shows why, or the store's folder removed)."""
         compiled, recipe = self.compiled, self.build_recipe
         assert compiled is not None and compiled.packages is not None and recipe is not None
         store = compiled.packages
+        if (failure := store.failure) is not None:
+            self.compile_failure = failure
+            logger.warning(
+                "the compiled decode's last build failed (%s; log: %s): decode stays eager; "
+                "`tgis warmup` with these flags builds it again, or remove %s",
+                failure.strip().splitlines()[-1] if failure.strip() else "no reason kept",
+                store.log,
+                store.directory,
+            )
+            return
 
         def done(code: int) -> None:
             if code != 0:

@@ -125,6 +125,18 @@ class PackageStore:
         """The build process's output."""
         return self.directory / "build.log"
 
+    @property
+    def failure(self) -> str | None:
+        """Why the last build for this store failed (its error, kept so that later starts
+        do not spend minutes failing again), or None."""
+        path = self.directory / "failed"
+        return path.read_text(errors="replace") if path.is_file() else None
+
+    def fail(self, why: str) -> None:
+        """Keep `why` the build failed (see `failure`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "failed").write_text(why)
+
     def save(self, graph: int, write: Callable[[Path], None]) -> Path:
         """Write graph's package through `write(path)` to a temporary name, then move it in
         place: a reader never sees half a package, and two builders do not mix theirs."""
@@ -136,6 +148,7 @@ class PackageStore:
             os.replace(partial, final)
         finally:
             partial.unlink(missing_ok=True)
+        (self.directory / "failed").unlink(missing_ok=True)  # a build that ends well
         return final
 
 
@@ -187,12 +200,7 @@ class BackgroundBuild:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The build process: load the model as the server does and compile every graph into the
-    store (exit 0 when all are there)."""
-    from tgis.backends.common.kv import kv_dtype
-    from tgis.backends.common.quant import Quantization
-    from tgis.backends.paged.backend import PagedTorchBackend
-    from tgis.backends.paged.compile import GRAPHS
-
+    store (exit 0 when all are there; a failure is kept in the store, `PackageStore.fail`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--store", type=Path, required=True)
@@ -206,6 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     store = PackageStore(args.store)
+    try:
+        return _build(args, store)
+    except Exception as exc:  # kept: later starts serve eagerly without trying again
+        logger.exception("building the compiled decode failed")
+        store.fail(f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+def _build(args: argparse.Namespace, store: PackageStore) -> int:
+    """`main`'s build: every graph of GRAPHS into `store`."""
+    from tgis.backends.common.kv import kv_dtype
+    from tgis.backends.common.quant import Quantization
+    from tgis.backends.paged.backend import PagedTorchBackend
+    from tgis.backends.paged.compile import GRAPHS
+
     quantization = Quantization(args.quantize, args.group_size) if args.quantize else None
     backend = PagedTorchBackend.load(
         args.model_dir,
