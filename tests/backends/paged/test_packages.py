@@ -14,6 +14,7 @@ import pytest
 
 from tests.backends.paged_driver import greedy
 from tests.factories import make_model_dir
+from tgis.backends.paged import build as build_module
 from tgis.backends.paged import packages as packages_module
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.compile import CompiledDecode
@@ -181,7 +182,7 @@ def test_a_failed_build_is_kept_so_later_starts_serve_eagerly_at_once(
 ) -> None:
     """The build process keeps its failure in the store; a later start reads it, starts no
     build and decodes eagerly from the start (`failed`); a package saved clears it."""
-    assert packages_module.main([str(tmp_path / "no-model"), "--store", str(tmp_path / "s"),
+    assert build_module.main([str(tmp_path / "no-model"), "--store", str(tmp_path / "s"),
                                  "--block-size", "16", "--max-sequence-tokens", "64"]) == 1  # fmt: skip
     failure = PackageStore(tmp_path / "s").failure
     assert failure is not None and "no-model" in failure

@@ -1,0 +1,74 @@
+"""The process that builds a store's packages (paged/packages.py): `python -m
+tgis.backends.paged.build MODEL_DIR --store DIR ...` loads the model as the server did and
+compiles every decode graph into the store; a failure is kept there (`PackageStore.fail`), so
+that later starts decode eagerly at once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tgis.backends.paged.packages import PackageStore
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The build process: load the model as the server does and compile every graph into the
+    store (exit 0 when all are there; a failure is kept in the store, `PackageStore.fail`)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].strip())
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--store", type=Path, required=True)
+    parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--max-sequence-tokens", type=int, required=True)
+    parser.add_argument("--dtype")
+    parser.add_argument("--quantize")
+    parser.add_argument("--group-size", type=int)
+    parser.add_argument("--kv-cache-dtype")
+    parser.add_argument("--no-autotune", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    store = PackageStore(args.store)
+    try:
+        return _build(args, store)
+    except Exception as exc:  # kept: later starts serve eagerly without trying again
+        logger.exception("building the compiled decode failed")
+        store.fail(f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+def _build(args: argparse.Namespace, store: PackageStore) -> int:
+    """`main`'s build: every graph of GRAPHS into `store`."""
+    from tgis.backends.common.kv import kv_dtype
+    from tgis.backends.common.quant import Quantization
+    from tgis.backends.paged.backend import PagedTorchBackend
+    from tgis.backends.paged.compile import GRAPHS
+
+    quantization = Quantization(args.quantize, args.group_size) if args.quantize else None
+    backend = PagedTorchBackend.load(
+        args.model_dir,
+        "cpu",
+        args.dtype,
+        max_sequences=max(GRAPHS),
+        max_sequence_tokens=args.max_sequence_tokens,
+        max_prefill_tokens=args.block_size,
+        # A pool that holds one sequence (the compiling steps use a scratch pool of their own).
+        kv_tokens=args.block_size * max(8, -(-args.max_sequence_tokens // args.block_size)),
+        block_size=args.block_size,
+        compile=True,
+        packages=store,
+        autotune=not args.no_autotune,
+        quantization=quantization,
+        kv_cache_dtype=kv_dtype(args.kv_cache_dtype),
+    )
+    assert backend.compiled is not None
+    for graph in GRAPHS:
+        backend.compiled.compile(graph)
+    return 0 if all(store.has(graph) for graph in GRAPHS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
