@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +213,27 @@ def build_service(
     draft = load_draft_model(config, tokenizer) if config.draft_model else None
     backend = load_backend(config, model_dir, choice, draft.kv_bytes_per_token if draft else 0)
     phases.done("load", {"profile": getattr(backend, "profile_s", 0.0)})
+    try:
+        return _serve_over(config, model_dir, backend, tokenizer, draft, phases, observer,
+                           start_engine)  # fmt: skip
+    except BaseException:  # its other processes (shards, a compile build) end with it
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+        raise
+
+
+def _serve_over(
+    config: ServeConfig,
+    model_dir: Path,
+    backend: Backend | PagedBackend,
+    tokenizer: Any,
+    draft: DraftModel | None,
+    phases: StartupTimes,
+    observer: Any,
+    start_engine: bool,
+) -> Service:
+    """`build_service` once the backend is loaded: warmup, the engine and its stores."""
     capacity = backend.capacity
     kv_tokens = check_kv_budget(config, capacity.kv_tokens)
     report = None
@@ -354,7 +376,15 @@ def service_info(service: Service) -> ModelInfo:
     runtime = backend_runtime(service.backend)
     watch = getattr(service.backend, "watch_runtime", None)
     if watch is not None:
-        watch(runtime.update)
+        lock = threading.Lock()
+
+        def refresh(_: object = None) -> None:
+            # Read and written under one lock: whichever runs last writes the latest state.
+            with lock:
+                runtime.update(service.backend.runtime())  # type: ignore[union-attr]
+
+        watch(refresh)
+        refresh()  # a change before the watch was set
     return ModelInfo.from_config(
         service.config,
         model_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,

@@ -133,7 +133,8 @@ def load_backend(
         max_total_tokens=total,
         max_batch_prefill_tokens=max_batch * prompt_tokens,
         max_batch_total_tokens=max_batch * -(-total // MAX_BLOCK) * MAX_BLOCK,
-        compile=compile or None,
+        # The engine decodes as asked: --compile builds (or loads) its graphs before measuring.
+        compile=compile,
         num_shard=num_shard,
         master_port=free_port() if num_shard > 1 else None,
         model_impl=model_impl,
@@ -141,7 +142,9 @@ def load_backend(
         kv_cache_dtype=kv_cache_dtype,
     )
     config = build_serve_config(args, facts, {}, detect_backend)
-    backend = load_chosen(config, model_dir, choose_backend(config, facts))
+    backend = load_chosen(
+        config, model_dir, choose_backend(config, facts), compile_in_background=False
+    )
     try:
         run_warmup(backend, config)
     except BaseException:

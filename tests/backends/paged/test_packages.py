@@ -196,3 +196,37 @@ def test_a_failed_build_is_kept_so_later_starts_serve_eagerly_at_once(
     assert greedy(server, PROMPTS, NEW) == reference
     store.save(1, lambda path: path.write_bytes(b"a package"))
     assert store.failure is None
+
+
+def test_a_package_that_does_not_load_is_removed_and_decode_stays_eager(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad copy in the store (truncated, or from elsewhere) does not stop the start: it is
+    removed, decode runs eagerly, and the build that would replace it starts."""
+    started: list[list[str]] = []
+
+    def recorded(self: BuildRecipe, store: PackageStore, autotune: bool = True) -> list[str]:
+        started.append([str(store.directory)])
+        return [sys.executable, "-c", "raise SystemExit(3)"]
+
+    monkeypatch.setattr(BuildRecipe, "command", recorded)
+    server = backend(model_dir, tmp_path, compile_in_background=True)
+    assert server.compiled is not None and server.compiled.packages is not None
+    store = server.compiled.packages
+    for graph in (1, 2):
+        store.save(graph, lambda path: path.write_bytes(b"not a package"))
+    server.warmup(4, 16)
+    assert not store.has(1) and not store.has(2) and started
+    assert server.compiled.graphs == []
+    assert greedy(server, PROMPTS, NEW) == reference
+
+
+def test_the_build_process_is_told_the_pool_dtype_as_torch_names_it(tmp_path: Path) -> None:
+    """A float8 KV pool's recipe names its dtype so that the build process finds it."""
+    import torch
+
+    store = PackageStore(tmp_path)
+    pool = str(torch.float8_e4m3fn).removeprefix("torch.")
+    command = recipe(tmp_path, kv_cache_dtype=pool).command(store)
+    value = command[command.index("--kv-cache-dtype") + 1]
+    assert getattr(torch, value) is torch.float8_e4m3fn

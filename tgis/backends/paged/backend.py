@@ -870,17 +870,19 @@ class PagedTorchBackend:
             return
 
         def done(code: int) -> None:
-            if code != 0:
-                logger.warning(
-                    "building the compiled decode failed (exit %d; see %s): decode stays eager",
-                    code,
-                    store.log,
-                )
-            else:
-                compiled.load_packages()
-            runtime = self.runtime()
-            for watcher in self._runtime_watchers:
-                watcher(runtime)
+            try:
+                if code == 0:
+                    compiled.load_packages()
+                elif not (self.background is not None and self.background.stopped):
+                    logger.warning(
+                        "building the compiled decode failed (exit %d; see %s): decode stays eager",
+                        code,
+                        store.log,
+                    )
+            finally:
+                runtime = self.runtime()
+                for watcher in self._runtime_watchers:
+                    watcher(runtime)
 
         self.background = BackgroundBuild(recipe.command(store, compiled.autotune), store.log, done)
         self.background.start()

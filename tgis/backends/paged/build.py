@@ -7,13 +7,29 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tgis.backends.paged.packages import PackageStore
+from tgis.backends.paged.packages import PARENT_VARIABLE, PackageStore
 
 logger = logging.getLogger(__name__)
+
+
+def end_with_parent() -> None:
+    """SIGTERM this process when the server that started it ends, however it ends (Linux),
+    so that no build outlives it; a server already gone ends it now."""
+    parent = os.environ.get(PARENT_VARIABLE)
+    if parent is None or sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit(143)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     store = PackageStore(args.store)
+    # Stopped by the server: unwind, so that no partial package is left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    end_with_parent()
     try:
         return _build(args, store)
     except Exception as exc:  # kept: later starts serve eagerly without trying again
@@ -42,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _build(args: argparse.Namespace, store: PackageStore) -> int:
     """`main`'s build: every graph of GRAPHS into `store`."""
-    from tgis.backends.common.kv import kv_dtype
+    import torch
+
     from tgis.backends.common.quant import Quantization
     from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.backends.paged.compile import GRAPHS
@@ -62,11 +82,12 @@ def _build(args: argparse.Namespace, store: PackageStore) -> int:
         packages=store,
         autotune=not args.no_autotune,
         quantization=quantization,
-        kv_cache_dtype=kv_dtype(args.kv_cache_dtype),
+        # The pool's dtype as torch names it (float8_e4m3fn, ...).
+        kv_cache_dtype=getattr(torch, args.kv_cache_dtype) if args.kv_cache_dtype else None,
     )
     assert backend.compiled is not None
     for graph in GRAPHS:
-        backend.compiled.compile(graph)
+        backend.compiled.build(graph)
     return 0 if all(store.has(graph) for graph in GRAPHS) else 1
 
 

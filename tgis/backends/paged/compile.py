@@ -192,7 +192,13 @@ class CompiledDecode:
         loaded = []
         for graph in GRAPHS:
             if graph not in self._loaded and self.packages.has(graph):
-                runner = torch._inductor.aoti_load_package(str(self.packages.path(graph)))
+                path = self.packages.path(graph)
+                try:
+                    runner = torch._inductor.aoti_load_package(str(path))
+                except Exception:  # a bad copy: decode stays eager, a new build replaces it
+                    logger.exception("loading %s failed; it is removed", path)
+                    path.unlink(missing_ok=True)
+                    continue
                 self._loaded[graph] = runner
                 loaded.append(graph)
                 logger.info("decode of batch %s loaded from %s", self._label(graph),
@@ -250,8 +256,7 @@ class CompiledDecode:
         marked dynamic, so later steps do not specialise them."""
         graph = max(g for g in GRAPHS if g <= batch)
         if self.packages is not None:
-            if not self.packages.has(graph):
-                self._package(graph)
+            self.build(graph)
             self.load_packages()
             return
         pool = self.path.pool
@@ -271,6 +276,12 @@ class CompiledDecode:
         self._graphs.add(graph)
         logger.info("decode of batch %s compiled", self._label(graph))
 
+    def build(self, graph: int) -> None:
+        """Put `graph`'s package in the store unless it is there (not loaded here)."""
+        assert self.packages is not None
+        if not self.packages.has(graph):
+            self._package(graph)
+
     def _package(self, graph: int) -> None:
         """Export `graph` over a scratch pool of a few blocks (the pool's length is one of the
         package's free sizes, as the batch from 2 up and the KV length are) and compile it
@@ -285,7 +296,8 @@ class CompiledDecode:
         inputs, _ = self._dummy(batch, scratch, (keys, values))
         rows = torch.export.Dim("rows", min=2, max=PACKAGE_ROWS) if graph > 1 else None
         length = torch.export.Dim("kv_length", min=2, max=1 << 24)
-        gathered = torch.export.Dim("gathered", min=2, max=1 << 30)
+        # One page of one KV head at batch 1 (an MQA model's first decode) gathers one block.
+        gathered = torch.export.Dim("gathered", min=1, max=1 << 30)
         blocks = torch.export.Dim("blocks", min=2, max=1 << 30)
         row = {0: rows} if rows is not None else {}
         dynamic = (

@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 # The layout of a store and of what its packages take; a change makes earlier stores unused.
 FORMAT = 1
+# The build process's environment names its server's pid here (it ends with the server).
+PARENT_VARIABLE = "TGIS_BUILD_PARENT"
 # The model files whose content the packages fold in (fingerprinted by name, size, time).
 _MODEL_FILES = ("config.json", "*.safetensors", "*.bin")
 
@@ -92,6 +95,30 @@ def model_fingerprint(model_dir: Path) -> list[tuple[str, int, int]]:
     return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in found)
 
 
+def cpu_identity() -> list[str]:
+    """What the packages' machine code depends on: the architecture, torch's vector ISA and
+    inductor's, and the CPU's model and flags (inductor compiles for this CPU, -march=native:
+    a package built on another CPU of the same ISA name may not run here)."""
+    from torch._inductor import cpu_vec_isa
+
+    model, flags = "", ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
+    return [
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+        str(cpu_vec_isa.pick_vec_isa()),
+        model,
+        flags,
+    ]
+
+
 @dataclass(frozen=True)
 class PackageStore:
     """One folder of packages, by graph (paged/compile.py's GRAPHS)."""
@@ -105,7 +132,9 @@ class PackageStore:
             "format": FORMAT,
             "tgis": tgis.__version__,
             "torch": torch.__version__,
-            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu_identity(),
+            # Inductor's CPU GEMMs bake the thread count into their blocking.
+            "threads": torch.get_num_threads(),
             "model": model_fingerprint(recipe.model_dir),
             "recipe": {k: str(v) for k, v in asdict(recipe).items() if k != "model_dir"},
         }
@@ -159,12 +188,17 @@ class BackgroundBuild:
         self.command, self.log, self.on_done = list(command), log, on_done
         self._process: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
+        self.stopped = False  # `stop` ended it (the server is stopping)
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("wb") as out:
             self._process = subprocess.Popen(
-                self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, PARENT_VARIABLE: str(os.getpid())},
             )
         self._thread = threading.Thread(target=self._wait, name="tgis-compile-wait", daemon=True)
         self._thread.start()
@@ -183,6 +217,7 @@ class BackgroundBuild:
 
     def stop(self) -> None:
         """End the build (the server is stopping); what it finished stays in the store."""
+        self.stopped = True
         if self.running:
             assert self._process is not None
             self._process.terminate()
