@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int)
     parser.add_argument("--kv-cache-dtype")
     parser.add_argument("--no-autotune", action="store_true")
+    parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     store = PackageStore(args.store)
@@ -67,6 +68,8 @@ def _build(args: argparse.Namespace, store: PackageStore) -> int:
     from tgis.backends.paged.backend import PagedTorchBackend
     from tgis.backends.paged.compile import GRAPHS
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     quantization = Quantization(args.quantize, args.group_size) if args.quantize else None
     backend = PagedTorchBackend.load(
         args.model_dir,

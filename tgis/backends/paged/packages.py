@@ -78,6 +78,8 @@ class BuildRecipe:
         args = [sys.executable, "-m", "tgis.backends.paged.build", str(self.model_dir)]
         args += ["--store", str(store.directory), "--block-size", str(self.block_size)]
         args += ["--max-sequence-tokens", str(self.max_sequence_tokens)]
+        # The server's thread count, which the store's key holds and the GEMMs are built for.
+        args += ["--threads", str(torch.get_num_threads())]
         for flag, value in (
             ("--dtype", self.dtype),
             ("--quantize", self.quantize),
