@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tgis.backends.paged.packages import PARENT_VARIABLE, PackageStore
+from tgis.config import default_env
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 def end_with_parent() -> None:
     """SIGTERM this process when the server that started it ends, however it ends (Linux),
     so that no build outlives it; a server already gone ends it now."""
-    parent = os.environ.get(PARENT_VARIABLE)
+    parent = default_env().get(PARENT_VARIABLE)
     if parent is None or sys.platform != "linux":
         return
     import ctypes

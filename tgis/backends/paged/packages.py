@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 import tgis
+from tgis.config import default_env
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,7 @@ class BackgroundBuild:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, PARENT_VARIABLE: str(os.getpid())},
+                env={**default_env(), PARENT_VARIABLE: str(os.getpid())},
             )
         self._thread = threading.Thread(target=self._wait, name="tgis-compile-wait", daemon=True)
         self._thread.start()
