@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tgis.backends.common.warmup import PhaseClock
 from tgis.config import ServeConfig, check_kv_budget
 from tgis.engine.backend import Backend, BackendCapacity, PagedBackend
 from tgis.engine.detokenize import tokenizer_facts
@@ -303,18 +303,15 @@ class StartupTimes:
     compile, plan and graphs), for its log line."""
 
     def __init__(self) -> None:
-        self._last = time.perf_counter()
-        self.phases: list[tuple[str, float]] = []
+        self.clock = PhaseClock()
         self.parts: dict[str, dict[str, float]] = {}
 
     def done(self, phase: str, parts: dict[str, float] | None = None) -> None:
         """`phase` ended now (it began when the one before it ended); `parts`: seconds of
         what it did, within its own."""
-        now = time.perf_counter()
-        self.phases.append((phase, now - self._last))
+        self.clock.done(phase)
         if parts := {k: v for k, v in (parts or {}).items() if v > 0}:
             self.parts[phase] = dict(parts)
-        self._last = now
 
     def __str__(self) -> str:
         def line(phase: str, seconds: float) -> str:
@@ -322,7 +319,7 @@ class StartupTimes:
             inner = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) if parts else ""
             return f"{phase} {seconds:.2f} s" + (f" ({inner})" if inner else "")
 
-        return ", ".join(line(phase, seconds) for phase, seconds in self.phases)
+        return ", ".join(line(phase, seconds) for phase, seconds in self.clock.seconds.items())
 
 
 def prepare_grammars(engine: Engine) -> None:

@@ -393,8 +393,8 @@ class SamplingBatch:
         some = [i for i, s in enumerate(sampled) if s]
         # On a CPU only the sampled rows draw (and count their rank); queued, every row does,
         # so that no row list goes up to the device.
-        subset = bool(some) and len(some) < len(sampled) and not self._queued(device)
-        if some and subset:
+        subset = 0 < len(some) < len(sampled) and not self._queued(device)
+        if subset:
             at = torch.tensor(some)
             next_ids = scores.argmax(dim=-1)
             states = torch.tensor([self.rows[i].draw_state() for i in some], dtype=torch.long)

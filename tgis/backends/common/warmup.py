@@ -4,6 +4,7 @@ a serving step that still compiles (a shape warmup missed, paid for by a request
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from tgis.engine.backend import Shape, ShapeTiming
@@ -50,6 +51,21 @@ class CompileWatch:
                 now - self._mark,
             )
             self._mark = now
+
+
+class PhaseClock:
+    """Seconds of consecutive phases: `done(name)` ends one, which began when the one before
+    it ended (or the clock was made); a name done twice adds up. `seconds` keeps them in
+    the order first done."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from tgis.backends.common.graphs import GraphApi
 from tgis.backends.common.kv import kv_bytes_per_token
 from tgis.backends.common.quant_bnb import BNB_METHODS
 from tgis.backends.common.quant_checkpoint import model_quantization
-from tgis.backends.common.warmup import powers_of_two, run_plan
+from tgis.backends.common.warmup import PhaseClock, powers_of_two, run_plan
 from tgis.backends.models.decoder import native_kv_shape
 from tgis.backends.models.mrope import rope_positions
 from tgis.backends.paged.attention import (
@@ -816,16 +816,9 @@ class PagedTorchBackend:
             if on_shape is not None:
                 on_shape(timings[-1])
 
-        phases = self.warmup_phases
-        phases.clear()
-        clock = time.perf_counter()
-
-        def done(phase: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            phases[phase] = phases.get(phase, 0.0) + now - clock
-            clock = now
-
+        clock = PhaseClock()
+        self.warmup_phases = clock.seconds
+        done = clock.done
         self._race_attention()
         if self.race_times:
             done("attention race")
