@@ -23,8 +23,9 @@ _SETTING_OF = {
 }
 
 # Values longer than this (a model path, a list of adapters) are printed whole below the table
+# (an 80-column terminal leaves the value column about 30 when a variable sets something)
 # rather than cut to the terminal's width inside it.
-LONG_VALUE = 40
+LONG_VALUE = 30
 
 
 def render_config(
