@@ -146,15 +146,21 @@ async def closed_loop(
     async def user() -> None:
         while queue:
             record = await client.send(Turn(queue.pop(0), 0, new_tokens))
-            if not record.ok or record.ttft is None:
+            if not record.ok:
                 res.errors += 1
                 kind = f"{record.error}: {record.error_message[:80]}"
                 res.error_kinds[kind] = res.error_kinds.get(kind, 0) + 1
                 continue
-            res.ttft.append(record.ttft)
+            # A server holds back text that is not whole UTF-8 yet (a random model's byte
+            # tokens), so an answer may stream fewer chunks than tokens, or none: its tokens
+            # are the server's own count where it gives one.
+            if record.ttft is not None:
+                res.ttft.append(record.ttft)
             times = record.token_times
             res.itl.extend(b - a for a, b in itertools.pairwise(times))
-            res.output_tokens += record.output_tokens
+            res.output_tokens += (
+                record.usage_tokens if record.usage_tokens is not None else record.output_tokens
+            )
             res.answers += 1
 
     start = time.perf_counter()

@@ -114,3 +114,18 @@ def test_paged_warmup_fits_sequences_shorter_than_its_decode_prompt(demo_model_d
         assert shapes[:2] == [Shape("prefill", 1, 4), Shape("decode", 1, 1)]
     finally:
         service.stop()
+
+
+def test_the_backends_later_model_work_runs_on_the_engines_thread(demo_model_dir: Path) -> None:
+    """What the paged backend does on the model after start-up (its compiled decode's
+    packages loaded and timed when their build ends) is handed to the engine, which runs it
+    between two steps on the thread that runs them: torch keeps one OpenMP team."""
+    import threading
+
+    config = make_config(model_id=str(demo_model_dir), max_concurrent_requests=2)
+    service = build_service(config, demo_model_dir)
+    try:
+        ran_on = service.backend._model_thread(threading.current_thread)  # type: ignore[attr-defined]
+        assert ran_on is not threading.current_thread() and ran_on.name == "tgis-engine"
+    finally:
+        service.engine.stop()

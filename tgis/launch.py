@@ -258,6 +258,8 @@ def _serve_over(
         async_scheduling=config.async_scheduling,
     )
     prepare_grammars(engine)
+    if (run_on := getattr(backend, "run_model_work_on", None)) is not None:
+        run_on(engine.call)  # the backend's later model work, between the engine's steps
     adapters = adapter_store(config, model_dir, backend, engine)
     prefixes = prefix_store(config, model_dir, backend, engine)
     phases.done("engine")

@@ -10,6 +10,11 @@ Device to host: `to_host` starts the copy and returns a `HostCopy`; its values a
 device's only once `wait()` returns (on CUDA the copy lands in pinned memory behind the
 stream's work, and reading it before the stream reaches it reads whatever was there).
 
+A step's many small host tensors (its block tables, slots, masks, token ids) go up together
+(`to_device_all`): their bytes are packed into one staging buffer, pinned on an accelerator,
+which one copy moves; the device tensors are views of that copy. One pinned allocation and one
+copy a step, instead of one of each per tensor.
+
 `COPIES` holds the copies of each device type. Tests put `StaleCopies` under "cpu" to run
 the CPU engine with an accelerator's hazards: the device's tensor is not the host's (a change
 to one after the copy does not reach the other), and a copy down reads stale values until
@@ -18,7 +23,7 @@ waited for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +49,10 @@ class Copies(Protocol):
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...
 
+    def to_device_all(
+        self, hosts: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]: ...
+
     def to_host(self, tensor: torch.Tensor) -> HostCopy: ...
 
 
@@ -53,15 +62,69 @@ class HostCopies:
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
 
+    def to_device_all(
+        self, hosts: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        return list(hosts)
+
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         return HostCopy(tensor)
 
 
+# Each tensor's bytes start at a multiple of this in a staging buffer (any dtype's alignment).
+ALIGN = 16
+
+
+def staging_layout(hosts: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each of `hosts` starts in one staging buffer, in bytes, and the buffer's size."""
+    offsets, total = [], 0
+    for host in hosts:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += host.numel() * host.element_size()
+    return offsets, total
+
+
+def pack(hosts: Sequence[torch.Tensor], staging: torch.Tensor, offsets: Sequence[int]) -> None:
+    """Copy each of `hosts` into the uint8 buffer `staging` at its offset."""
+    for host, at in zip(hosts, offsets, strict=True):
+        size = host.numel() * host.element_size()
+        staging[at : at + size].view(host.dtype).copy_(host.reshape(-1))
+
+
+def unpack(
+    flat: torch.Tensor, hosts: Sequence[torch.Tensor], offsets: Sequence[int]
+) -> list[torch.Tensor]:
+    """Views of the uint8 tensor `flat` (a packed buffer's copy) shaped as each of `hosts`."""
+    return [
+        flat[at : at + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+        for host, at in zip(hosts, offsets, strict=True)
+    ]
+
+
+def _pinned(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
 class AcceleratorCopies:
-    """An accelerator: pinned, non-blocking copies up; a copy down waits for the device."""
+    """An accelerator: pinned, non-blocking copies up; a copy down waits for the device.
+    `staging(size)`: a host uint8 buffer a copy up reads from (pinned; a double in tests)."""
+
+    def __init__(self, staging: Callable[[int], torch.Tensor] = _pinned) -> None:
+        self.staging = staging
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host.pin_memory().to(device, non_blocking=True)
+
+    def to_device_all(
+        self, hosts: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        """`hosts` through one staging buffer and one copy (module doc). PyTorch keeps a
+        pinned block from reuse until the copies that read it are done."""
+        offsets, total = staging_layout(hosts)
+        staging = self.staging(max(total, 1))
+        pack(hosts, staging, offsets)
+        return unpack(staging.to(device, non_blocking=True), hosts, offsets)
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         return HostCopy(tensor.to("cpu"))
@@ -81,13 +144,26 @@ class CudaCopies(AcceleratorCopies):
 class StaleCopies:
     """A CPU standing in for an accelerator's copies (tests): `to_device` gives the device
     its own copy, and `to_host` gives a `HostCopy` whose tensor holds stale values until
-    `wait()`. `fetched` counts the copies down."""
+    `wait()`. `to_device_all` packs as an accelerator does, into a buffer whose bytes between
+    the tensors are scribbled (a view at a wrong offset reads them). `fetched` counts the
+    copies down, `sent` the copies up."""
 
     def __init__(self) -> None:
         self.fetched = 0
+        self.sent = 0
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.sent += 1
         return host.clone()
+
+    def to_device_all(
+        self, hosts: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        self.sent += 1
+        offsets, total = staging_layout(hosts)
+        staging = torch.full((max(total, 1),), 0xFF, dtype=torch.uint8)
+        pack(hosts, staging, offsets)
+        return unpack(staging.clone(), hosts, offsets)
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         self.fetched += 1
@@ -128,6 +204,12 @@ def copies(device: torch.device) -> Copies:
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` (a CPU tensor) on `device`; the caller does not touch `host` after."""
     return copies(device).to_device(host, device)
+
+
+def host_to_device_all(hosts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`hosts` (CPU tensors) on `device` in one copy (module doc); the caller does not touch
+    them after."""
+    return copies(device).to_device_all(hosts, device)
 
 
 def to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -260,10 +260,14 @@ def test_decode_graph_buckets_buffers_and_padding_on_cpu() -> None:
     prompts = [*PROMPTS, (7, 7, 9, 200, 31)]
     # 5 blocks of 4 per sequence (19 tokens at most), out of order and interleaved
     tables = [tuple(range(31 - i, 11, -4)) for i in range(4)]
-    for batch, bucket in ((1, 1), (2, 2), (4, 4), (3, 4)):
+    # Block-table rows sent: only those whose blocks changed (a row's first sequence, the
+    # padding row that replaced the fourth), not every row of every step.
+    for batch, bucket, rows_sent in ((1, 1, 1), (2, 2, 1), (4, 4, 2), (3, 4, 1)):
         api.replays_asked.clear()
+        sent = graphs.table_rows_sent
         assert_decodes_equal(eager, graphed, prompts[:batch], tables, atol=1e-5)
         assert api.replays_asked == [bucket] * NEW  # prefill stays eager
+        assert graphs.table_rows_sent - sent == rows_sent
     # The last step's buffers: 3 sequences in the bucket of 4, at their last positions.
     scratch, size = graphs.scratch_block, pool.block_size
     width = graphs.block_table.shape[1]

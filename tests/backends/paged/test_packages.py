@@ -17,7 +17,7 @@ from tests.factories import make_model_dir
 from tgis.backends.paged import build as build_module
 from tgis.backends.paged import packages as packages_module
 from tgis.backends.paged.backend import PagedTorchBackend
-from tgis.backends.paged.compile import CompiledDecode
+from tgis.backends.paged.compile import PACKAGE_ROWS, RACE_ROWS, CompiledDecode
 from tgis.backends.paged.packages import BuildRecipe, PackageStore, default_root
 
 NEW = 6
@@ -108,7 +108,9 @@ def test_packaged_decode_gives_the_eager_tokens_and_a_second_start_loads_it(
 ) -> None:
     """A first start builds both graphs' packages at warmup; decoding then runs every step
     through them and gives the eager tokens, alone and batched. A second start with the same
-    settings loads them at warmup and compiles nothing."""
+    settings loads them at warmup and compiles nothing. (The race of batch 2 and up against
+    the eager step is the tiny model's noise: here the graph wins it at every batch.)"""
+    monkeypatch.setattr(CompiledDecode, "race_rows", lambda self, graph: (PACKAGE_ROWS, {}))
     first = backend(model_dir, tmp_path)
     decode = first.compiled
     assert decode is not None and decode.packages is not None and not decode.packaged()
@@ -132,16 +134,19 @@ def test_packaged_decode_gives_the_eager_tokens_and_a_second_start_loads_it(
 
 
 def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
-    model_dir: Path, reference: list[list[int]], tmp_path: Path
+    model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the store empty, warmup starts the build in a process of its own and returns:
     decode runs eagerly (the same tokens) until the build ends, then through the packages
     it built, from the next step on."""
+    monkeypatch.setattr(CompiledDecode, "race_rows", lambda self, graph: (PACKAGE_ROWS, {}))
     server = backend(model_dir, tmp_path, compile_in_background=True)
     decode = server.compiled
     assert decode is not None
     told: list[dict[str, object]] = []  # what /info is told (launch.service_info)
     server.watch_runtime(told.append)
+    handed: list[object] = []  # the work handed to the model's thread (the engine's `call`)
+    server.run_model_work_on(lambda work: handed.append(work) or work())
     server.warmup(4, 16)
     assert server.compile_state == "building" and decode.graphs == []
     assert greedy(server, PROMPTS, NEW) == reference  # eagerly, while it builds
@@ -149,6 +154,7 @@ def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
     server.background.join(timeout=300)
     assert server.compile_state == "ready", server.background.log.read_text()[-2000:]
     assert decode.graphs == ["1", "2-4"] and decode.packaged()
+    assert handed == [decode.load_packages]  # loaded and raced between the engine's steps
     assert [(t["compiled_decode_state"], t["compiled_decode"]) for t in told] == [
         ("ready", ["1", "2-4"])
     ]
@@ -156,6 +162,76 @@ def test_a_first_start_serves_eagerly_while_a_process_builds_the_packages(
     assert greedy(server, PROMPTS, NEW) == reference
     assert decode.eager_steps == steps
     server.close()
+
+
+def test_the_batched_graph_serves_the_rows_it_won_and_more_decode_eagerly(
+    model_dir: Path, reference: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the graph of batch 2 and up ran faster than the eager step up to 2 rows as it
+    loaded, a step of two rows runs through it and one of three eagerly, with the same
+    tokens; where it lost at 2, only the batch-1 graph serves."""
+    won = {2: {"graph": 1.0, "eager": 2.0}, 3: {"graph": 2.0, "eager": 1.0}}
+    monkeypatch.setattr(CompiledDecode, "race_rows", lambda self, graph: (2, won))
+    server = backend(model_dir, tmp_path)
+    decode = server.compiled
+    assert decode is not None
+    server.warmup(4, 16)
+    assert decode.rows == 2 and decode.race_seconds == won and decode.graphs == ["1", "2-2"]
+    steps = decode.eager_steps
+    assert greedy(server, PROMPTS[:2], NEW) == reference[:2]
+    assert decode.eager_steps == steps
+    assert greedy(server, PROMPTS, NEW) == reference
+    assert decode.eager_steps >= steps + NEW - 1  # every three-row decode step
+
+    monkeypatch.setattr(CompiledDecode, "race_rows", lambda self, graph: (0, {}))
+    lost = backend(model_dir, tmp_path)
+    assert lost.compiled is not None
+    assert lost.compiled.load_packages() == [1] and lost.compiled.graphs == ["1"]
+    assert greedy(lost, PROMPTS, NEW) == reference
+
+
+def test_the_race_stops_at_the_first_batch_the_eager_step_wins(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`race_rows` times both at RACE_ROWS up to the first batch the eager step wins (or
+    RACE_SECONDS) and answers the last the graph won; the race's eager steps are not counted
+    as serving's."""
+    decode = backend(model_dir, tmp_path).compiled
+    assert decode is not None and decode.max_batch == 4
+    decode.max_batch = 64  # raced up to the server's largest batch
+    now = [0.0]
+
+    def timed(milliseconds: float) -> None:
+        now[0] += milliseconds / 1e3
+
+    def race(graph_ms: object, eager_ms: object) -> tuple[int, dict[int, dict[str, float]]]:
+        monkeypatch.setattr(decode, "_step", lambda ids, *_: timed(eager_ms(len(ids))))  # type: ignore[operator]
+        return decode.race_rows(lambda ids, *_: timed(graph_ms(len(ids))), lambda: now[0])  # type: ignore[operator]
+
+    # A GEMM blocked for a few rows: 1 + rows / 2 against the eager step's 4 + rows / 10.
+    rows, seconds = race(lambda r: 1 + r / 2, lambda r: 4 + r / 10)
+    assert rows == 6 and list(seconds) == [2, 3, 4, 6, 8]
+    assert seconds[8] == {"graph": pytest.approx(5e-3), "eager": pytest.approx(4.8e-3)}
+    rows, seconds = race(lambda r: 1.0, lambda r: 2.0)
+    assert rows == PACKAGE_ROWS and list(seconds) == list(RACE_ROWS)
+    assert race(lambda r: 2.0, lambda r: 1.0)[0] == 0
+    # Past RACE_SECONDS (12 s at 2 rows: 4 runs of each), more rows are not timed.
+    rows, seconds = race(lambda r: 1000.0, lambda r: 2000.0)
+    assert rows == 2 and list(seconds) == [2]
+    monkeypatch.undo()
+
+    # Real steps over the scratch pool, the eager step against itself: only the graph's
+    # calls (here eager ones too) are counted.
+    steps, calls = decode.eager_steps, [0]
+
+    def graph(*inputs: object) -> object:
+        calls[0] += 1
+        return decode._step(*inputs)
+
+    decode.max_batch = 4
+    rows, seconds = decode.race_rows(graph)
+    assert decode.eager_steps == steps + calls[0] and calls[0] == 4 * len(seconds)
+    assert list(seconds) == [2, 3, 4][: len(seconds)]
 
 
 def test_a_build_that_fails_leaves_the_server_eager_and_says_where_to_look(

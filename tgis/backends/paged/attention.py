@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from tgis.backends.common.kv import FLOAT8_KV, to_cache
 from tgis.backends.common.masks import causal_mask
 from tgis.backends.paged.triton_attention import paged_attention_triton
-from tgis.engine.transfer import host_to_device, to_device
+from tgis.engine.transfer import host_to_device_all
 
 
 def pool_shape(
@@ -278,6 +279,8 @@ class StepMetadata:
     fresh_blocks: torch.Tensor | None = None
     # The pages pool is read by tgis's Triton kernels rather than flash attention.
     triton: bool = False
+    # The caller's own tensor (token ids, positions, logit rows) sent up with the step's.
+    inputs: torch.Tensor | None = None
 
 
 def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -298,6 +301,7 @@ def step_metadata(
     flash: bool = False,
     spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     triton: bool = False,
+    inputs: torch.Tensor | None = None,
 ) -> StepMetadata:
     """Metadata of a step whose sequence i computes its last `query_lens[i]` tokens of
     `kv_lens[i]`, its pages listed in `block_tables[i]`. `windows`: the sliding windows the
@@ -305,7 +309,11 @@ def step_metadata(
     the plain-torch path's gather indices need; `flash`: the pool is laid out for flash
     attention (`KVPool.flash`). `spans[i]`: (start, length) position runs of sequence i whose
     rows attend to each other both ways (a Gemma 3 image's; plain torch only). `triton`: the
-    pages are read by tgis's Triton kernels (paged/triton_attention.py) instead."""
+    pages are read by tgis's Triton kernels (paged/triton_attention.py) instead. `inputs`: a
+    host tensor of the caller's that goes up with the step's (`StepMetadata.inputs`).
+
+    Built on the host, then sent to `device` in one copy (engine/transfer.py's
+    `to_device_all`)."""
     if triton and not flash:
         raise ValueError("the Triton kernels read a pages pool (flash=True)")
     if spans is not None and flash:
@@ -332,15 +340,14 @@ def step_metadata(
     decode, prefill = None, ()
     if not flash:
         decode = _decode_rows(
-            query_lens, kv_lens, block_tables, block_size, starts, device, windows,
-            num_blocks, kv_heads,
+            query_lens, kv_lens, block_tables, block_size, starts, windows, num_blocks,
+            kv_heads,
         )  # fmt: skip
         prefill = tuple(
             _prefill_run(
                 starts[i],
                 starts[i + 1],
                 slots_of(block_tables[i], 0, kv_lens[i], block_size),
-                device,
                 windows,
                 spans[i] if spans is not None else (),
                 _all_within(windows),
@@ -348,19 +355,56 @@ def step_metadata(
             for i, q in enumerate(query_lens)
             if q > 1
         )
-    return StepMetadata(
-        slot_mapping=host_to_device(slot_mapping, device),
-        cu_seq_q=to_device(starts, torch.int32, device),
-        seqused_k=to_device(kv_lens, torch.int32, device),
-        block_table=host_to_device(table, device),
+    host = StepMetadata(
+        slot_mapping=slot_mapping,
+        cu_seq_q=torch.tensor(starts, dtype=torch.int32),
+        seqused_k=torch.tensor(kv_lens, dtype=torch.int32),
+        block_table=table,
         max_q=max(query_lens),
         max_k=max(kv_lens),
         flash=flash,
         decode=decode,
         prefill=prefill,
-        fresh_blocks=to_device(fresh, torch.long, device) if fresh else None,
+        fresh_blocks=torch.tensor(fresh, dtype=torch.long) if fresh else None,
         triton=triton,
+        inputs=inputs,
     )
+    tensors: list[torch.Tensor] = []
+    _gather_tensors(host, tensors)
+    sent = host_to_device_all(tensors, device)
+    if all(a is b for a, b in zip(sent, tensors, strict=True)):
+        return host  # the device is the host
+    return _with_tensors(host, iter(sent))
+
+
+def _gather_tensors(value: object, into: list[torch.Tensor]) -> None:
+    """Every tensor in `value` (the metadata's fields, their dicts, tuples and dataclasses),
+    in the order `_with_tensors` puts them back."""
+    if isinstance(value, torch.Tensor):
+        into.append(value)
+    elif isinstance(value, (StepMetadata, _DecodeRows, _PrefillRun)):
+        for field in fields(value):
+            _gather_tensors(getattr(value, field.name), into)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _gather_tensors(item, into)
+    elif isinstance(value, tuple):
+        for item in value:
+            _gather_tensors(item, into)
+
+
+def _with_tensors(value: Any, sent: Iterator[torch.Tensor]) -> Any:
+    """`value` with its tensors replaced, in `_gather_tensors`'s order, by `sent`'s."""
+    if isinstance(value, torch.Tensor):
+        return next(sent)
+    if isinstance(value, (StepMetadata, _DecodeRows, _PrefillRun)):
+        changes = {f.name: _with_tensors(getattr(value, f.name), sent) for f in fields(value)}
+        return replace(value, **changes)
+    if isinstance(value, dict):
+        return {key: _with_tensors(item, sent) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_with_tensors(item, sent) for item in value)
+    return value
 
 
 def _all_within(windows: Sequence[int | None]) -> int | None:
@@ -374,7 +418,6 @@ def _decode_rows(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     starts: list[int],
-    device: torch.device,
     windows: Sequence[int | None],
     num_blocks: int,
     kv_heads: int,
@@ -400,19 +443,13 @@ def _decode_rows(
         w: causal_mask(positions, length, w).view(len(picked), 1, 1, length) for w in set(windows)
     }
     rows = torch.tensor([starts[i] for i in picked])
-    return _DecodeRows(
-        host_to_device(rows, device),
-        host_to_device(blocks, device),
-        {w: host_to_device(m, device) for w, m in masks.items()},
-        whole=len(picked) == len(query_lens),
-    )
+    return _DecodeRows(rows, blocks, masks, whole=len(picked) == len(query_lens))
 
 
 def _prefill_run(
     q_start: int,
     q_end: int,
     slots: list[int],
-    device: torch.device,
     windows: Sequence[int | None],
     spans: Sequence[tuple[int, int]] = (),
     widest: int | None = None,
@@ -433,8 +470,8 @@ def _prefill_run(
         for lo, hi in both:
             rows = slice(max(lo - (kv_len - q), 0), min(hi, kv_len) - (kv_len - q))
             mask[..., rows, lo : min(hi, kv_len)] = True
-        masks[w] = host_to_device(mask, device)
-    return _PrefillRun(q_start, q_end, to_device(slots, torch.long, device), masks)
+        masks[w] = mask
+    return _PrefillRun(q_start, q_end, torch.tensor(slots, dtype=torch.long), masks)
 
 
 def sdpa(

@@ -88,6 +88,10 @@ def _common_window(windows: Sequence[int | None]) -> int | None:
     return max(sized) if sized and len(sized) == len(windows) else None
 
 
+def _here(work: Callable[[], Any]) -> Any:
+    return work()
+
+
 class PagedTorchBackend:
     """A llama-family causal LM on a torch CPU or CUDA device (implements `PagedBackend`)."""
 
@@ -206,6 +210,8 @@ class PagedTorchBackend:
         self.background: BackgroundBuild | None = None
         # Called with `runtime()` when it changes after start-up (a build in the background).
         self._runtime_watchers: list[Callable[[dict[str, Any]], None]] = []
+        # Runs model work on the model's thread (`run_model_work_on`); until set, here.
+        self._model_thread: Callable[[Callable[[], Any]], Any] = _here
         # Why an earlier build of the compiled decode's packages failed (the store keeps it).
         self.compile_failure: str | None = None
         # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
@@ -635,23 +641,6 @@ class PagedTorchBackend:
         the step, else the eager forward (also the profiling run, before capacity)."""
         query_lens = [len(item.token_ids) for item in items]
         kv_lens = [item.start + n for item, n in zip(items, query_lens, strict=True)]
-        windows = self.path.windows
-        pool = self.path.pool
-        meta = step_metadata(
-            query_lens,
-            kv_lens,
-            [item.block_table for item in items],
-            self.block_size,
-            self.device_obj,
-            windows,
-            pool.num_blocks,
-            pool.kv_heads,
-            pool.flash,
-            [item.spans for item in items] if self.bidirectional else None,
-            pool.triton,
-        )
-        if meta.fresh_blocks is not None:
-            pool.clear(meta.fresh_blocks)
         ids: list[int] = []
         rows: list[int] = []
         offsets: list[int] = []
@@ -666,8 +655,27 @@ class PagedTorchBackend:
         positions = rope_positions(items, query_lens)
         streams = len(positions) // len(ids)
         device = self.device_obj
-        # The step's token ids, positions and logit rows in one copy.
-        inputs = to_device([*ids, *positions, *rows], torch.long, device)
+        windows = self.path.windows
+        pool = self.path.pool
+        # The step's token ids, positions and logit rows go up in the metadata's copy.
+        meta = step_metadata(
+            query_lens,
+            kv_lens,
+            [item.block_table for item in items],
+            self.block_size,
+            self.device_obj,
+            windows,
+            pool.num_blocks,
+            pool.kv_heads,
+            pool.flash,
+            [item.spans for item in items] if self.bidirectional else None,
+            pool.triton,
+            torch.tensor([*ids, *positions, *rows], dtype=torch.long),
+        )
+        if meta.fresh_blocks is not None:
+            pool.clear(meta.fresh_blocks)
+        inputs = meta.inputs
+        assert inputs is not None
         tokens = len(ids)
         at = inputs[tokens : (1 + streams) * tokens]
         if self.compiled is not None and self._plain_decode(items) and streams == 1:
@@ -865,7 +873,9 @@ class PagedTorchBackend:
         def done(code: int) -> None:
             try:
                 if code == 0:
-                    compiled.load_packages()
+                    # On the model's thread, between two steps: a second thread's OpenMP
+                    # team would slow both, and the race would time that instead.
+                    self._model_thread(compiled.load_packages)
                 elif not (self.background is not None and self.background.stopped):
                     logger.warning(
                         "building the compiled decode failed (exit %d; see %s): decode stays eager",
@@ -884,6 +894,12 @@ class PagedTorchBackend:
             "eagerly until it is ready",
             store.log,
         )
+
+    def run_model_work_on(self, call: Callable[[Callable[[], Any]], Any]) -> None:
+        """Run the backend's later work on the model (`call(work)`: the engine's `call`, on
+        the thread that runs its steps) instead of on whichever thread finds it (the
+        compiled decode's packages loaded and timed when their build ends)."""
+        self._model_thread = call
 
     def watch_runtime(self, watcher: Callable[[dict[str, Any]], None]) -> None:
         """Call `watcher` with `runtime()` whenever it changes after start-up (the compiled

@@ -15,6 +15,11 @@ step that neither graph accepts runs the same function eagerly (`eager_on_recomp
 serving never compiles. Prefill and mixed steps, rows with a LoRA adapter or prompt-prefix
 embeddings, and prompt logprobs run the eager forward.
 
+A packaged graph of batch 2 and up serves up to the most rows at which it ran faster than the
+eager step, timed as it loads (`race_rows`): its GEMMs are blocked for the few rows it was
+tuned at, and past a machine's crossover ATen's win (a 135M model on 2 cores of an AVX-512
+CPU, one build: 14 ms against 34 at 2 rows, 47 against 55 at 12, 65 against 63 at 16).
+
 Memory: each graph holds its packed copy of the weights, and the eager forward keeps the
 originals for prefill, so the weights take three times their size.
 
@@ -28,6 +33,7 @@ weights its constants.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +43,7 @@ from torch import Tensor
 from tgis.backends.models.decoder import LayerWeights
 from tgis.backends.paged.attention import StepMetadata, decode_attention, step_metadata, write_kv
 from tgis.backends.paged.forward import PagedForward
+from tgis.backends.paged.race import race, winner
 
 if TYPE_CHECKING:
     from tgis.backends.paged.packages import PackageStore
@@ -90,6 +97,10 @@ GRAPHS = (1, 2)
 # The most rows a packaged graph takes (its batch is free up to this, whatever the server's
 # --max-batch-size, so one package serves them all).
 PACKAGE_ROWS = 4096
+# The batches at which the packaged graph of batch 2 and up races the eager step
+# (`CompiledDecode.race_rows`), up to the first the eager step wins, within RACE_SECONDS.
+RACE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+RACE_SECONDS = 10.0
 
 
 def weight_copies_bytes(weight_bytes: int) -> int:
@@ -173,6 +184,9 @@ class CompiledDecode:
         self._graphs: set[int] = set()  # of GRAPHS, those compiled in this process
         # Of GRAPHS, those loaded from packages: what runs them (set by another thread).
         self._loaded: dict[int, Callable[..., Tensor]] = {}
+        # The most rows the loaded graph of batch 2 and up serves (`race_rows`).
+        self.rows = PACKAGE_ROWS
+        self.race_seconds: dict[int, dict[str, float]] = {}  # its race, by batch
         self.eager_steps = 0  # serving steps no compiled graph accepted
 
     @property
@@ -186,27 +200,40 @@ class CompiledDecode:
 
     def load_packages(self) -> list[int]:
         """Load the graphs whose packages are in the store (and are not loaded yet); from the
-        next step on, decode runs through them. Returns those loaded now."""
-        if self.packages is None:
+        next step on, decode runs through them, the graph of batch 2 and up for the rows it
+        won in its race (`race_rows`; none: not used). Returns those loaded now."""
+        store = self.packages
+        if store is None:
             return []
         loaded = []
         for graph in GRAPHS:
-            if graph not in self._loaded and self.packages.has(graph):
-                path = self.packages.path(graph)
-                try:
-                    runner = torch._inductor.aoti_load_package(str(path))
-                except Exception:  # a bad copy: decode stays eager, a new build replaces it
-                    logger.exception("loading %s failed; it is removed", path)
-                    path.unlink(missing_ok=True)
+            if graph in self._loaded or not store.has(graph):
+                continue
+            path = store.path(graph)
+            try:
+                runner = torch._inductor.aoti_load_package(str(path))
+            except Exception:  # a bad copy: decode stays eager, a new build replaces it
+                logger.exception("loading %s failed; it is removed", path)
+                path.unlink(missing_ok=True)
+                continue
+            if graph > 1:
+                # Set before the graph is: another thread's steps read both.
+                self.rows, self.race_seconds = self.race_rows(runner)
+                logger.info(
+                    "decode of batch 2 and up: the graph serves up to %d rows (%s)",
+                    self.rows,
+                    "; ".join(f"{b}: {t['graph'] * 1e3:.1f} ms, eager {t['eager'] * 1e3:.1f}"
+                              for b, t in self.race_seconds.items()),
+                )  # fmt: skip
+                if self.rows < graph:
                     continue
-                self._loaded[graph] = runner
-                loaded.append(graph)
-                logger.info("decode of batch %s loaded from %s", self._label(graph),
-                            self.packages.path(graph))  # fmt: skip
+            self._loaded[graph] = runner
+            loaded.append(graph)
+            logger.info("decode of batch %s loaded from %s", self._label(graph), path)
         return loaded
 
     def _label(self, graph: int) -> str:
-        return "1" if graph == 1 else f"{graph}-{self.max_batch}"
+        return "1" if graph == 1 else f"{graph}-{min(self.rows, self.max_batch)}"
 
     def _inputs(
         self,
@@ -282,16 +309,59 @@ class CompiledDecode:
         if not self.packages.has(graph):
             self._package(graph)
 
+    @torch.inference_mode()
+    def race_rows(
+        self, graph: Callable[..., Tensor], clock: Callable[[], float] = time.perf_counter
+    ) -> tuple[int, dict[int, dict[str, float]]]:
+        """Time `graph` (of batch 2 and up) against the eager step at RACE_ROWS over a scratch
+        pool that no sequence owns (paged/race.py), up to the first batch the eager step wins
+        or RACE_SECONDS: the most rows the graph ran faster (PACKAGE_ROWS where it won at
+        every one up to `max_batch`; 0 where it lost at 2), and the race's seconds by
+        batch."""
+        sizes = [b for b in RACE_ROWS if b <= max(2, self.max_batch)]
+        blocks = 2 * sizes[-1] + 2
+        pool = self._scratch(blocks)
+        served, raced = PACKAGE_ROWS, [0]
+        seconds: dict[int, dict[str, float]] = {}
+
+        def eager(*inputs: Any) -> Tensor:
+            raced[0] += 1
+            return self._step(*inputs)
+
+        run = {"graph": graph, "eager": eager}
+        began = clock()
+        try:
+            for batch in sizes:
+                inputs, _ = self._dummy(batch, blocks, pool)
+                seconds[batch] = race(
+                    tuple(run), lambda name, inputs=inputs: run[name](*inputs), clock
+                )
+                if winner(seconds[batch]) != "graph":
+                    served = max((b for b in seconds if b < batch), default=0)
+                    break
+                if clock() - began > RACE_SECONDS and batch != sizes[-1]:
+                    served = batch  # the rest not timed: steps of more rows run eagerly
+                    break
+        finally:
+            self.eager_steps -= raced[0]  # the race's eager steps served nobody
+        return served, seconds
+
+    def _scratch(self, blocks: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Keys and values of `blocks` blocks shaped as the pool's, which no sequence owns."""
+        pool, device = self.path.pool, self.path.device
+        shape = (pool.kv_heads, blocks, *pool.keys[0].shape[2:])
+        keys = tuple(torch.zeros(shape, dtype=k.dtype, device=device) for k in pool.keys)
+        values = tuple(torch.zeros(shape, dtype=v.dtype, device=device) for v in pool.values)
+        return keys, values
+
     def _package(self, graph: int) -> None:
         """Export `graph` over a scratch pool of a few blocks (the pool's length is one of the
         package's free sizes, as the batch from 2 up and the KV length are) and compile it
         ahead of time into the store."""
         assert self.packages is not None
-        pool, device = self.path.pool, self.path.device
+        device = self.path.device
         scratch = 3 * max(GRAPHS) + 2
-        shape = (pool.kv_heads, scratch, *pool.keys[0].shape[2:])
-        keys = tuple(torch.zeros(shape, dtype=k.dtype, device=device) for k in pool.keys)
-        values = tuple(torch.zeros(shape, dtype=v.dtype, device=device) for v in pool.values)
+        keys, values = self._scratch(scratch)
         batch = max(g for g in GRAPHS if g >= graph) if graph > 1 else 1
         inputs, _ = self._dummy(batch, scratch, (keys, values))
         rows = torch.export.Dim("rows", min=2, max=PACKAGE_ROWS) if graph > 1 else None
@@ -322,7 +392,8 @@ class CompiledDecode:
         written into the pool), through the compiled graph that accepts it, else eagerly
         (counted in `eager_steps`)."""
         inputs = self._inputs(input_ids, positions, meta)
-        loaded = self._loaded.get(1 if input_ids.shape[0] == 1 else 2)
+        rows = input_ids.shape[0]
+        loaded = self._loaded.get(1 if rows == 1 else 2) if rows <= self.rows else None
         if loaded is not None:
             return loaded(*inputs)
         if not self._graphs:

@@ -4,7 +4,9 @@ A decode step (every sequence computes one token) of n sequences runs the graph 
 smallest bucket >= n (1, 2, 4, 8, then every 8 up to 256 and every 16 beyond, up to the
 largest batch: `decode_buckets`), recorded once at warmup, largest first, into one memory
 pool. The graphs read persistent input buffers (token ids, positions, slot mapping, block
-tables, KV lengths) that each step fills with one copy per buffer; the attention over KV pages
+tables, KV lengths) that each step fills from one copy up (engine/transfer.py's
+`to_device_all`); of the block tables only the rows that changed go up (a sequence entered a
+new block, or another sequence took its row); the attention over KV pages
 (tgis's Triton kernels, or flash attention) reads only each sequence's real KV length
 (`seqused_k`), so one graph serves any mix of lengths. Rows beyond n are padding: their one
 token is written to a scratch block of the pool that no sequence owns, and their logits are
@@ -26,7 +28,7 @@ import torch
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.paged.attention import StepMetadata
 from tgis.backends.paged.forward import PagedForward
-from tgis.engine.transfer import host_to_device
+from tgis.engine.transfer import host_to_device_all
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,10 @@ class DecodeGraphs:
         )
         self.cu_seq_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(size, device=device)
+        # What each row of `block_table` holds (its blocks before the scratch padding; ():
+        # all scratch), so that a step sends only the rows that changed.
+        self._tables: list[tuple[int, ...]] = [()] * size
+        self.table_rows_sent = 0
         self._graphs: dict[int, _Graph] = {}
 
     @property
@@ -156,6 +162,14 @@ class DecodeGraphs:
         width = self.block_table.shape[1]
         pad = bucket - n
         scratch = [self.scratch_block] * width
+        # Only the block-table rows that differ from what the buffer holds go up.
+        changed: list[int] = []
+        wanted: list[tuple[int, ...]] = []
+        for row in range(bucket):
+            blocks = tuple(block_tables[row]) if row < n else ()
+            if self._tables[row] != blocks:
+                changed.append(row)
+                wanted.append(blocks)
         host = torch.tensor(
             [
                 [*token_ids, *([0] * pad)],
@@ -166,16 +180,21 @@ class DecodeGraphs:
             dtype=torch.long,
         )
         table = torch.tensor(
-            [[*blocks, *scratch[len(blocks) :]] for blocks in block_tables] + [scratch] * pad,
-            dtype=torch.int32,
+            [[*blocks, *scratch[len(blocks) :]] for blocks in wanted], dtype=torch.int32
+        ).view(len(wanted), width)
+        # One copy up, then into the graph's own buffers on the device.
+        host, table, at = host_to_device_all(
+            (host, table, torch.tensor(changed, dtype=torch.long)), self.input_ids.device
         )
-        device = self.input_ids.device
-        host = host_to_device(host, device)
         self.input_ids[:bucket].copy_(host[0])
         self.positions[:bucket].copy_(host[1])
         self.slot_mapping[:bucket].copy_(host[2])
         self.seqused_k[:bucket].copy_(host[3])
-        self.block_table[:bucket].copy_(host_to_device(table, device))
+        if changed:
+            self.block_table.index_copy_(0, at, table)
+            for row, blocks in zip(changed, wanted, strict=True):
+                self._tables[row] = blocks
+        self.table_rows_sent += len(changed)
         captured = self._graphs[bucket]
         self.api.replay(captured.graph)
         return captured.logits[:n]
