@@ -206,6 +206,11 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return copies(device).to_device(host, device)
 
 
+def stays_on_host(device: torch.device) -> bool:
+    """Whether a copy to `device` is the host tensor itself (a CPU's `HostCopies`)."""
+    return isinstance(copies(device), HostCopies)
+
+
 def host_to_device_all(hosts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """`hosts` (CPU tensors) on `device` in one copy (module doc); the caller does not touch
     them after."""

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from tgis.backends.common.kv import FLOAT8_KV, to_cache
 from tgis.backends.common.masks import causal_mask
 from tgis.backends.paged.triton_attention import paged_attention_triton
-from tgis.engine.transfer import host_to_device_all
+from tgis.engine.transfer import host_to_device_all, stays_on_host
 
 
 def pool_shape(
@@ -369,12 +369,11 @@ def step_metadata(
         triton=triton,
         inputs=inputs,
     )
+    if stays_on_host(device):
+        return host
     tensors: list[torch.Tensor] = []
     _gather_tensors(host, tensors)
-    sent = host_to_device_all(tensors, device)
-    if all(a is b for a, b in zip(sent, tensors, strict=True)):
-        return host  # the device is the host
-    return _with_tensors(host, iter(sent))
+    return _with_tensors(host, iter(host_to_device_all(tensors, device)))
 
 
 def _gather_tensors(value: object, into: list[torch.Tensor]) -> None:
