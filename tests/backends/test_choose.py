@@ -185,6 +185,10 @@ def test_load_backend_loads_the_choice(tmp_path: Path) -> None:
     config, _ = config_of(dict(read_model_facts(gpt2).config), **flags, compile=True)
     slot = load_backend(config, gpt2)
     assert isinstance(slot, TorchDynamicBackend) and slot.compiled
+    # Unset on a model the fallback engine serves, decode is eager: a cache would keep nothing.
+    config, _ = config_of(dict(read_model_facts(gpt2).config), **flags, compile_cache="/c")
+    with pytest.raises(ConfigError, match="keeps the compiled decode's packages, and fallback"):
+        load_backend(config, gpt2)
 
 
 def test_quantize_is_checked_against_backend_checkpoint_and_engine() -> None:

@@ -571,6 +571,16 @@ def test_device_compile_flags_apply_where_they_can() -> None:
     assert "TGIS_COMPILE_CACHE=/c has nothing to keep on cpu with --no-compile" in error_of(
         backend="cpu", compile=False, env={"TGIS_COMPILE_CACHE": "/c"}
     )
+    # Unset, the compiled decode is off where warmup is, or under tensor parallelism: a
+    # cache there would keep nothing.
+    no_warmup = error_of(backend="cpu", env={"TGIS_COMPILE_CACHE": "/c", "WARMUP_ENABLED": "false"})
+    assert (
+        "TGIS_COMPILE_CACHE=/c keeps the compiled decode's packages, and here decode stays "
+        "eager: WARMUP_ENABLED=false" in no_warmup
+    )
+    assert "stays eager: --num-shard 2 shards the model" in error_of(
+        backend="cpu", num_shard=2, compile_cache="/c"
+    )
     assert "has nothing to keep on cuda:" in error_of(backend="cuda", compile_cache="/c")
     assert "has nothing to keep on gaudi" in error_of(backend="gaudi", compile_cache="/c")
     assert "on cuda with --cuda-graphs" in error_of(

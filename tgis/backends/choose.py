@@ -280,9 +280,17 @@ def load_backend(
         from tgis.backends.seq2seq.backend import Seq2SeqBackend
 
         return Seq2SeqBackend.load(*where, **slots)
+    compiles = compiled_decode(config, choice)
+    if config.compile_cache and config.backend == "cpu" and not compiles:
+        # The config core refused the other cases; this one depends on the model.
+        raise ConfigError(
+            f"{config.label('compile_cache', config.compile_cache)} keeps the compiled "
+            f"decode's packages, and {choice.describe()} decodes eagerly",
+            "drop --compile-cache (TGIS_COMPILE_CACHE)",
+        )
     compiled = {
         "kv_tokens": config.max_batch_total_tokens,
-        "compile": compiled_decode(config, choice),
+        "compile": compiles,
         "compile_cache": Path(config.compile_cache) if config.compile_cache else None,
     }
     if choice.design == "paged":

@@ -41,7 +41,14 @@ from tgis.config.rules import (
     quantization,
 )
 from tgis.config.static import apply_static_rules
-from tgis.config.types import BACKENDS, STATIC_BACKENDS, LauncherArgs, ServeConfig, TlsFiles
+from tgis.config.types import (
+    BACKENDS,
+    BITSANDBYTES_METHODS,
+    STATIC_BACKENDS,
+    LauncherArgs,
+    ServeConfig,
+    TlsFiles,
+)
 from tgis.errors import ConfigError
 
 # `--backend auto`: (model facts, PJRT_DEVICE or None) -> a backend name.
@@ -125,6 +132,22 @@ def build_serve_config(
             "WARMUP_ENABLED=false skips, so decode would run eagerly",
             "drop --compile (TGIS_COMPILE), or enable warmup",
         )
+    if values["compile_cache"] and values["compile"] is None and backend == "cpu":
+        off = (
+            "WARMUP_ENABLED=false skips warmup, where they are built and loaded"
+            if not warmup_enabled
+            else f"{r.label('quantize', quantize)}'s weights are not ones its graphs take"
+            if quantize in BITSANDBYTES_METHODS
+            else f"{r.label('num_shard', num_shard)} shards the model"
+            if num_shard > 1
+            else None
+        )
+        if off is not None:
+            raise ConfigError(
+                f"{r.label('compile_cache', values['compile_cache'])} keeps the compiled "
+                f"decode's packages, and here decode stays eager: {off}",
+                "drop --compile-cache (TGIS_COMPILE_CACHE)",
+            )
 
     model_id, revision = model_reference(args, env)
     sources = tuple(
