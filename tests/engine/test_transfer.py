@@ -92,3 +92,27 @@ def test_a_paged_step_sends_its_inputs_in_one_copy(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(backend, "forward", lambda items: steps.append(1) or forward(items))
     assert greedy(backend, prompts, 5) == expected
     assert stale.sent == len(steps) == 5  # one prefill, four decodes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_steps_tensors_go_up_in_one_pinned_copy() -> None:
+    """CUDA's copies: every tensor lands on the device equal to its host, through one pinned
+    staging buffer, and a step's metadata built there equals the CPU's."""
+    cuda = torch.device("cuda")
+    sent = transfer.copies(cuda).to_device_all(hosts(), cuda)
+    torch.cuda.synchronize()
+    for host, device in zip(hosts(), sent, strict=True):
+        assert device.is_cuda and device.dtype == host.dtype and device.shape == host.shape
+        assert torch.equal(device.cpu(), host)
+    args = ([3, 1, 1], [3, 9, 6], [[0], [1, 2, 3], [4, 5]], 4)
+    rest = ([None, 4], 8, 2)
+    on_host = step_metadata(*args, CPU, *rest, inputs=torch.arange(5))
+    on_cuda = step_metadata(*args, cuda, *rest, inputs=torch.arange(5))
+    expected: list[torch.Tensor] = []
+    got: list[torch.Tensor] = []
+    _gather_tensors(on_host, expected)
+    _gather_tensors(on_cuda, got)
+    assert all(t.is_cuda for t in got) and len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b.cpu())
