@@ -151,6 +151,8 @@ class StaleCopies:
     def __init__(self) -> None:
         self.fetched = 0
         self.sent = 0
+        # Packs as an accelerator does, into a buffer scribbled first (0xFF: NaN, -1).
+        self._packer = AcceleratorCopies(lambda n: torch.full((n,), 0xFF, dtype=torch.uint8))
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         self.sent += 1
@@ -160,10 +162,7 @@ class StaleCopies:
         self, hosts: Sequence[torch.Tensor], device: torch.device
     ) -> list[torch.Tensor]:
         self.sent += 1
-        offsets, total = staging_layout(hosts)
-        staging = torch.full((max(total, 1),), 0xFF, dtype=torch.uint8)
-        pack(hosts, staging, offsets)
-        return unpack(staging.clone(), hosts, offsets)
+        return self._packer.to_device_all(hosts, device)
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         self.fetched += 1

@@ -88,10 +88,6 @@ def _common_window(windows: Sequence[int | None]) -> int | None:
     return max(sized) if sized and len(sized) == len(windows) else None
 
 
-def _here(work: Callable[[], Any]) -> Any:
-    return work()
-
-
 class PagedTorchBackend:
     """A llama-family causal LM on a torch CPU or CUDA device (implements `PagedBackend`)."""
 
@@ -210,8 +206,9 @@ class PagedTorchBackend:
         self.background: BackgroundBuild | None = None
         # Called with `runtime()` when it changes after start-up (a build in the background).
         self._runtime_watchers: list[Callable[[dict[str, Any]], None]] = []
-        # Runs model work on the model's thread (`run_model_work_on`); until set, here.
-        self._model_thread: Callable[[Callable[[], Any]], Any] = _here
+        # Runs model work on the model's thread (`run_model_work_on`); None: where it is found,
+        # as the adapter and prefix stores' `model_thread`.
+        self._model_thread: Callable[[Callable[[], Any]], Any] | None = None
         # Why an earlier build of the compiled decode's packages failed (the store keeps it).
         self.compile_failure: str | None = None
         # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
@@ -875,7 +872,8 @@ class PagedTorchBackend:
                 if code == 0:
                     # On the model's thread, between two steps: a second thread's OpenMP
                     # team would slow both, and the race would time that instead.
-                    self._model_thread(compiled.load_packages)
+                    load = compiled.load_packages
+                    load() if self._model_thread is None else self._model_thread(load)
                 elif not (self.background is not None and self.background.stopped):
                     logger.warning(
                         "building the compiled decode failed (exit %d; see %s): decode stays eager",

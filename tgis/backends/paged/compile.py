@@ -17,8 +17,8 @@ embeddings, and prompt logprobs run the eager forward.
 
 A packaged graph of batch 2 and up serves up to the most rows at which it ran faster than the
 eager step, timed as it loads (`race_rows`): its GEMMs are blocked for the few rows it was
-tuned at, and past a machine's crossover ATen's win (a 135M model on 2 cores of an AVX-512
-CPU, one build: 14 ms against 34 at 2 rows, 47 against 55 at 12, 65 against 63 at 16).
+tuned at, and past a machine's crossover ATen's win (the demo model on 2 cores of an AVX-512
+CPU, one build: 1.2 ms against 4.2 at 2 rows, 6.3 against 8.1 at 32, and about even at 48).
 
 Memory: each graph holds its packed copy of the weights, and the eager forward keeps the
 originals for prefill, so the weights take three times their size.
@@ -207,8 +207,9 @@ class CompiledDecode:
             return []
         loaded = []
         for graph in GRAPHS:
-            if graph in self._loaded or not store.has(graph):
-                continue
+            lost = graph > 1 and bool(self.race_seconds) and self.rows < graph
+            if graph in self._loaded or lost or not store.has(graph):
+                continue  # loaded, or raced already and slower than the eager step
             path = store.path(graph)
             try:
                 runner = torch._inductor.aoti_load_package(str(path))
