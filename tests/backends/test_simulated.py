@@ -11,9 +11,10 @@ import torch
 
 from tests.factories import tiny_tokenizer
 from tgis.backends.simulated import HEAD, SimulatedBackend
-from tgis.engine.backend import PackedItem
+from tgis.engine.backend import FedTokens, PackedItem
 from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.sequence import PLACEHOLDER_ID
 from tgis.engine.stream import DeviceStream, SimulatedStream
 from tgis.engine.types import GenerationRequest
 from tgis.params import GenerateParameters
@@ -42,6 +43,23 @@ def test_logits_follow_each_rows_last_token_and_position() -> None:
     assert backend.capacity.max_sequences == 2 and backend.capacity.block_size == 16
     with pytest.raises(ValueError, match="takes no images"):
         backend.encode_images([])
+
+
+def test_fed_tokens_are_read_from_the_step_befores_ids() -> None:
+    """An item whose last token the step before samples (async scheduling) takes it from that
+    step's ids, at its row there: the logits of the same step given the token."""
+    backend = SimulatedBackend(vocab_size=500, max_sequences=2, max_sequence_tokens=64)
+    given = backend.forward([PackedItem(0, (5, 6, 7), 0, (0,)), PackedItem(1, (9, 44), 3, (4,))])
+    sampled = torch.tensor([3, 44, 1, 7])
+    fed = backend.forward(
+        [
+            PackedItem(0, (5, 6, PLACEHOLDER_ID), 0, (0,)),
+            PackedItem(1, (9, PLACEHOLDER_ID), 3, (4,)),
+        ],
+        FedTokens((1, 0), (1, 3), lambda: sampled),
+    )
+    assert torch.equal(fed.last, given.last)
+    assert backend.capacity.fed_tokens
 
 
 @pytest.mark.parametrize("vocab", [4096, 128_256])

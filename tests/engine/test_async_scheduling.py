@@ -7,7 +7,9 @@ serial engine's."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,11 @@ from transformers import AutoTokenizer
 
 from tests.factories import tiny_tokenizer
 from tgis.backends.simulated import SimulatedBackend
-from tgis.engine.backend import PackedItem, PackedOutput
+from tgis.engine.backend import BackendCapacity, FedTokens, PackedItem, PackedOutput
 from tgis.engine.engine import Engine
 from tgis.engine.live import LiveSequence
 from tgis.engine.paged_scheduler import PagedScheduler
+from tgis.engine.sampling import PendingSample, SamplingBatch
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.step_runner import PackedSteps, PipelinedSteps
 from tgis.engine.stream import DeviceStream, SimulatedStream
@@ -31,20 +34,21 @@ PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24]]
 
 
 class Recorded(SimulatedBackend):
-    """A simulated device that logs each forward's rows (and can fail one)."""
+    """A simulated device that logs each forward's rows once done (and can fail one)."""
 
     def __init__(self, vocab: int, log: list[str], fail_on: int | None = None) -> None:
         super().__init__(vocab_size=vocab, max_sequences=8, max_sequence_tokens=96)
         self.log, self.fail_on, self.calls = log, fail_on, 0
 
-    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
         self.calls += 1
         if self.fail_on is not None and self.calls >= self.fail_on and len(items) > 1:
             self.fail_on = None
             self.log.append("failed")
             raise RuntimeError("device lost")
+        out = super().forward(items, fed)  # raises where `fed` reads a failed step's ids
         self.log.append(f"forward {len(items)}")
-        return super().forward(items)
+        return out
 
 
 def engine_over(
@@ -109,18 +113,33 @@ def test_a_simulated_device_schedules_asynchronously_and_a_cpu_does_not() -> Non
         stream.close()
 
 
+class HostFed(SimulatedBackend):
+    """A simulated device that cannot read tokens on the device (as tensor-parallel shards)."""
+
+    @property
+    def capacity(self) -> BackendCapacity:
+        return dc_replace(super().capacity, fed_tokens=False)
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["fed-on-device", "host-fed"])
 def test_the_next_step_launches_before_the_last_ones_tokens_are_handed_over(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, on_device: bool
 ) -> None:
     """The order the host works in, whatever the machine's speed: each step's forward is
     submitted before the tokens of the step before it are handed over, and a sequence at its
-    last token is not planned again (no wasted row)."""
+    last token is not planned again (no wasted row). On a device that reads the sampled ids
+    itself, the forward goes before the host even has the step before's ids; otherwise it
+    waits for them."""
     log: list[str] = []
-    original = Engine._emit
+    original, read = Engine._emit, PendingSample.result
 
     def emit(self: Engine, lives: Any, *args: Any, **kw: Any) -> None:
         log.append("emit")
         original(self, lives, *args, **kw)
+
+    def ids_read(self: PendingSample) -> Any:
+        log.append("ids")
+        return read(self)
 
     class Logged(SimulatedStream):
         def submit(self, work: Any, step: bool = False) -> Any:
@@ -129,8 +148,10 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_handed_over(
             return super().submit(work, step)
 
     monkeypatch.setattr(Engine, "_emit", emit)
+    monkeypatch.setattr(PendingSample, "result", ids_read)
     stream = Logged(step_s=0.001)
-    backend = SimulatedBackend(len(tiny_tokenizer()), max_sequences=8, max_sequence_tokens=96)
+    kind = SimulatedBackend if on_device else HostFed
+    backend = kind(len(tiny_tokenizer()), max_sequences=8, max_sequence_tokens=96)
     engine = engine_over(backend, stream)
     try:
         (events,) = generate(engine, PROMPTS[:1], max_new_tokens=4, ignore_eos=True)
@@ -138,8 +159,16 @@ def test_the_next_step_launches_before_the_last_ones_tokens_are_handed_over(
         engine.stop()
         stream.close()
     assert len(events) == 4  # type: ignore[arg-type]
+    runner = engine.runner
+    assert isinstance(runner, PipelinedSteps)
     # The prefill, then each decode step launched before the step before's token goes out.
-    assert log == ["launch", "launch", "emit", "launch", "emit", "launch", "emit", "emit"]
+    if on_device:
+        decode = ["launch", "ids", "emit"]
+        assert runner.fed_steps == 3
+    else:
+        decode = ["ids", "launch", "emit"]
+        assert runner.fed_steps == 0
+    assert log == ["launch", *decode * 3, "ids", "emit"]
 
 
 def test_async_tokens_equal_the_serial_engines_and_late_stops_drop_the_extra_token() -> None:
@@ -220,6 +249,32 @@ def test_a_failed_step_is_undone_and_its_sequences_run_again_alone() -> None:
     assert ids(got) == expected
     failed = log.index("failed")
     assert log[failed + 1 : failed + 3] == ["forward 1", "forward 1"]  # each alone
+
+
+def test_a_step_fed_ids_the_host_did_not_keep_is_dropped_and_planned_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch's sampling raises once: the host samples each row again alone, so the step
+    launched meanwhile read no ids of the host's choice on the device. That step is dropped
+    (not failed: the only batch run again row by row is the sampling), planned again over
+    the host's ids, and both requests get the tokens they get with nothing failing."""
+    vocab = len(tiny_tokenizer())
+    expected = ids(generate_with(Recorded(vocab, []), False))
+    original = SamplingBatch.launch
+    calls = [0]
+
+    def launch(self: SamplingBatch, logits: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("sampling lost")
+        return original(self, logits)
+
+    monkeypatch.setattr(SamplingBatch, "launch", launch)
+    with caplog.at_level(logging.WARNING, logger="tgis.engine"):
+        assert ids(generate_with(Recorded(vocab, []), True)) == expected
+    assert calls[0] > 3
+    alone = [r.getMessage() for r in caplog.records if "running each alone" in r.getMessage()]
+    assert len(alone) == 1 and "sampling lost" in alone[0], alone
 
 
 def test_a_token_refused_as_it_is_read_back_ends_that_request_alone(

@@ -24,6 +24,7 @@ from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.engine import Engine
 from tgis.engine.paged_scheduler import PagedScheduler
 from tgis.engine.scheduler import SchedulerLimits
+from tgis.engine.step_runner import PipelinedSteps
 from tgis.engine.types import FinishReason, GenerationRequest
 from tgis.launch import eos_token_ids
 from tgis.server import Metrics
@@ -115,6 +116,8 @@ def test_greedy_equals_generate_alone_and_in_a_chunked_batch(
     try:
         assert [tokens_of(engine, [r])[0] for r in reqs] == reference
         assert tokens_of(engine, reqs) == reference
+        if pipelined:  # its decode steps read the ids the step before sampled on the device
+            assert isinstance(engine.runner, PipelinedSteps) and engine.runner.fed_steps > 0
         run(slots_freed(engine, "a finished sequence still holds its blocks"))
         assert paged(engine).blocks.used_blocks == 0
     finally:

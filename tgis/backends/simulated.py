@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.backend import (
+    BackendCapacity,
+    FedTokens,
+    PackedItem,
+    PackedOutput,
+    Shape,
+    ShapeTiming,
+)
 from tgis.engine.types import ImageInput
 
 # Distinct rows of logits the function draws from: enough that neighbouring tokens differ.
@@ -70,6 +77,7 @@ class SimulatedBackend:
             kv_tokens=blocks * block_size,
             kv_bytes_per_token=0,
             block_size=block_size,
+            fed_tokens=True,
         )
 
     @property
@@ -80,12 +88,18 @@ class SimulatedBackend:
         """The table row of the logits after `token_id` at `position`."""
         return (token_id * 7919 + position * 104_729) % TABLE_ROWS
 
-    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
-        """Logits for each item's sampled row and, where asked, each of its positions."""
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
+        """Logits for each item's sampled row and, where asked, each of its positions; `fed`
+        items' last tokens are read from the earlier step's ids on this (simulated) device."""
+        known: dict[int, int] = {}
+        if fed is not None and fed.items:
+            ids = fed.source().index_select(0, torch.tensor(fed.rows, dtype=torch.long))
+            known = dict(zip(fed.items, ids.tolist(), strict=True))
         last: list[int] = []
         prompt: list[torch.Tensor | None] = []
-        for item in items:
-            rows = [self.row(t, item.start + j) for j, t in enumerate(item.token_ids)]
+        for i, item in enumerate(items):
+            tokens = item.token_ids if i not in known else (*item.token_ids[:-1], known[i])
+            rows = [self.row(t, item.start + j) for j, t in enumerate(tokens)]
             if item.sample:
                 last.append(rows[-1])
             prompt.append(self._table[rows] if item.prompt_logits else None)

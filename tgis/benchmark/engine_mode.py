@@ -53,7 +53,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from tgis.backends.simulated import SimulatedBackend
 from tgis.benchmark.metrics import distribution
-from tgis.engine.backend import Backend, PackedItem, PagedBackend, PrefillItem
+from tgis.engine.backend import Backend, FedTokens, PackedItem, PagedBackend, PrefillItem
 from tgis.engine.stream import DeviceStream, SimulatedStream
 from tgis.errors import ConfigError
 
@@ -530,9 +530,9 @@ class OnStream:
     def capacity(self) -> Any:
         return self.backend.capacity
 
-    def forward(self, items: Sequence[PackedItem]) -> Any:
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> Any:
         """The step's logits, once the step's time on the device is up."""
-        out = self.stream.submit(lambda: self.backend.forward(items), step=True)
+        out = self.stream.submit(lambda: self.backend.forward(items, fed), step=True)
         self.stream.submit(lambda: None).result()
         return out.result()
 

@@ -74,6 +74,10 @@ class BackendCapacity:
     # (its own included): blocks wholly before that window can go back to the pool. None: some
     # layer attends to the whole sequence.
     sliding_window: int | None = None
+    # A paged backend whose `forward` takes `fed`: a step's last tokens read on the device
+    # from the sampled ids of the step before (async scheduling launches a step before the
+    # one in flight's ids are on the host).
+    fed_tokens: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -132,6 +136,34 @@ class PackedItem:
     # attend to each other both ways (BackendCapacity.whole_images) lets them; others ignore
     # them.
     spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FedTokens:
+    """The tokens of a step that the step before it samples (async scheduling): launched before
+    those ids are on the host, the step reads them on the device. `items[k]`'s last token
+    (PLACEHOLDER_ID in its `token_ids`) is row `rows[k]` of `source()`, the earlier step's
+    sampled ids ([B] int64 on the backend's device). `source` is called where the forward
+    runs, which comes after the earlier step's sampling in the device's order."""
+
+    items: tuple[int, ...]
+    rows: tuple[int, ...]
+    source: Callable[[], torch.Tensor]
+
+    def flat(self, lengths: Sequence[int]) -> list[int]:
+        """Where the fed tokens are among the step's packed ids, given each item's token
+        count."""
+        ends, end = [], 0
+        for n in lengths:
+            end += n
+            ends.append(end - 1)
+        return [ends[i] for i in self.items]
+
+    def write(self, ids: torch.Tensor, where: torch.Tensor) -> None:
+        """Write the fed tokens into a step's packed `ids` on the device; `where` holds their
+        places (`flat`) then their rows of `source()`, as the step's inputs took them up."""
+        count = len(self.items)
+        ids.index_copy_(0, where[:count], self.source().index_select(0, where[count:]))
 
 
 @dataclass(frozen=True)
@@ -217,8 +249,9 @@ class PagedBackend(Protocol):
     @property
     def capacity(self) -> BackendCapacity: ...
 
-    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
-        """Run one packed step (prefill chunks and decodes together)."""
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
+        """Run one packed step (prefill chunks and decodes together). `fed`: tokens read on
+        the device (only where capacity says `fed_tokens`)."""
         ...
 
     def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:

@@ -420,7 +420,7 @@ class SamplingBatch:
             row.record(next_ids[i : i + 1])
         # One device-to-host copy for the three (float64 holds every token id and rank exactly).
         packed = torch.stack([next_ids.double(), chosen.squeeze(1).double(), ranks.double()])
-        return PendingSample(self, to_host(packed), logprobs)
+        return PendingSample(self, to_host(packed), logprobs, next_ids)
 
     def _top_tokens(self, logprobs: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """TGI's batch_top_tokens: the n best per row, plus any tie with the n-th; never -inf."""
@@ -449,10 +449,14 @@ class SamplingBatch:
 class PendingSample:
     """A step's choice queued on the device (`SamplingBatch.launch`)."""
 
-    def __init__(self, batch: SamplingBatch, host: HostCopy, logprobs: torch.Tensor) -> None:
+    def __init__(
+        self, batch: SamplingBatch, host: HostCopy, logprobs: torch.Tensor, token_ids: torch.Tensor
+    ) -> None:
         self._batch = batch
         self._host = host  # [3, B] float64: ids, logprobs, ranks (being copied)
         self._logprobs = logprobs
+        # [B] int64 on the device: what the next step reads before the host has the ids.
+        self.token_ids = token_ids
 
     def result(self) -> SampleOutput:
         """Wait for the device and return the choice as Python values."""

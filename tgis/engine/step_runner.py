@@ -27,11 +27,11 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
-from tgis.engine.backend import Backend, PackedItem, PackedOutput, PagedBackend
+from tgis.engine.backend import Backend, FedTokens, PackedItem, PackedOutput, PagedBackend
 from tgis.engine.live import LiveSequence
 from tgis.engine.paged_scheduler import PackedStep, PagedScheduler
 from tgis.engine.sampling import PendingSample, SampleOutput, SamplingBatch
@@ -99,6 +99,9 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         self.engine = engine
         self.backend: BackendT = backend
         self.scheduler: SchedulerT = scheduler
+        # Whether the last `_choose` kept the batch's own choice (not each row sampled again
+        # on the host after the batch's sampling raised).
+        self.batch_chosen = False
 
     def run_next(self) -> None:
         """Plan the next step and run it: the forward, the sampling, the tokens handed to the
@@ -160,9 +163,12 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
             error = exc
         if pending is not None:
             try:
-                return self._finite(method, lives, pending.result())
+                kept = self._finite(method, lives, pending.result())
             except Exception as exc:
                 error = exc
+            else:
+                self.batch_chosen = True
+                return kept
         if not self._retry_alone(method, lives, error):
             return [], SampleOutput.concat([])
         chosen, outputs = [], []
@@ -403,33 +409,49 @@ class _InFlight:
     start: float  # perf_counter() when its launch began
     launch_s: float  # the host's seconds to launch it
     samples: list[bool]  # each chunk's `sample`, as launched (a reserved token changes it)
-    plain: list[LiveSequence]  # the rows that sample, in the order of the forward's `last`
+    plain: list[LiveSequence]  # the rows that sample, in the order of their sampled ids
     forward: Pending[PackedOutput]
-    sampling: Pending[PendingSample] | None
     seq_ids: frozenset[int]
+    sampling: Pending[PendingSample] | None = None
+    # The rows of the forward's `last` that `plain` samples (None: all of them; fewer where
+    # a sequence left between the forward's launch and its sampling's).
+    taken: list[int] | None = None
+    # Sequences that left while it ran: their blocks go back once it is done.
+    retired: list[SchedSeq] = field(default_factory=list)
+
+    def logits(self, out: PackedOutput) -> torch.Tensor:
+        """The logits of the rows `plain` samples."""
+        return out.last if self.taken is None else out.last[self.taken]
 
 
 class PipelinedSteps(PackedSteps):
     """Async scheduling over a paged backend: while step N runs on the device, the host plans
-    step N+1 and hands step N-1's tokens over.
+    step N+1, launches it, and hands step N's tokens over.
 
     Each `run_next`:
     1. plans the next step, counting the tokens being sampled by the step in flight as known
        (each sampling sequence holds a placeholder at its end: `LiveSequence.reserve`);
-    2. waits for the step in flight and writes its sampled ids in place of the placeholders
-       (`resolve`; a grammar moves on here, since the next step's mask needs it);
-    3. launches the planned step: its forward and its sampling are submitted to the engine's
-       stream and not waited for;
-    4. hands the previous step's tokens over (stop rules, text, streaming) while the device
+    2. launches its forward before the step in flight's ids are on the host: the
+       placeholders are read on the device from that step's sampled ids (`FedTokens`, on a
+       backend whose capacity says `fed_tokens`), so the device goes from one step to the
+       next without waiting for the host;
+    3. waits for the step in flight's ids and writes them in place of the placeholders
+       (`resolve`; a grammar moves on here);
+    4. launches the new step's sampling, which needs the host's view (grammar masks,
+       penalties, the rows still running): it is queued behind the forward, which the
+       device is running meanwhile;
+    5. hands the previous step's tokens over (stop rules, text, streaming) while the device
        runs the new one; a sequence that ends there has a row in the new step: its token is
        dropped, and its blocks go back once that step is done (`retire`, then `release`);
-    5. counts the new step's positions as computed and reserves its sampled tokens' places.
+    6. counts the new step's positions as computed and reserves its sampled tokens' places.
 
-    The host thus waits only for the ids (a small copy) between two steps; scheduling and
-    every per-token rule run while the device computes. A step that fails is undone (its
-    positions uncomputed, their blocks out of the prefix cache) and its chunks run again
-    alone, as `PackedSteps` runs them; the step planned on it is dropped. No drafts: the
-    engine runs `PackedSteps` when it speculates.
+    A backend that cannot read tokens on the device (tensor-parallel shards) launches the
+    next step after step 3 instead: the host then waits for the ids (a small copy) between
+    two steps. Either way scheduling and every per-token rule run while the device computes.
+    A step that fails is undone (its positions uncomputed, their blocks out of the prefix
+    cache) and its chunks run again alone, as `PackedSteps` runs them; the step launched on
+    it is waited for and dropped, and planned again. No drafts: the engine runs
+    `PackedSteps` when it speculates.
     """
 
     speculates = False
@@ -437,13 +459,12 @@ class PipelinedSteps(PackedSteps):
     def __init__(self, engine: StepHost, backend: PagedBackend, scheduler: PagedScheduler) -> None:
         super().__init__(engine, backend, scheduler)
         self._in_flight: _InFlight | None = None
-        self._retired: list[SchedSeq] = []
+        self.fed_steps = 0  # steps launched before the ids of the step before were on the host
 
     @property
     def has_work(self) -> bool:
-        """Whether a step waits to be planned or run, is in flight, or has just landed with
-        blocks of retired sequences still to give back."""
-        return self.scheduler.has_work or self._in_flight is not None or bool(self._retired)
+        """Whether a step waits to be planned or run, or is in flight."""
+        return self.scheduler.has_work or self._in_flight is not None
 
     def finish(self, seq: SchedSeq) -> None:
         """`seq` left: its blocks go back now, or once the step in flight that writes them is
@@ -451,38 +472,52 @@ class PipelinedSteps(PackedSteps):
         flight = self._in_flight
         if flight is not None and seq.seq_id in flight.seq_ids:
             self.scheduler.retire(seq)
-            self._retired.append(seq)
+            flight.retired.append(seq)
         else:
             self.scheduler.finish(seq)
 
     def run_next(self) -> None:
         step = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
-        resolved: tuple[PackedOutput, list[LiveSequence], SampleOutput] | None = None
-        if previous is not None:
-            resolved = self._resolve(previous)
-            for seq in self._retired:  # the step that wrote their blocks is done
-                self.scheduler.release(seq)
-            self._retired.clear()
-            if resolved is None:  # it failed and ran again alone: `step` was planned on it
-                return
-        if step is not None:
-            # A sequence failed while its step was read back (its row's scores, its grammar)
-            # has left: its planned chunk goes too.
-            kept = tuple(
-                c for c in step.chunks
-                if c.seq.seq_id in self.engine._live and c.seq.status is SeqStatus.RUNNING
-            )  # fmt: skip
-            step = PackedStep(step.kind, kept) if kept else None
-        launch_failed = False
         lives: list[LiveSequence] = []
+        joined = False
         if step is not None:
             lives = [self.engine._live[s.seq_id] for s in step.sequences]
             joined = step.kind is StepKind.PREFILL and len(self.scheduler.running) > len(lives)
+        launch_failed = False
+        early, fed = self._fed(step, lives, previous) if step is not None else (False, None)
+        if step is not None and early:
             try:
-                self._in_flight = self._launch(step, lives, joined)
+                self._in_flight = self._launch(step, lives, joined, fed)
             except Exception:  # before anything reached the device: it runs after the tokens
                 launch_failed = True
+        resolved: tuple[PackedOutput, list[LiveSequence], SampleOutput] | None = None
+        if previous is not None:
+            self.batch_chosen = False
+            resolved = self._resolve(previous)
+            if resolved is None or (fed is not None and not self.batch_chosen):
+                # The step launched on its ids cannot stand (they are not the host's choice):
+                # it is dropped and planned again.
+                self._drop_launched()
+                if resolved is None:  # it failed and ran again alone
+                    return
+        if step is not None and (launch_failed or not early):
+            # Launched now or run after the tokens: a sequence failed while the last step was
+            # read back (its row's scores, its grammar) has left, and its chunk goes too.
+            kept = [
+                i for i, c in enumerate(step.chunks)
+                if c.seq.seq_id in self.engine._live and c.seq.status is SeqStatus.RUNNING
+            ]  # fmt: skip
+            step = PackedStep(step.kind, tuple(step.chunks[i] for i in kept)) if kept else None
+            lives = [lives[i] for i in kept]
+            if step is not None and not early:
+                try:
+                    self._in_flight = self._launch(step, lives, joined, None)
+                except Exception:
+                    launch_failed = True
+        flight = self._in_flight
+        if flight is not None:
+            self._sample(flight)
         if previous is not None and resolved is not None:
             self._conclude(previous, *resolved)
         if launch_failed and step is not None:
@@ -494,27 +529,92 @@ class PipelinedSteps(PackedSteps):
                 if sample and live.seq.status is SeqStatus.RUNNING:
                     live.reserve()
 
-    def _launch(self, step: PackedStep, lives: list[LiveSequence], joined: bool) -> _InFlight:
-        """Submit the step's forward and its sampling to the stream, without waiting."""
+    def _fed(
+        self, step: PackedStep, lives: list[LiveSequence], previous: _InFlight | None
+    ) -> tuple[bool, FedTokens | None]:
+        """Whether `step` may launch before `previous`'s ids are on the host, and its items
+        whose last token `previous` is sampling, to be read on the device (None: none). It
+        may not where some are and the backend cannot read them, or `previous`'s sampling was
+        not queued."""
+        rows = {id(live): row for row, live in enumerate(previous.plain)} if previous else {}
+        items = [
+            i for i, (chunk, live) in enumerate(zip(step.chunks, lives, strict=True))
+            if live.reserved and chunk.sample and id(live) in rows
+        ]  # fmt: skip
+        if not items:
+            return True, None
+        if previous is None or previous.sampling is None:
+            return False, None
+        if not self.backend.capacity.fed_tokens:
+            return False, None
+        sampling = previous.sampling
+        return True, FedTokens(
+            tuple(items),
+            tuple(rows[id(lives[i])] for i in items),
+            lambda: sampling.result().token_ids,
+        )
+
+    def _drop_launched(self) -> None:
+        """The step launched on the last one's ids is void: wait for the device to be done
+        with it, give back the blocks of the sequences that left meanwhile, and forget it
+        (its positions were never counted as computed: it is planned again)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        try:
+            flight.forward.result()
+        except Exception:  # its input was the failed step's: nothing of it is used
+            log.debug("a step launched on a failed one failed too", exc_info=True)
+        for seq in flight.retired:
+            self.scheduler.release(seq)
+
+    def _launch(
+        self,
+        step: PackedStep,
+        lives: list[LiveSequence],
+        joined: bool,
+        fed: FedTokens | None,
+    ) -> _InFlight:
+        """Submit the step's forward to the stream, without waiting."""
         start = time.perf_counter()
         items = self._items(step, lives)
         samples = [chunk.sample for chunk in step.chunks]
         plain = [lv for lv, sample in zip(lives, samples, strict=True) if sample]
-        backend, stream = self.backend, self.engine.stream
-        forward = stream.submit(lambda: backend.forward(items), step=True)
-        sampling = None
-        if plain:
-            rows, eos = [lv.row for lv in plain], self.engine.eos_token_ids
+        backend = self.backend
+        if fed is None:
+            forward = self.engine.stream.submit(lambda: backend.forward(items), step=True)
+        else:
+            forward = self.engine.stream.submit(lambda: backend.forward(items, fed), step=True)
+            self.fed_steps += 1
+        return _InFlight(
+            step, lives, joined, start, time.perf_counter() - start, samples, plain, forward,
+            frozenset(s.seq_id for s in step.sequences),
+        )  # fmt: skip
+
+    def _sample(self, flight: _InFlight) -> None:
+        """Queue the sampling of the launched step's rows still running, behind its forward
+        (a failure to queue it leaves them to be sampled when the step is read back)."""
+        if not flight.plain:
+            return
+        start = time.perf_counter()
+        running = self.engine._live
+        kept = [
+            i for i, live in enumerate(flight.plain)
+            if live.seq.seq_id in running and live.seq.status is SeqStatus.RUNNING
+        ]  # fmt: skip
+        if len(kept) < len(flight.plain):
+            flight.plain = [flight.plain[i] for i in kept]
+            flight.taken = kept
+        if flight.plain:
+            rows, eos = [lv.row for lv in flight.plain], self.engine.eos_token_ids
+            forward = flight.forward
             try:
-                sampling = stream.submit(
-                    lambda: SamplingBatch(rows, eos).launch(forward.result().last)
+                flight.sampling = self.engine.stream.submit(
+                    lambda: SamplingBatch(rows, eos).launch(flight.logits(forward.result()))
                 )
             except Exception:  # the forward is queued: its rows are sampled when it is read
                 log.exception("queueing a step's sampling failed; it samples when read back")
-        return _InFlight(
-            step, lives, joined, start, time.perf_counter() - start, samples, plain, forward,
-            sampling, frozenset(s.seq_id for s in step.sequences),
-        )  # fmt: skip
+        flight.launch_s += time.perf_counter() - start
 
     def _resolve(
         self, flight: _InFlight
@@ -526,15 +626,21 @@ class PipelinedSteps(PackedSteps):
             out = flight.forward.result()
         except Exception as exc:
             self._undo(flight)
+            for seq in flight.retired:
+                self.scheduler.release(seq)
             if self._retry_alone(method, flight.lives, exc):
                 for chunk, live in zip(flight.step.chunks, flight.lives, strict=True):
                     if live.seq.status is SeqStatus.RUNNING:  # not preempted meanwhile
                         self._run(PackedStep(flight.step.kind, (chunk,)), [live], False)
             return None
+        for seq in flight.retired:  # the step that wrote their blocks is done
+            self.scheduler.release(seq)
         sampled: list[LiveSequence] = []
         choice = SampleOutput.concat([])
         if flight.plain:
-            sampled, choice = self._choose(method, flight.plain, out.last, launched=flight.sampling)
+            sampled, choice = self._choose(
+                method, flight.plain, flight.logits(out), launched=flight.sampling
+            )
         blocks, engine = self.scheduler.blocks, self.engine
         for live, token in zip(sampled, choice.token_ids, strict=True):
             if live.reserved:

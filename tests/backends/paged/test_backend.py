@@ -28,10 +28,14 @@ from tgis.backends.common.kv import to_cache
 from tgis.backends.paged.attention import flash_paged_available, step_metadata
 from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.backends.paged.graphs import CudaGraphApi, DecodeStep
-from tgis.engine.backend import PackedItem, Shape
+from tgis.engine import transfer
+from tgis.engine.backend import FedTokens, PackedItem, Shape
+from tgis.engine.sequence import PLACEHOLDER_ID
+from tgis.engine.transfer import StaleCopies
 from tgis.errors import ConfigError
 
 NEW = 6
+CPU = torch.device("cpu")
 
 
 def fresh(variant: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
@@ -515,3 +519,109 @@ def test_a_decode_graph_rotates_rows_after_an_image_at_their_grid_positions() ->
     assert graphed.graphs is not None
     assert graphed.graphs.positions[0].item() == len(prompt) - 3
     assert graphed.graphs.seqused_k[0].item() == len(prompt) + 1
+
+
+def fed_step(
+    items: Sequence[PackedItem], fed: Sequence[int], device: torch.device
+) -> tuple[list[PackedItem], FedTokens]:
+    """`items` with the `fed` ones' last token left to the device: the step before's ids
+    (on `device`) hold them at rows of their own, among others."""
+    sampled = torch.tensor([5, *(items[i].token_ids[-1] for i in reversed(fed)), 9], device=device)
+    rows = tuple(len(fed) - k for k in range(len(fed)))
+    left = [
+        replace(item, token_ids=(*item.token_ids[:-1], PLACEHOLDER_ID)) if i in fed else item
+        for i, item in enumerate(items)
+    ]
+    return left, FedTokens(tuple(fed), rows, lambda: sampled)
+
+
+def assert_fed_decodes_equal(
+    given: PagedTorchBackend,
+    fed: Sequence[PagedTorchBackend],
+    prompts: Sequence[Sequence[int]],
+    tables: Sequence[tuple[int, ...]],
+    atol: float,
+) -> list[int]:
+    """Prefill `prompts` on every backend, then NEW decode steps: `given` is given each
+    step's ids, each of `fed` has rows 0 and 2 (where there are) read on the device; their
+    logits equal `given`'s. The last step's tokens."""
+    prefill = [PackedItem(i, tuple(p), 0, tables[i]) for i, p in enumerate(prompts)]
+    tokens = given.forward(prefill).last.argmax(-1).tolist()
+    for backend in fed:
+        backend.forward(prefill)
+    for step in range(NEW):
+        items = [
+            PackedItem(i, (tokens[i],), len(p) + step, tables[i]) for i, p in enumerate(prompts)
+        ]
+        expected = given.forward(items).last
+        for backend in fed:
+            rows = [i for i in (0, 2) if i < len(items)]
+            got = backend.forward(*fed_step(items, rows, backend.device_obj)).last
+            torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+        tokens = expected.argmax(-1).tolist()
+    return tokens
+
+
+def test_tokens_fed_on_the_device_equal_the_tokens_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling launches a step before the host has the ids the step before sampled:
+    an item's last token is read on the device from those ids (`FedTokens`). Under an
+    accelerator's copies (one staging buffer, its padding scribbled), eagerly and through the
+    decode graphs, a step fed so gives the logits of the same step given its ids, over the
+    K/V the earlier steps wrote; fed rows mix with given ones and with a prompt chunk whose
+    last token is fed. The tokens a fed item does give are still checked."""
+    monkeypatch.setitem(transfer.COPIES, "cpu", StaleCopies())
+    kw = {"max_sequences": 4, "max_sequence_tokens": 64, "max_prefill_tokens": 64}
+    api = EagerDecodeApi()
+    given, eager, graphed = (
+        PagedTorchBackend(fresh("llama", seed=6), kv_tokens=32 * 4, block_size=4, **kw, **extra)
+        for extra in ({}, {}, {"graph_api": api})
+    )
+    graphed.warmup(4, 20)
+    prompts = PROMPTS[:3]
+    tables = [tuple(range(31 - i, 11, -4)) for i in range(4)]
+    tokens = assert_fed_decodes_equal(given, [eager, graphed], prompts, tables, atol=1e-5)
+    assert api.replays_asked == [4] * NEW  # fed through the graph's own buffers
+    # A prompt chunk whose last token is fed (a recomputation), beside fed decodes.
+    at = len(prompts[0]) + NEW
+    items = [
+        PackedItem(3, (7, 7, 9, 200, 31), 0, tables[3]),
+        PackedItem(0, (tokens[0],), at, tables[0]),
+        PackedItem(1, (tokens[1],), len(prompts[1]) + NEW, tables[1]),
+    ]
+    expected = given.forward(items).last
+    torch.testing.assert_close(
+        eager.forward(*fed_step(items, [0, 1], CPU)).last, expected, atol=1e-5, rtol=0
+    )
+    left, fed = fed_step([PackedItem(0, (999, 5), at + 1, tables[0])], [0], CPU)
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 256\)"):
+        eager.forward(left, fed)
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 256\)"):
+        eager.forward(left)  # a placeholder no step before fills
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tokens_fed_on_cuda_equal_the_tokens_given() -> None:
+    """On the GPU: decode steps whose tokens are read from the step before's ids on the
+    device, eagerly and replayed from real CUDA graphs (bfloat16, flash attention), give the
+    logits of a twin eager backend given the ids."""
+    if not flash_paged_available(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("this torch's varlen_attn has no block_table")
+    kw = {"max_sequences": 8, "max_sequence_tokens": 512, "max_prefill_tokens": 512}
+    given, eager, graphed = (
+        PagedTorchBackend(
+            fresh("llama", seed=7).to("cuda", torch.bfloat16), kv_tokens=4096, **kw, **extra
+        )
+        for extra in (
+            {"cuda_graphs": False}, {"cuda_graphs": False},
+            {"cuda_graphs": True, "graph_api": CountingCudaGraphApi()},
+        )
+    )  # fmt: skip
+    graphed.warmup(8, 64)
+    assert graphed.graphs is not None
+    api = graphed.graphs.api
+    assert isinstance(api, CountingCudaGraphApi)
+    prompts = [*PROMPTS, (9, 9, 9)]
+    tables = [(15 - i,) for i in range(len(prompts))]
+    assert_fed_decodes_equal(given, [eager, graphed], prompts, tables, atol=2e-2)
+    assert api.replays == NEW

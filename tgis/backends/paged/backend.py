@@ -51,7 +51,14 @@ from tgis.backends.paged.race import race, winner
 from tgis.backends.paged.traits import DeviceTraits, device_traits
 from tgis.backends.paged.triton_attention import interpreted, triton_available
 from tgis.config import use_inductor_cache
-from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.backend import (
+    BackendCapacity,
+    FedTokens,
+    PackedItem,
+    PackedOutput,
+    Shape,
+    ShapeTiming,
+)
 from tgis.engine.transfer import to_device
 from tgis.errors import ConfigError
 
@@ -238,6 +245,8 @@ class PagedTorchBackend:
             lora=parallel is None,
             images=vision is not None,
             whole_images=self.bidirectional,
+            # A rank's forward is driven by items sent to it: the ids stay on rank 0's device.
+            fed_tokens=parallel is None,
         )
         logger.info(
             "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
@@ -621,19 +630,23 @@ class PagedTorchBackend:
             raise ValueError("this model takes no images: it has no vision tower")
         return self.vision.encode(images)
 
-    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
         """Run one packed step. Raises ValueError (before any write) for token ids outside the
-        vocabulary, positions beyond max_sequence_tokens or block tables too short."""
+        vocabulary, positions beyond max_sequence_tokens or block tables too short. `fed`:
+        the items whose last token is read on the device from the step before's sampled ids
+        (written into the step's ids after its one copy up)."""
         if not items:
             return PackedOutput(torch.empty((0, self.vocab_size), device=self.device_obj), ())
-        self._check(items)
-        graphed = self._graphed(items)
+        self._check(items, fed)
+        graphed = self._graphed(items, fed)
         if graphed is not None:
             return PackedOutput(graphed, (None,) * len(items))
-        return self._forward_packed(items)
+        return self._forward_packed(items, fed)
 
     @torch.inference_mode()
-    def _forward_packed(self, items: Sequence[PackedItem]) -> PackedOutput:
+    def _forward_packed(
+        self, items: Sequence[PackedItem], fed: FedTokens | None = None
+    ) -> PackedOutput:
         """`forward` without checks or CUDA graphs: the compiled decode graph where one runs
         the step, else the eager forward (also the profiling run, before capacity)."""
         query_lens = [len(item.token_ids) for item in items]
@@ -651,6 +664,8 @@ class PagedTorchBackend:
                 rows.append(offset + n - 1)
         positions = rope_positions(items, query_lens)
         streams = len(positions) // len(ids)
+        # Where the fed tokens go among the ids, then which of the earlier step's rows.
+        feeding = [*fed.flat(query_lens), *fed.rows] if fed is not None else []
         device = self.device_obj
         windows = self.path.windows
         pool = self.path.pool
@@ -667,13 +682,15 @@ class PagedTorchBackend:
             pool.flash,
             [item.spans for item in items] if self.bidirectional else None,
             pool.triton,
-            torch.tensor([*ids, *positions, *rows], dtype=torch.long),
+            torch.tensor([*ids, *positions, *rows, *feeding], dtype=torch.long),
         )
         if meta.fresh_blocks is not None:
             pool.clear(meta.fresh_blocks)
         inputs = meta.inputs
         assert inputs is not None
         tokens = len(ids)
+        if fed is not None:
+            fed.write(inputs[:tokens], inputs[inputs.shape[0] - len(feeding) :])
         at = inputs[tokens : (1 + streams) * tokens]
         if self.compiled is not None and self._plain_decode(items) and streams == 1:
             logits = self.compiled.run(inputs[:tokens], at, meta)
@@ -682,7 +699,7 @@ class PagedTorchBackend:
             inputs[:tokens],
             at if streams == 1 else at.view(streams, tokens),
             meta,
-            inputs[(1 + streams) * tokens :],
+            inputs[(1 + streams) * tokens : (1 + streams) * tokens + len(rows)],
             [
                 (o + at, rows)
                 for o, item in zip(offsets, items, strict=True)
@@ -705,7 +722,9 @@ class PagedTorchBackend:
         chosen = logits[to_device(last, torch.long, device)] if last else logits[:0]
         return PackedOutput(chosen, tuple(prompt))
 
-    def _graphed(self, items: Sequence[PackedItem]) -> torch.Tensor | None:
+    def _graphed(
+        self, items: Sequence[PackedItem], fed: FedTokens | None = None
+    ) -> torch.Tensor | None:
         """Logits of a decode step replayed from its graph; None when the step runs eagerly
         (no graphs, a prefill chunk, prompt logits, prompt-prefix embeddings, a LoRA adapter,
         or more rows than the largest bucket)."""
@@ -721,6 +740,7 @@ class PagedTorchBackend:
             [slots_of(item.block_table, item.start, item.start + 1, size)[0] for item in items],
             [item.block_table for item in items],
             rope_positions(items, [1] * len(items)) if any(i.grids for i in items) else None,
+            fed,
         )
 
     @staticmethod
@@ -736,10 +756,13 @@ class PagedTorchBackend:
             for i in items
         )
 
-    def _check(self, items: Sequence[PackedItem]) -> None:
+    def _check(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> None:
         limit, size = self.max_sequence_tokens, self.block_size
         blocks = self._capacity.num_blocks
-        for item in items:
+        if fed is not None and not self._capacity.fed_tokens:
+            raise ValueError(f"the {self.name} backend reads no tokens on the device (fed)")
+        feeds = set(fed.items) if fed is not None else set()
+        for index, item in enumerate(items):
             end = item.start + len(item.token_ids)
             if not item.token_ids or item.start < 0 or end > limit:
                 raise ValueError(
@@ -753,7 +776,8 @@ class PagedTorchBackend:
                 )
             if min(item.block_table) < 0 or max(item.block_table) >= blocks:
                 raise ValueError(f"sequence {item.seq_id}: block ids outside [0, {blocks})")
-            if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+            known = item.token_ids[:-1] if index in feeds else item.token_ids
+            if known and (min(known) < 0 or max(known) >= self.vocab_size):
                 raise ValueError(
                     f"sequence {item.seq_id}: token ids outside [0, {self.vocab_size})"
                 )

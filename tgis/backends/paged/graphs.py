@@ -28,6 +28,7 @@ import torch
 from tgis.backends.common.graphs import GraphApi
 from tgis.backends.paged.attention import StepMetadata
 from tgis.backends.paged.forward import PagedForward
+from tgis.engine.backend import FedTokens
 from tgis.engine.transfer import host_to_device_all
 
 logger = logging.getLogger(__name__)
@@ -150,10 +151,12 @@ class DecodeGraphs:
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         rope: Sequence[int] | None = None,
+        fed: FedTokens | None = None,
     ) -> torch.Tensor:
         """One decode step of n = len(token_ids) sequences at `positions` through the bucket's
         graph: logits [n, vocab] (float32). `rope`: the positions the rows rotate at, where
-        they differ from their own (multimodal rope). The caller checked that n fits a
+        they differ from their own (multimodal rope). `fed`: the rows whose token is read on
+        the device from the step before's sampled ids. The caller checked that n fits a
         captured bucket."""
         n = len(token_ids)
         bucket = self.graph_for(n)
@@ -183,10 +186,14 @@ class DecodeGraphs:
             [[*blocks, *scratch[len(blocks) :]] for blocks in wanted], dtype=torch.int32
         ).view(len(wanted), width)
         # One copy up, then into the graph's own buffers on the device.
-        host, table, at = host_to_device_all(
-            (host, table, torch.tensor(changed, dtype=torch.long)), self.input_ids.device
+        feeding = torch.tensor([*fed.items, *fed.rows] if fed is not None else [], dtype=torch.long)
+        host, table, at, feeding = host_to_device_all(
+            (host, table, torch.tensor(changed, dtype=torch.long), feeding),
+            self.input_ids.device,
         )
         self.input_ids[:bucket].copy_(host[0])
+        if fed is not None:  # one token per row: a row's token is its item's
+            fed.write(self.input_ids, feeding)
         self.positions[:bucket].copy_(host[1])
         self.slot_mapping[:bucket].copy_(host[2])
         self.seqused_k[:bucket].copy_(host[3])

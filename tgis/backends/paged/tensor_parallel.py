@@ -64,7 +64,14 @@ from tgis.backends.paged.nodes import (
 from tgis.config import ServeConfig
 from tgis.config.checkpoint_quant import checkpoint_scheme
 from tgis.config.env import default_env, set_variables
-from tgis.engine.backend import BackendCapacity, PackedItem, PackedOutput, Shape, ShapeTiming
+from tgis.engine.backend import (
+    BackendCapacity,
+    FedTokens,
+    PackedItem,
+    PackedOutput,
+    Shape,
+    ShapeTiming,
+)
 from tgis.engine.types import ImageInput
 from tgis.errors import ConfigError, NodeError
 
@@ -632,7 +639,9 @@ class TensorParallelBackend:
         """The images' features, from the first shard's vision tower."""
         return self.inner.encode_images(images)
 
-    def forward(self, items: Sequence[PackedItem]) -> PackedOutput:
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
+        if fed is not None:  # capacity.fed_tokens is False: each rank is sent its ids
+            raise ValueError("tensor-parallel shards read no tokens on the device (fed)")
         payload = [_with_cpu_embeds(item) if item.embeds else item for item in items]
         try:
             _broadcast(("forward", payload))
