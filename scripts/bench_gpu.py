@@ -139,6 +139,16 @@ def row_of(step: dict[str, Any], model: str, mode: str, streams: int, graphs: bo
     }
 
 
+# What each mode adds to `tgis serve`: graphs (the default on a GPU: CUDA graphs, steps
+# planned after the one before), async (also async scheduling: each step planned and launched
+# while the one before runs), eager (no CUDA graphs).
+MODE_FLAGS: dict[str, list[str]] = {
+    "graphs": [],
+    "async": ["--async-scheduling"],
+    "eager": ["--no-cuda-graphs"],
+}
+
+
 def run_mode(
     model_dir: Path,
     mode: str,
@@ -147,7 +157,7 @@ def run_mode(
     warmup: float = 5.0,
     deadline: float | None = None,
 ) -> dict[str, Any]:
-    """Serve `model_dir` in `mode` (graphs / eager) and measure each stream count, starting none
+    """Serve `model_dir` in `mode` (MODE_FLAGS) and measure each stream count, starting none
     that would end after `deadline` (time.time()); {"runtime": what /info says the server runs,
     "rows": one per stream count, "skipped": the stream counts left out}."""
     import httpx
@@ -157,8 +167,7 @@ def run_mode(
     cmd = [sys.executable, "-m", "tgis", "serve", "--model-id", str(model_dir), "--backend",
            "cuda", "--dtype", "bfloat16", "--port", str(port), "--hostname", "127.0.0.1",
            "--max-total-tokens", "2048", "--max-batch-size", str(max(STREAMS))]  # fmt: skip
-    if mode == "eager":
-        cmd.append("--no-cuda-graphs")
+    cmd += MODE_FLAGS[mode]
     log = workdir / f"{model_dir.name}-{mode}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     end = deadline if deadline is not None else time.time() + 86_400
@@ -202,8 +211,8 @@ def table(rows: list[dict], device: str, torch_version: str) -> str:
     ]
     for r in rows:
         mode = r["mode"]
-        if mode == "graphs" and not r.get("cuda_graphs", True):
-            mode = "graphs (ran eager)"
+        if mode in ("graphs", "async") and not r.get("cuda_graphs", True):
+            mode = f"{mode} (ran eager)"
         exact = "yes" if r.get("exact", True) else f"no: {r.get('length_problem', '?')}"
         lines.append(
             f"| {r['model']} | {mode} | {r['streams']} | {r['output_tok_s']:,.0f} | "
@@ -222,7 +231,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench-gpu"))
     parser.add_argument("--models", default="1b,8b", help="comma-separated: 1b, 8b")
-    parser.add_argument("--modes", default="graphs,eager", help="comma-separated: graphs, eager")
+    parser.add_argument(
+        "--modes", default="graphs,eager", help="comma-separated: graphs, async, eager"
+    )
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds per step")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/performance.md")
     args = parser.parse_args()

@@ -63,7 +63,7 @@ TEST_TOOLS = ("pytest", "pytest-timeout")
 # How a test module marks a test, a parameter or itself `cuda`.
 CUDA_MARK = re.compile(r"\bpytest\.mark\.cuda\b")
 # bench's loads in order of worth: with too little time left, the last are skipped.
-LOADS = "1b:graphs,8b:graphs,1b:eager"
+LOADS = "1b:graphs,1b:async,8b:graphs,1b:eager"
 # The most seconds the tests and profile stages may take; bench takes what is left, less RESERVE
 # for docs and the summary.
 CAPS = {"tests": 150.0, "kernels": 60.0, "profile": 90.0}
@@ -596,10 +596,10 @@ def parse_loads(text: str) -> list[tuple[str, str]]:
         if not part:
             continue
         model, _, mode = part.partition(":")
-        if model not in bench_gpu.MODELS or mode not in ("graphs", "eager"):
+        if model not in bench_gpu.MODELS or mode not in bench_gpu.MODE_FLAGS:
             sys.exit(
                 f"--loads {part!r}: each load is MODEL:MODE, MODEL one of "
-                f"{', '.join(bench_gpu.MODELS)}, MODE graphs or eager"
+                f"{', '.join(bench_gpu.MODELS)}, MODE one of {', '.join(bench_gpu.MODE_FLAGS)}"
             )
         loads.append((model, mode))
     return loads
@@ -666,7 +666,7 @@ def bench(
 
 
 def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """bench.json's rows in the table's order (1B first, graphs before eager, by streams)."""
+    """bench.json's rows in the table's order (1B first, graphs, async, eager, by streams)."""
     import bench_gpu
 
     path = out / "bench.json"
@@ -674,7 +674,11 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     order = {name: i for i, name in enumerate(bench_gpu.MODELS.values())}
     rows = sorted(
         (row for run in data["runs"] for row in run.get("rows", [])),
-        key=lambda r: (order.get(r["model"], 99), r["mode"] != "graphs", r["streams"]),
+        key=lambda r: (
+            order.get(r["model"], 99),
+            list(bench_gpu.MODE_FLAGS).index(r["mode"]),
+            r["streams"],
+        ),
     )
     return rows, data
 
@@ -754,6 +758,19 @@ def target_verdicts(rows: list[dict[str, Any]]) -> list[str]:
                 f"{model}: graphs / eager tokens/s at {streams} streams {ratio:.2f}x "
                 f"(target >= 1: {'met' if ratio >= 0.98 else 'not met'})"
             )
+        for streams in (1, 16, 64):
+            serial, overlapped = (
+                by.get((model, "graphs", streams)),
+                by.get((model, "async", streams)),
+            )
+            if serial is None or overlapped is None or not serial["output_tok_s"]:
+                continue
+            ratio = overlapped["output_tok_s"] / serial["output_tok_s"]
+            lines.append(
+                f"{model}: async scheduling / serial tokens/s at {streams} streams {ratio:.2f}x, "
+                f"ITL p50 {overlapped['itl_p50_ms']:.2f} / {serial['itl_p50_ms']:.2f} ms "
+                "(async scheduling becomes the GPU's default where it is >= 1)"
+            )
     return lines
 
 
@@ -793,7 +810,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for the command")
-    parser.add_argument("--loads", default=LOADS, help="bench: MODEL:MODE,... (1b, 8b; graphs, eager)")  # fmt: skip
+    parser.add_argument("--loads", default=LOADS, help="bench: MODEL:MODE,... (1b, 8b; graphs, async, eager)")  # fmt: skip
     parser.add_argument("--duration", type=float, default=10.0, help="bench: seconds per step")
     parser.add_argument("--warmup", type=float, default=3.0, help="bench: unmeasured seconds")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tgis-bench-gpu"))

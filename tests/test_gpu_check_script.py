@@ -33,7 +33,7 @@ def row(
     model: str, mode: str, streams: int, tok_s: float, itl_ms: float, **more: object
 ) -> dict[str, object]:
     return {
-        "model": model, "mode": mode, "streams": streams, "cuda_graphs": mode == "graphs",
+        "model": model, "mode": mode, "streams": streams, "cuda_graphs": mode != "eager",
         "output_tok_s": tok_s, "itl_p50_ms": itl_ms, "ttft_p50_ms": 20.0, "failed": 0,
         "exact": True, **more,
     }  # fmt: skip
@@ -215,7 +215,9 @@ def test_wheels_for_another_python_are_not_installed(
 def test_arguments() -> None:
     args = gpu_check.parse_args(["all"])
     assert (args.budget, args.loads, args.python_version) == (480.0, gpu_check.LOADS, "3.12")
-    assert gpu_check.parse_loads(args.loads) == [("1b", "graphs"), ("8b", "graphs"), ("1b", "eager")]  # fmt: skip
+    assert gpu_check.parse_loads(args.loads) == [
+        ("1b", "graphs"), ("1b", "async"), ("8b", "graphs"), ("1b", "eager"),
+    ]  # fmt: skip
     assert gpu_check.parse_args(["tests", "--collect-only"]).collect_only
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["bench", "--collect-only"])
@@ -311,13 +313,15 @@ def test_the_bench_skips_what_cannot_run_or_finish_in_time(
     plenty = gpu_check.Budget(10_000, time.time())
     assert gpu_check.bench(tmp_path, loads, 10, 3, tmp_path / "work", plenty)
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
-    assert served == [("llama-3.2-1b", "graphs"), ("llama-3.1-8b", "graphs")]
-    assert "CUDA graphs do not run here" in runs[2]["skipped"]
+    assert served == [
+        ("llama-3.2-1b", "graphs"), ("llama-3.2-1b", "async"), ("llama-3.1-8b", "graphs"),
+    ]  # fmt: skip
+    assert "CUDA graphs do not run here" in runs[3]["skipped"]
     served.clear()
     short = gpu_check.Budget(gpu_check.RESERVE + 60, time.time())
-    gpu_check.bench(tmp_path, loads[1:2], 10, 3, tmp_path / "work", short)
+    gpu_check.bench(tmp_path, loads[2:3], 10, 3, tmp_path / "work", short)
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
-    assert served == [] and len(runs) == 3
+    assert served == [] and len(runs) == 4
     assert "left of the budget" in runs[-1]["skipped"] and runs[-1]["model"] == "llama-3.1-8b"
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["bench.json"]
 
@@ -335,10 +339,12 @@ def test_the_docs_stage_writes_the_table_the_probe_and_the_verdicts(tmp_path: Pa
         row("llama-3.2-1b", "eager", 1, 300.0, 3.1),
         row("llama-3.2-1b", "eager", 64, 9_500.0, 6.2, exact=False, length_problem="short"),
     ]
+    overlapped = [row("llama-3.2-1b", "async", 64, 10_800.0, 5.0)]
     write_bench(
         out,
         [
             {"model": "llama-3.2-1b", "mode": "eager", "rows": eager},
+            {"model": "llama-3.2-1b", "mode": "async", "rows": overlapped},
             {"model": "llama-3.2-1b", "mode": "graphs", "rows": graphs},
             {"model": "llama-3.1-8b", "mode": "graphs", "skipped": "20 s left of the budget"},
             {"model": "llama-3.1-8b", "mode": "eager", "error": "tgis serve exited with 1\nlog"},
@@ -353,11 +359,11 @@ def test_the_docs_stage_writes_the_table_the_probe_and_the_verdicts(tmp_path: Pa
     assert text.startswith("# Performance") and "Not measured." not in text
     assert "GPU: NVIDIA H100; torch 2.13.0" in text
     lines = [line for line in text.splitlines() if line.startswith("| llama")]
-    # graphs before eager, streams in order
+    # graphs, async, eager, streams in order
     assert [line.split(" | ")[1:3] for line in lines] == [
-        ["graphs", "1"], ["graphs", "64"], ["eager", "1"], ["eager", "64"],
+        ["graphs", "1"], ["graphs", "64"], ["async", "64"], ["eager", "1"], ["eager", "64"],
     ]  # fmt: skip
-    assert lines[0].endswith("| yes |") and lines[3].endswith("| no: short |")
+    assert lines[0].endswith("| yes |") and lines[4].endswith("| no: short |")
     assert "Not measured: llama-3.1-8b graphs: 20 s left of the budget." in text
     assert "Failed: llama-3.1-8b eager: tgis serve exited with 1." in text
     assert "Attention (bf16, --attention-backend auto): flash attention over KV pages." in text
@@ -366,6 +372,8 @@ def test_the_docs_stage_writes_the_table_the_probe_and_the_verdicts(tmp_path: Pa
     assert "llama-3.2-1b: 9,000 tokens/s at 64 streams (target >= 10,000: not met)" in text
     assert "graphs / eager tokens/s at 1 streams 1.50x (target >= 1: met)" in text
     assert "graphs / eager tokens/s at 64 streams 0.95x (target >= 1: not met)" in text
+    assert "async scheduling / serial tokens/s at 64 streams 1.20x, ITL p50 5.00 / 6.00 ms" in text
+    assert "async scheduling / serial tokens/s at 1 streams" not in text  # not measured
 
 
 def test_a_graphs_load_that_ran_eager_says_so_and_is_not_compared(tmp_path: Path) -> None:
