@@ -536,16 +536,20 @@ class PipelinedSteps(PackedSteps):
         whose last token `previous` is sampling, to be read on the device (None: none). It
         may not where some are and the backend cannot read them, or `previous`'s sampling was
         not queued."""
-        rows = {id(live): row for row, live in enumerate(previous.plain)} if previous else {}
+        # A chunk that ends at a reserved token's place holds its placeholder last.
         items = [
             i for i, (chunk, live) in enumerate(zip(step.chunks, lives, strict=True))
-            if live.reserved and chunk.sample and id(live) in rows
+            if live.reserved and chunk.sample
         ]  # fmt: skip
         if not items:
             return True, None
-        if previous is None or previous.sampling is None:
-            return False, None
-        if not self.backend.capacity.fed_tokens:
+        rows = {id(live): row for row, live in enumerate(previous.plain)} if previous else {}
+        if (
+            previous is None
+            or previous.sampling is None
+            or not self.backend.capacity.fed_tokens
+            or any(id(lives[i]) not in rows for i in items)
+        ):
             return False, None
         sampling = previous.sampling
         return True, FedTokens(
