@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,6 @@ _spec.loader.exec_module(soak)
 
 def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
-    start = time.monotonic()
     code = soak.main(
         [
             "--duration", "6",
@@ -35,7 +33,6 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
             "--output", str(output),
         ]
     )  # fmt: skip
-    assert time.monotonic() - start < 60
     summary = json.loads(output.read_text())
     counts = summary["counts"]
     assert counts["ok"] > 0 and counts["overloaded"] > 0, counts

@@ -327,13 +327,12 @@ def model_info(
 
 
 def assert_grpc_refused(target: str, credentials: grpc.ChannelCredentials | None) -> None:
-    """The call fails UNAVAILABLE at the connection, well before its deadline."""
-    started = time.monotonic()
+    """The call fails UNAVAILABLE at the connection (past its deadline it would be
+    DEADLINE_EXCEEDED)."""
     with pytest.raises(grpc.RpcError) as info:
         model_info(target, credentials)
     code = info.value.code()  # type: ignore[attr-defined]
     assert code == grpc.StatusCode.UNAVAILABLE, (code, info.value)
-    assert time.monotonic() - started < TIMEOUT_S
 
 
 # --- TLS without client certificates --------------------------------------------------------

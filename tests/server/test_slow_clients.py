@@ -21,7 +21,11 @@ HEADER_S = 0.5
 BODY_S = 0.5
 KEEP_ALIVE_S = 1.0
 TICK_S = 0.2
-SLACK_S = 1.0
+# Each deadline is checked from below only (a timer cannot fire early; 0.05 s for the clock's
+# grain): how late it fires depends on how busy the machine is. That the right one fired is
+# in what the server sends (a 408 naming the deadline, or nothing) and in deadlines set far
+# apart where two could close the same connection.
+EARLY_S = 0.05
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,17 +94,19 @@ def test_trickled_headers_are_cut_off_with_408(port: int, engine: FakeEngine) ->
         start = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         answer, closed = trickle(sock)
-    assert HEADER_S - 0.05 <= closed - start <= HEADER_S + SLACK_S
+    assert closed - start >= HEADER_S - EARLY_S
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
     assert b"connection: close" in answer.lower()
     assert answer.endswith(b"The request headers did not arrive within 0.5 s.")
 
 
-def test_silent_connection_is_closed_without_an_answer(port: int) -> None:
-    with connect(port) as sock:
+def test_silent_connection_is_closed_without_an_answer(app: Starlette) -> None:
+    """The header deadline, not the keep-alive timeout (set 60 times longer here, beyond the
+    socket's own 5 s), closes a connection that sends nothing."""
+    with timed_server(app, keep_alive_timeout_s=HEADER_S * 60) as port, connect(port) as sock:
         start = time.monotonic()
         assert read_until_closed(sock) == b""
-    assert HEADER_S - 0.05 <= time.monotonic() - start <= HEADER_S + SLACK_S
+    assert time.monotonic() - start >= HEADER_S - EARLY_S
 
 
 def test_trickled_body_is_cut_off_with_408(port: int, engine: FakeEngine) -> None:
@@ -112,7 +118,7 @@ def test_trickled_body_is_cut_off_with_408(port: int, engine: FakeEngine) -> Non
         sock.sendall(head)
         start = time.monotonic()
         answer, closed = trickle(sock, b" ")
-    assert BODY_S - 0.05 <= closed - start <= BODY_S + SLACK_S
+    assert closed - start >= BODY_S - EARLY_S
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
     assert answer.endswith(b"The request body did not arrive within 0.5 s.")
     assert engine.requests == []  # the route never got a body to generate from
@@ -160,7 +166,7 @@ def test_idle_keep_alive_connection_is_closed_after_its_timeout(port: int) -> No
         answered = time.monotonic()
         assert read_until_closed(sock) == b""  # closed without a word
     # The keep-alive timeout (1 s), not the header deadline (0.5 s), governs an idle wait.
-    assert KEEP_ALIVE_S - 0.05 <= time.monotonic() - answered <= KEEP_ALIVE_S + SLACK_S
+    assert time.monotonic() - answered >= KEEP_ALIVE_S - EARLY_S
 
 
 def test_idle_wait_shorter_than_keep_alive_is_not_cut_by_the_header_deadline(port: int) -> None:
@@ -182,7 +188,7 @@ def test_body_finished_after_its_answer_leaves_a_keep_alive_wait(port: int) -> N
         sock.sendall(b"abcde")
         done = time.monotonic()
         assert read_until_closed(sock) == b""
-    assert KEEP_ALIVE_S - 0.05 <= time.monotonic() - done <= KEEP_ALIVE_S + SLACK_S
+    assert time.monotonic() - done >= KEEP_ALIVE_S - EARLY_S
 
 
 def test_next_request_trickled_on_a_keep_alive_connection_is_cut_off(port: int) -> None:
@@ -194,7 +200,7 @@ def test_next_request_trickled_on_a_keep_alive_connection_is_cut_off(port: int) 
         sock.sendall(b"GET /health HTTP/1.1\r\n")
         answer, closed = trickle(sock, b"X")
     # The deadline runs from the request's first byte, not from the previous answer.
-    assert HEADER_S - 0.05 <= closed - start <= HEADER_S + SLACK_S
+    assert closed - start >= HEADER_S - EARLY_S
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
 
 
@@ -207,9 +213,7 @@ def test_pipelined_partial_request_gets_a_deadline_after_the_answer_before_it(
         sock.sendall(get() + b"GET /health HTTP/1.1\r\nX-Slow: ")
         status, _ = read_response(sock)
         assert status == 200
-        start = time.monotonic()
-        answer, closed = trickle(sock)
-    assert closed - start <= HEADER_S + SLACK_S
+        answer, _ = trickle(sock)
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
 
 
