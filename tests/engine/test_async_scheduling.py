@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.factories import tiny_tokenizer
@@ -254,10 +256,10 @@ def test_a_failed_step_is_undone_and_its_sequences_run_again_alone() -> None:
 def test_a_step_fed_ids_the_host_did_not_keep_is_dropped_and_planned_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The batch's sampling raises once: the host samples each row again alone, so the step
-    launched meanwhile read no ids of the host's choice on the device. That step is dropped
-    (not failed: the only batch run again row by row is the sampling), planned again over
-    the host's ids, and both requests get the tokens they get with nothing failing."""
+    """The batch's sampling raises once, after the next step was launched on its ids (which
+    do not exist): that step is dropped (not failed: the only batch run again row by row is
+    the one whose sampling raised), planned again, and both requests get the tokens they get
+    with nothing failing."""
     vocab = len(tiny_tokenizer())
     expected = ids(generate_with(Recorded(vocab, []), False))
     original = SamplingBatch.launch
@@ -275,6 +277,55 @@ def test_a_step_fed_ids_the_host_did_not_keep_is_dropped_and_planned_again(
     assert calls[0] > 3
     alone = [r.getMessage() for r in caplog.records if "running each alone" in r.getMessage()]
     assert len(alone) == 1 and "sampling lost" in alone[0], alone
+
+
+class Buffered(Recorded):
+    """A device whose logits come back in one buffer that each forward overwrites, as a CUDA
+    graph's output does."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab, [])
+        self.buffer = torch.full((8, vocab), math.nan)
+
+    def forward(self, items: Sequence[PackedItem], fed: FedTokens | None = None) -> PackedOutput:
+        out = super().forward(items, fed)
+        rows = out.last.shape[0]
+        self.buffer[:rows].copy_(out.last)
+        return PackedOutput(self.buffer[:rows], out.prompt)
+
+
+def test_a_choice_the_host_could_not_read_is_not_taken_from_a_later_steps_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading the batch's choice back fails once, after the next step was launched over the
+    same output buffer: the step is run again alone (its forward too), not sampled again
+    from logits the next step has overwritten, so tokens and logprobs are the serial
+    engine's."""
+    vocab = len(tiny_tokenizer())
+    expected = events_of(generate_with(Recorded(vocab, []), False))
+    original = PendingSample.result
+    calls = [0]
+
+    def result(self: PendingSample) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the first decode step's, its successor launched
+            raise RuntimeError("the copy down failed")
+        return original(self)
+
+    monkeypatch.setattr(PendingSample, "result", result)
+    # An inline stream: the next step's forward has run by the time the choice is read.
+    stream = DeviceStream()
+    engine = engine_over(Buffered(vocab), stream, True)
+    try:
+        got = generate(engine, PROMPTS[:2], max_new_tokens=5, ignore_eos=True)
+    finally:
+        engine.stop()
+    assert events_of(got) == expected
+    assert calls[0] > 2
+
+
+def events_of(results: list[Any]) -> list[list[tuple[int, float]]]:
+    return [[(e.token.id, e.token.logprob) for e in events] for events in results]
 
 
 def test_a_token_refused_as_it_is_read_back_ends_that_request_alone(

@@ -52,6 +52,11 @@ SchedulerT = TypeVar("SchedulerT", Scheduler, PagedScheduler)
 StepT = TypeVar("StepT", Step, PackedStep)
 
 
+class StaleLogits(RuntimeError):
+    """A step's batch sampling did not give its choice, and its logits can no longer be read
+    to sample each row again (async scheduling launched the next step over them)."""
+
+
 class NonFiniteScores(ArithmeticError):
     """A sequence's forward produced a NaN or an infinity."""
 
@@ -99,9 +104,6 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         self.engine = engine
         self.backend: BackendT = backend
         self.scheduler: SchedulerT = scheduler
-        # Whether the last `_choose` kept the batch's own choice (not each row sampled again
-        # on the host after the batch's sampling raised).
-        self.batch_chosen = False
 
     def run_next(self) -> None:
         """Plan the next step and run it: the forward, the sampling, the tokens handed to the
@@ -141,16 +143,22 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
         self,
         method: str,
         lives: list[LiveSequence],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         meanwhile: Callable[[], None] | None = None,
         launched: Pending[PendingSample] | None = None,
     ) -> tuple[list[LiveSequence], SampleOutput]:
         """One token per row of `logits`, or (the batch's sampling raised) per row alone: the
         sequences that got one, and their choice. `meanwhile` runs once, while the device
-        samples. `launched`: the batch's sampling, submitted already (async scheduling)."""
+        samples. `launched`: the batch's sampling, submitted already (async scheduling).
+        `logits` None: they may no longer be read (a later step's output may have replaced
+        them in place, as a CUDA graph's buffer is): where the batch's sampling did not give
+        the choice, `StaleLogits` is raised instead of sampling the rows again."""
         eos_token_ids = self.engine.eos_token_ids
         pending: PendingSample | None = None
+        if launched is None and logits is None:
+            raise StaleLogits("the step's sampling was not queued")
         if launched is None:
+            assert logits is not None
             rows = [lv.row for lv in lives]
             launched = self.engine.stream.submit(
                 lambda: SamplingBatch(rows, eos_token_ids).launch(logits)
@@ -163,12 +171,11 @@ class StepRunner(ABC, Generic[BackendT, SchedulerT, StepT]):
             error = exc
         if pending is not None:
             try:
-                kept = self._finite(method, lives, pending.result())
+                return self._finite(method, lives, pending.result())
             except Exception as exc:
                 error = exc
-            else:
-                self.batch_chosen = True
-                return kept
+        if logits is None:
+            raise StaleLogits(f"{type(error).__name__}: {error}") from error
         if not self._retry_alone(method, lives, error):
             return [], SampleOutput.concat([])
         chosen, outputs = [], []
@@ -450,8 +457,11 @@ class PipelinedSteps(PackedSteps):
     two steps. Either way scheduling and every per-token rule run while the device computes.
     A step that fails is undone (its positions uncomputed, their blocks out of the prefix
     cache) and its chunks run again alone, as `PackedSteps` runs them; the step launched on
-    it is waited for and dropped, and planned again. No drafts: the engine runs
-    `PackedSteps` when it speculates.
+    it is waited for and dropped, and planned again. So is a step whose batch sampling did
+    not give its choice once the next one was launched: its ids never existed for the next
+    step to read, and its logits may have been overwritten by the next step's (a CUDA
+    graph's output buffer), so its rows are not sampled again from them. No drafts: the
+    engine runs `PackedSteps` when it speculates.
     """
 
     speculates = False
@@ -493,14 +503,9 @@ class PipelinedSteps(PackedSteps):
                 launch_failed = True
         resolved: tuple[PackedOutput, list[LiveSequence], SampleOutput] | None = None
         if previous is not None:
-            self.batch_chosen = False
             resolved = self._resolve(previous)
-            if resolved is None or (fed is not None and not self.batch_chosen):
-                # The step launched on its ids cannot stand (they are not the host's choice):
-                # it is dropped and planned again.
-                self._drop_launched()
-                if resolved is None:  # it failed and ran again alone
-                    return
+            if resolved is None:  # it failed and ran again alone
+                return
         if step is not None and (launch_failed or not early):
             # Launched now or run after the tokens: a sequence failed while the last step was
             # read back (its row's scores, its grammar) has left, and its chunk goes too.
@@ -521,7 +526,13 @@ class PipelinedSteps(PackedSteps):
         if previous is not None and resolved is not None:
             self._conclude(previous, *resolved)
         if launch_failed and step is not None:
-            self._run(step, lives, False)
+            # Run after the tokens: those that ended there leave the step first.
+            kept = [i for i, live in enumerate(lives) if live.seq.status is SeqStatus.RUNNING]
+            if kept:
+                self._run(
+                    PackedStep(step.kind, tuple(step.chunks[i] for i in kept)),
+                    [lives[i] for i in kept], False,
+                )  # fmt: skip
         flight = self._in_flight
         if flight is not None:
             self.scheduler.advance(flight.step)
@@ -623,28 +634,30 @@ class PipelinedSteps(PackedSteps):
     def _resolve(
         self, flight: _InFlight
     ) -> tuple[PackedOutput, list[LiveSequence], SampleOutput] | None:
-        """Wait for the step and put its sampled ids in place; None when its forward failed
-        (then undone and run again alone)."""
+        """Wait for the step and put its sampled ids in place; None when it did not stand
+        (`_again_alone`)."""
         method = flight.step.kind.value
         try:
             out = flight.forward.result()
         except Exception as exc:
-            self._undo(flight)
-            for seq in flight.retired:
-                self.scheduler.release(seq)
-            if self._retry_alone(method, flight.lives, exc):
-                for chunk, live in zip(flight.step.chunks, flight.lives, strict=True):
-                    if live.seq.status is SeqStatus.RUNNING:  # not preempted meanwhile
-                        self._run(PackedStep(flight.step.kind, (chunk,)), [live], False)
+            self._again_alone(flight, exc)
             return None
         for seq in flight.retired:  # the step that wrote their blocks is done
             self.scheduler.release(seq)
+        flight.retired.clear()
         sampled: list[LiveSequence] = []
         choice = SampleOutput.concat([])
         if flight.plain:
-            sampled, choice = self._choose(
-                method, flight.plain, flight.logits(out), launched=flight.sampling
-            )
+            # A step launched since may have put its logits where this one's were (a CUDA
+            # graph's output buffer): past the batch's own choice they are not read.
+            logits = None if self._in_flight is not None else flight.logits(out)
+            try:
+                sampled, choice = self._choose(
+                    method, flight.plain, logits, launched=flight.sampling
+                )
+            except StaleLogits as exc:
+                self._again_alone(flight, exc)
+                return None
         blocks, engine = self.scheduler.blocks, self.engine
         for live, token in zip(sampled, choice.token_ids, strict=True):
             if live.reserved:
@@ -655,6 +668,27 @@ class PipelinedSteps(PackedSteps):
         # Its positions are in the cache: their full blocks become prefix-cache entries.
         self.scheduler.land(flight.step)
         return out, sampled, choice
+
+    def _again_alone(self, flight: _InFlight, exc: Exception) -> None:
+        """The step did not stand (its forward raised, or its sampling did past the point
+        where its logits could be read again): the step launched on it is dropped, it is
+        undone, and each of its chunks runs again alone, as `PackedSteps` runs them (a chunk
+        whose sequence was preempted meanwhile is planned anew instead)."""
+        self._drop_launched()
+        self._undo(flight)
+        for seq in flight.retired:
+            self.scheduler.release(seq)
+        flight.retired.clear()
+        if not self._retry_alone(flight.step.kind.value, flight.lives, exc):
+            return
+        blocks = self.scheduler.blocks
+        for chunk, live in zip(flight.step.chunks, flight.lives, strict=True):
+            seq = live.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            table = blocks.block_table(seq.seq_id)[: len(chunk.block_table)]
+            if tuple(table) == chunk.block_table:  # else preempted and admitted again
+                self._run(PackedStep(flight.step.kind, (chunk,)), [live], False)
 
     def _undo(self, flight: _InFlight) -> None:
         """The step's forward failed: nothing it was to compute counts as computed."""

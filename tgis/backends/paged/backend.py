@@ -762,6 +762,13 @@ class PagedTorchBackend:
         if fed is not None and not self._capacity.fed_tokens:
             raise ValueError(f"the {self.name} backend reads no tokens on the device (fed)")
         feeds = set(fed.items) if fed is not None else set()
+        if fed is not None and fed.rows:
+            sampled = fed.source().shape[0]
+            if min(fed.rows) < 0 or max(fed.rows) >= sampled:
+                raise ValueError(
+                    f"fed tokens from rows {min(fed.rows)}..{max(fed.rows)} of a step that "
+                    f"sampled {sampled}"
+                )
         for index, item in enumerate(items):
             end = item.start + len(item.token_ids)
             if not item.token_ids or item.start < 0 or end > limit:
