@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "img"
 sys.path.insert(0, str(ROOT))
 
-from tgis.server.playground import FILES, PLAYGROUND_DIR  # noqa: E402
+from tgis.server.http.playground import FILES, PLAYGROUND_DIR  # noqa: E402
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from tgis.launch import (
     service_info,
     vocabulary_mismatch,
 )
-from tgis.server.metrics import Metrics
+from tgis.server.http.metrics import Metrics
 
 __all__ = ["tokenizer"]
 

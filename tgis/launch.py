@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tgis.adapter_store import AdapterStore
     from tgis.backends.choose import BackendChoice
     from tgis.engine.speculation import Proposer
-    from tgis.server.info import ModelInfo
+    from tgis.server.http.info import ModelInfo
     from tgis.vision.processor import ImageProcessor
 
 log = logging.getLogger("tgis.launch")
@@ -368,7 +368,7 @@ def service_info(service: Service) -> ModelInfo:
     """`/info` of a loaded service: the backend's dtype, the KV budget it holds, the model's
     kind (an encoder-decoder model is a text2text-generation one), and how it runs, kept
     current where the backend says it changed (its compiled decode built meanwhile)."""
-    from tgis.server.info import ModelInfo
+    from tgis.server.http.info import ModelInfo
 
     capacity = service.backend.capacity
     dtype = getattr(service.backend, "dtype", None)

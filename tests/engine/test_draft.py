@@ -21,7 +21,7 @@ from tgis.backends.paged.backend import PagedTorchBackend
 from tgis.engine.draft import DraftModelProposer
 from tgis.engine.engine import Engine
 from tgis.engine.types import GenerationRequest
-from tgis.server.metrics import Metrics
+from tgis.server.http.metrics import Metrics
 
 __all__ = ["tokenizer"]
 

@@ -25,7 +25,7 @@ from tgis.engine.engine import Engine
 from tgis.engine.scheduler import SchedulerLimits
 from tgis.engine.types import GenerationRequest, PromptPrefix, TokenEvent
 from tgis.params import GenerateParameters, GrammarSpec
-from tgis.server.metrics import Metrics
+from tgis.server.http.metrics import Metrics
 
 NEW = 10
 # Prompts of different lengths, none the start of another.

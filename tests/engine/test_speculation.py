@@ -23,7 +23,7 @@ from tgis.engine.sampling import SamplingBatch, SamplingRow
 from tgis.engine.speculation import NgramProposer, verify
 from tgis.engine.types import GenerationRequest
 from tgis.params import GenerateParameters, GrammarSpec
-from tgis.server.metrics import Metrics
+from tgis.server.http.metrics import Metrics
 
 __all__ = ["tokenizer"]
 

@@ -238,12 +238,27 @@ def test_a_cancelled_stream_frees_its_place(
     received = [next(call) for _ in range(3)]
     assert received[-1].generated_token_count >= 1
     assert state.engine.in_flight == 1
-    call.cancel()
+    # The engine's loop is held between two steps while the client cancels, so that the
+    # stream cannot run to its end first (on a busy machine the client reads slowly).
+    paused, resume = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        paused.set()
+        resume.wait(60)
+
+    holder = threading.Thread(target=state.engine.call, args=(hold,), daemon=True)
+    holder.start()
+    try:
+        assert paused.wait(30)
+        call.cancel()
+        deadline = time.monotonic() + 30  # a bound on a hang, not a measure
+        while metric(url, "tgi_request_failure_total", err="cancelled") < before + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        resume.set()
+        holder.join(30)
     wait_idle(state)
-    deadline = time.monotonic() + 30  # a bound, not a measure: a busy machine is slow
-    while metric(url, "tgi_request_failure_total", err="cancelled") < before + 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_validation_and_missing_request_statuses(stub: pb_grpc.GenerationServiceStub) -> None:

@@ -10,7 +10,7 @@ import typer
 from tgis.commands.launcher_options import launcher_options, resolve_launcher_config
 
 if TYPE_CHECKING:
-    from tgis.server.lifecycle import GracefulServer
+    from tgis.server.http.lifecycle import GracefulServer
 
 
 @launcher_options()
@@ -56,7 +56,7 @@ def command(
     from tgis.commands.show_config import render_config
     from tgis.launch import build_service, service_info
     from tgis.server import Metrics, create_app, serve
-    from tgis.server.lifecycle import ServerThread
+    from tgis.server.http.lifecycle import ServerThread
 
     config, model_dir, facts = resolve_launcher_config(launcher)
     choice = choose_backend(config, facts)

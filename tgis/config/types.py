@@ -243,9 +243,9 @@ class ServeConfig:
     # Bearer token required on generation routes; never printed.
     api_key: str | None = field(default=None, repr=False)
     cors_allow_origins: tuple[str, ...] = ()
-    # The browser page at GET / (tgis.server.playground); --no-playground turns it off.
+    # The browser page at GET / (tgis.server.http.playground); --no-playground turns it off.
     playground: bool = True
-    # Images in requests to a vision-language model (tgis.server.images): whether http(s) URLs
+    # Images in requests to a vision-language model (tgis.server.http.images): whether http(s) URLs
     # are fetched (only public addresses), and the per-request limits: images, pixels per image
     # and encoded bytes per image.
     allow_image_urls: bool = False
@@ -324,7 +324,7 @@ class ServeConfig:
     # Responses the /v1/responses route keeps for `previous_response_id` (least recently used
     # first out); 0 keeps none.
     max_stored_responses: int = 1000
-    # Slow clients (tgis.server.timeouts): seconds a request's headers may take to arrive, then
+    # Slow clients (tgis.server.http.timeouts): seconds a request's headers may take to arrive, then
     # its body; and how long a keep-alive connection may stay idle between requests.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0

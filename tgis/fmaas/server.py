@@ -21,7 +21,7 @@ from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
 from tgis.fmaas.convert import GrpcLimits
 from tgis.fmaas.service import GenerationService
-from tgis.server.state import ServerState
+from tgis.server.http.state import ServerState
 
 log = logging.getLogger("tgis.fmaas")
 

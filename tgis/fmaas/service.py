@@ -33,9 +33,9 @@ from tgis.errors import GenerationError, InputValidationError, OverloadedError
 from tgis.fmaas import generation_pb2 as pb
 from tgis.fmaas import generation_pb2_grpc as pb_grpc
 from tgis.fmaas.convert import Converted, GrpcLimits, convert
-from tgis.server.generation import close_iterator
-from tgis.server.state import ServerState
-from tgis.server.tokenize import tokenize_with_offsets
+from tgis.server.http.generation import close_iterator
+from tgis.server.http.state import ServerState
+from tgis.server.tgi.tokenize import tokenize_with_offsets
 
 STOP_REASONS = {
     FinishReason.EOS_TOKEN: pb.EOS_TOKEN,

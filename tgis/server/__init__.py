@@ -4,9 +4,9 @@ app = create_app(engine, tokenizer, config, ModelInfo.from_config(config))
 await serve(app, config.hostname, config.port, shutdown_grace_s=30)
 """
 
-from tgis.server.app import create_app
-from tgis.server.info import ModelInfo
-from tgis.server.lifecycle import GracefulServer, Lifecycle, serve
-from tgis.server.metrics import Metrics
+from tgis.server.http.app import create_app
+from tgis.server.http.info import ModelInfo
+from tgis.server.http.lifecycle import GracefulServer, Lifecycle, serve
+from tgis.server.http.metrics import Metrics
 
 __all__ = ["GracefulServer", "Lifecycle", "Metrics", "ModelInfo", "create_app", "serve"]

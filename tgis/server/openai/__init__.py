@@ -1,0 +1,2 @@
+"""OpenAI's chat completions, completions and models: request bodies, routes, response JSON
+and streams."""

@@ -1,0 +1,2 @@
+"""OpenAI's Responses API: request bodies, routes and the store `previous_response_id`
+reads."""

@@ -1,0 +1,2 @@
+"""TGI's REST API: /generate, /generate_stream, / (compat), /tokenize, /info, /health,
+/metrics, and their JSON."""
