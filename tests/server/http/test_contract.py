@@ -10,6 +10,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tgis.params import RequestLimits
+from tgis.server.http.app import api_contract
 from tgis.server.http.contract import RequestContract
 from tgis.server.http.errors import ApiError
 from tgis.server.http.openapi_schemas import RequestSchemas
@@ -24,7 +25,7 @@ def contract(**kw: Any) -> RequestContract:
     values: dict[str, Any] = {
         "limits": LIMITS, "max_client_batch_size": 4, "vocab_size": 1000, "prefixes": False,
     }  # fmt: skip
-    return RequestContract(RequestSchemas(**{**values, **kw}))
+    return api_contract(RequestSchemas(**{**values, **kw}))
 
 
 def refusal(c: RequestContract, name: str, body: Any) -> str:

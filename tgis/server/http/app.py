@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,6 +27,7 @@ from tgis.engine.backend import prompt_logprobs_refusal
 from tgis.engine.types import EngineClient
 from tgis.params import RequestLimits
 from tgis.prefix_store import PrefixStore
+from tgis.server.anthropic import openapi as anthropic_openapi
 from tgis.server.anthropic import routes as anthropic_routes
 from tgis.server.chat.prompt import ChatFormat
 from tgis.server.http import playground
@@ -48,9 +49,12 @@ from tgis.server.http.metrics import Metrics
 from tgis.server.http.openapi import docs, docs_asset, openapi_json
 from tgis.server.http.openapi_schemas import AdapterChoice, RequestSchemas
 from tgis.server.http.state import ServerState
+from tgis.server.openai import openapi as openai_openapi
 from tgis.server.openai import routes as openai_routes
+from tgis.server.responses import openapi as responses_openapi
 from tgis.server.responses import routes as responses_routes
 from tgis.server.responses.store import ResponseStore
+from tgis.server.tgi import openapi as tgi_openapi
 from tgis.server.tgi import routes as tgi_routes
 
 if TYPE_CHECKING:
@@ -61,6 +65,17 @@ if TYPE_CHECKING:
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
 PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
+
+
+def api_contract(schemas: RequestSchemas) -> RequestContract:
+    """The request contract of every API this app serves, from each API's own schemas."""
+    apis = (tgi_openapi, openai_openapi, responses_openapi, anthropic_openapi)
+    requests: dict[str, Any] = {}
+    responses: dict[str, Any] = {}
+    for api in apis:
+        requests.update(api.requests(schemas))
+        responses.update(api.RESPONSES)
+    return RequestContract(requests, responses)
 
 
 class ApiKeyMiddleware:
@@ -217,7 +232,7 @@ def create_app(
         metrics=metrics,
         pipeline=pipeline,
         lifecycle=lifecycle,
-        contract=RequestContract(schemas),
+        contract=api_contract(schemas),
         chat=ChatFormat.of(tokenizer),
         responses=ResponseStore(config.max_stored_responses),
     )

@@ -15,19 +15,19 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 
 from tgis.server.http.errors import ApiError, invalid
-from tgis.server.http.openapi_schemas import RESPONSE_SCHEMAS, RequestSchemas
 
 
 class RequestContract:
-    """Compiled validators of the request schemas of one server."""
+    """Compiled validators of the request schemas of one server: `requests` and `responses`
+    are every API's schemas by component name (the app gathers them from each API's
+    `openapi` module); the requests are checked, the responses only referred to."""
 
-    def __init__(self, schemas: RequestSchemas) -> None:
-        self.schemas = schemas
-        self.components: dict[str, Any] = {**schemas.components(), **RESPONSE_SCHEMAS}
+    def __init__(self, requests: dict[str, Any], responses: dict[str, Any]) -> None:
+        self.components: dict[str, Any] = {**requests, **responses}
         root = {"components": {"schemas": self.components}}
         self._validators = {
             name: Draft202012Validator({**root, "$ref": f"#/components/schemas/{name}"})
-            for name in schemas.components()
+            for name in requests
         }
 
     def check(self, name: str, body: Any) -> None:

@@ -1,8 +1,8 @@
 """The OpenAPI 3 document of the server (`/openapi.json`) and its Swagger UI page (`/docs`).
 
-OpenAPI 3.1: the request schemas are the server's own (`tgis.server.http.openapi_schemas`, built from
-its limits; `tgis.server.http.contract` holds every request body to them); the paths and the
-response schemas are written here. Swagger UI's own files come from the installed
+OpenAPI 3.1: the schemas are each API's (its `openapi` module: the request ones built from the
+server's limits, which `tgis.server.http.contract` holds every request body to); the paths are
+written here. Swagger UI's own files come from the installed
 openapi-ui-bundles package (`/docs/assets/...`), so the page needs no network beyond this server.
 """
 
