@@ -98,3 +98,29 @@ def test_validation_core_imports_nothing_above_it() -> None:
             assert "tgis.config" not in deps or name == "tgis.config", (
                 f"{name} imports the package's __init__; import the part it needs"
             )
+
+
+# tgis.server's packages: one per API family, one for the chat turn they share, one for the
+# HTTP machinery; the app (http/app.py) is where they meet.
+SERVER_APIS = ("tgi", "openai", "responses", "anthropic")
+COMPOSITION_ROOT = "tgis.server.http.app"
+
+
+def server_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["tgis", "server"] else None
+
+
+def test_no_api_package_of_the_server_imports_another() -> None:
+    """An API's package imports the machinery and the chat turn, never another API's; the
+    chat turn and the machinery import no API (but the app, which composes them)."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        own = server_package(name)
+        if own is None or name == COMPOSITION_ROOT:
+            continue
+        apis = {d for d in deps if server_package(d) in SERVER_APIS and server_package(d) != own}
+        assert not apis, (
+            f"{name} imports {sorted(apis)}: what two APIs share goes in chat/ or http/"
+        )
+    assert {server_package(d) for d in graph[COMPOSITION_ROOT]} >= set(SERVER_APIS)

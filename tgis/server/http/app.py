@@ -234,6 +234,7 @@ def create_app(
         lifecycle=lifecycle,
         contract=api_contract(schemas),
         chat=ChatFormat.of(tokenizer),
-        responses=ResponseStore(config.max_stored_responses),
     )
+    # The Responses API's own state: the responses it keeps for previous_response_id.
+    app.state.tgis_responses = ResponseStore(config.max_stored_responses)
     return app

@@ -15,7 +15,6 @@ from tgis.server.http.generation import Pipeline
 from tgis.server.http.info import ModelInfo
 from tgis.server.http.lifecycle import Lifecycle
 from tgis.server.http.metrics import Metrics
-from tgis.server.responses.store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,6 @@ class ServerState:
     contract: RequestContract
     # What the tokenizer says about chat: reasoning markers, the tool-call format.
     chat: ChatFormat
-    # The responses /v1/responses keeps for previous_response_id.
-    responses: ResponseStore
 
 
 def get_state(request: Request) -> ServerState:

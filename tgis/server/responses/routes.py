@@ -50,6 +50,7 @@ from tgis.server.responses.requests import (
     response_usage,
     text_part,
 )
+from tgis.server.responses.store import ResponseStore, store_of
 
 CONTRACT = "ResponsesRequest"
 
@@ -58,7 +59,7 @@ async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
     arrival = time.monotonic()
     state = get_state(request)
-    store = state.responses
+    store = store_of(request)
     turn: Turn | None = None
     try:
         body = await read_json(request, state.config.max_request_body_bytes)
@@ -75,7 +76,7 @@ async def create_response(request: Request) -> Response:
         response = ResponseObject(new_id("resp"), turn.adapter or state.info.model_id, req)
         conversation = (*history, *req.input_messages)
         if req.stream:
-            return _stream(state, req, turn, response, conversation, kind)
+            return _stream(state, store, req, turn, response, conversation, kind)
         completion = await collect_turn(state, request, turn)
     except Exception as exc:
         return await turn_failed(state, turn, exc, "openai")
@@ -91,9 +92,8 @@ async def create_response(request: Request) -> Response:
 
 async def get_response(request: Request) -> Response:
     """GET /v1/responses/{response_id}: a stored response; 404 when not kept."""
-    state = get_state(request)
     try:
-        body, _ = state.responses.get(request.path_params["response_id"], "response_id")
+        body, _ = store_of(request).get(request.path_params["response_id"], "response_id")
     except ApiError as error:
         return error_response(error, "openai")
     return JSONResponse(body)
@@ -121,6 +121,7 @@ async def _finished(
 
 def _stream(
     state: ServerState,
+    store: ResponseStore,
     req: ResponsesRequest,
     turn: Turn,
     response: ResponseObject,
@@ -190,7 +191,7 @@ def _stream(
             output, parts, completion = await stream_segments(turn, act)
             body = await _finished(state, response, items, output, turn, completion)
             if req.store:
-                state.responses.put(body, (*conversation, *output_messages(parts)))
+                store.put(body, (*conversation, *output_messages(parts)))
             state.pipeline.succeeded(kind, turn.prepared, completion)
             done = "response.incomplete" if body["status"] == "incomplete" else None
             await send(done or "response.completed", response=body)

@@ -6,6 +6,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from starlette.requests import Request
+
 from tgis.server.http.errors import ApiError
 
 
@@ -47,3 +49,9 @@ class ResponseStore:
                 "not_found",
             )
         return entry
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The store of the app serving `request` (`create_app` puts it there)."""
+    store: ResponseStore = request.app.state.tgis_responses
+    return store
