@@ -18,11 +18,13 @@ from tgis.server.http.openapi_schemas import (
     STR,
     RequestSchemas,
     array,
+    content,
     integer,
     null,
     obj,
     ref,
     ruled,
+    typed_events,
 )
 
 
@@ -236,3 +238,55 @@ RESPONSES: dict[str, Any] = {
         error=obj(["type", "message"], type=STR, message=STR),
     ),
 }
+
+
+TAG = "Anthropic"
+TAGS = ({"name": TAG, "description": "Anthropic-compatible Messages API"},)
+
+# Anthropic's statuses: 400 for an invalid request, 529 when the queue is full.
+_ANTHROPIC_ERRORS = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key (when the server has one)",
+    "424": "Generation error",
+    "500": "Incomplete generation or internal error",
+    "503": "Server is shutting down",
+    "529": "Model is overloaded",
+}
+
+
+def _anthropic_post(summary: str, request: str, ok: dict[str, Any]) -> dict[str, Any]:
+    errors = {
+        code: {"description": text, "content": content(ref("AnthropicError"))}
+        for code, text in _ANTHROPIC_ERRORS.items()
+    }
+    return {
+        "post": {
+            "tags": [TAG],
+            "summary": summary,
+            "requestBody": {"required": True, "content": content(ref(request))},
+            "responses": {"200": {"description": "OK", "content": ok}, **errors},
+            "security": [{"bearer": []}, {"x-api-key": []}, {}],
+        }
+    }
+
+
+def _messages_post() -> dict[str, Any]:
+    """POST /v1/messages: a Message, or Anthropic's stream of typed events."""
+    events = typed_events({"anyOf": [ref("MessageStreamEvent"), ref("AnthropicError")]})
+    return _anthropic_post(
+        "Anthropic Messages (one chat turn; `stream` chooses JSON or server-sent events)",
+        "MessagesRequest",
+        {**content(ref("Message")), **events},
+    )
+
+
+def paths() -> dict[str, Any]:
+    """The Messages API's operations."""
+    return {
+        "/v1/messages": _messages_post(),
+        "/v1/messages/count_tokens": _anthropic_post(
+            "Anthropic Messages: the prompt's tokens, as /v1/messages would make it",
+            "CountTokensRequest",
+            content(ref("MessageTokensCount")),
+        ),
+    }

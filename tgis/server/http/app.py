@@ -72,10 +72,14 @@ def api_contract(schemas: RequestSchemas) -> RequestContract:
     apis = (tgi_openapi, openai_openapi, responses_openapi, anthropic_openapi)
     requests: dict[str, Any] = {}
     responses: dict[str, Any] = {}
+    paths: dict[str, Any] = {}
+    tags: list[dict[str, str]] = []
     for api in apis:
         requests.update(api.requests(schemas))
         responses.update(api.RESPONSES)
-    return RequestContract(requests, responses)
+        paths.update(api.paths())
+        tags.extend(api.TAGS)
+    return RequestContract(requests, responses, paths, tuple(tags))
 
 
 class ApiKeyMiddleware:

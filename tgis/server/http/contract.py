@@ -18,11 +18,19 @@ from tgis.server.http.errors import ApiError, invalid
 
 
 class RequestContract:
-    """Compiled validators of the request schemas of one server: `requests` and `responses`
-    are every API's schemas by component name (the app gathers them from each API's
-    `openapi` module); the requests are checked, the responses only referred to."""
+    """What a server's APIs publish (the app gathers it from each API's `openapi` module):
+    their operations (`paths`, under `tags`), and their request and response schemas by
+    component name, the requests compiled into validators every request body is held to."""
 
-    def __init__(self, requests: dict[str, Any], responses: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        requests: dict[str, Any],
+        responses: dict[str, Any],
+        paths: dict[str, Any] | None = None,
+        tags: tuple[dict[str, str], ...] = (),
+    ) -> None:
+        self.paths = paths or {}
+        self.tags = tags
         self.components: dict[str, Any] = {**requests, **responses}
         root = {"components": {"schemas": self.components}}
         self._validators = {

@@ -195,3 +195,75 @@ class RequestSchemas:
         if self.prefixes:
             return null({**STR, "pattern": r"^[\w\-/]+$", "description": PREFIX_ID})
         return {**NULL, "description": PREFIX_ID + " (this server has none)"}
+
+
+# --- operations: the pieces of each API's paths ----------------------------------------
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+ERRORS = {
+    "401": ("Missing or wrong API key (when the server has one)", "authentication"),
+    "422": ("Input validation error", "validation"),
+    "424": ("Generation error", "generation"),
+    "429": ("Model is overloaded", "overloaded"),
+    "500": ("Incomplete generation or internal error", "internal"),
+    "503": ("Server is shutting down", "unavailable"),
+}
+
+
+def content(schema: dict[str, Any], media: str = JSON) -> dict[str, Any]:
+    return {media: {"schema": schema}}
+
+
+def events(schema: dict[str, Any], error: str, done: bool = False) -> dict[str, Any]:
+    """Server-sent events whose `data` is `schema` as JSON (or `error`'s, for a failure in
+    the stream; OpenAI's streams end with `data: [DONE]`). Before OpenAPI 3.2 a stream's
+    schema describes one event."""
+    data: dict[str, Any] = {
+        "type": "string",
+        "contentMediaType": JSON,
+        "contentSchema": {"anyOf": [schema, ref(error)]},
+    }
+    if done:
+        data = {"anyOf": [{"const": "[DONE]"}, data]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {SSE: {"schema": event}}
+
+
+def errors(openai: bool = False) -> dict[str, Any]:
+    schema = ref("OpenAIError") if openai else ref("ErrorResponse")
+    return {
+        code: {"description": text, "content": content(schema)}
+        for code, (text, _) in ERRORS.items()
+    }
+
+
+def post(
+    summary: str, request: str, ok: dict[str, Any], tag: str, openai: bool = False
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "tags": [tag],
+            "summary": summary,
+            "requestBody": {"required": True, "content": content(ref(request))},
+            "responses": {"200": {"description": "OK", "content": ok}, **errors(openai)},
+            "security": [{"bearer": []}, {}],
+        }
+    }
+
+
+def get(summary: str, ok: dict[str, Any], tag: str, **extra: Any) -> dict[str, Any]:
+    responses = {"200": {"description": "OK", "content": ok}, **extra}
+    return {"get": {"tags": [tag], "summary": summary, "responses": responses}}
+
+
+def typed_events(schema: dict[str, Any]) -> dict[str, Any]:
+    """Server-sent events that name their type (`event: TYPE`), whose `data` is `schema`."""
+    data = {"type": "string", "contentMediaType": JSON, "contentSchema": schema}
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": data},
+    }
+    return {SSE: {"schema": event}}

@@ -19,11 +19,15 @@ from tgis.server.http.openapi_schemas import (
     STR,
     RequestSchemas,
     array,
+    content,
     decimal_below,
+    events,
+    get,
     given,
     integer,
     null,
     obj,
+    post,
     ref,
     ruled,
     when,
@@ -327,3 +331,31 @@ RESPONSES: dict[str, Any] = {
         error=obj(["message", "type"], message=STR, type=STR, param=null(STR), code=null(INT)),
     ),
 }
+
+
+TAG = "OpenAI"
+TAGS = ({"name": TAG, "description": "OpenAI-compatible API"},)
+
+
+def paths() -> dict[str, Any]:
+    """OpenAI's operations."""
+    return {
+        "/v1/completions": post(
+            "OpenAI completions",
+            "CompletionRequest",
+            {**content(ref("Completion")), **events(ref("Completion"), "OpenAIError", True)},
+            TAG,
+            openai=True,
+        ),
+        "/v1/chat/completions": post(
+            "OpenAI chat completions (the model's chat template)",
+            "ChatRequest",
+            {
+                **content(ref("ChatCompletion")),
+                **events(ref("ChatCompletionChunk"), "OpenAIError", True),
+            },
+            TAG,
+            openai=True,
+        ),
+        "/v1/models": get("The served model", content(ref("ModelList")), TAG),
+    }

@@ -17,11 +17,15 @@ from tgis.server.http.openapi_schemas import (
     STR,
     RequestSchemas,
     array,
+    content,
+    get,
     integer,
     null,
     obj,
+    post,
     ref,
     ruled,
+    typed_events,
 )
 
 
@@ -194,3 +198,44 @@ RESPONSES: dict[str, Any] = {
         arguments=STR,
     ),
 }
+
+
+# Tagged as OpenAI's, whose package describes the tag.
+TAG = "OpenAI"
+TAGS: tuple[dict[str, str], ...] = ()
+
+_NOT_STORED = {
+    "404": {
+        "description": "No such stored response (unknown, or dropped: --max-stored-responses)",
+        "content": content(ref("OpenAIError")),
+    }
+}
+
+
+def _responses_post() -> dict[str, Any]:
+    """POST /v1/responses: a Response, or Responses' stream of typed events."""
+    path = post(
+        "OpenAI Responses (one chat turn; `previous_response_id` continues a stored one)",
+        "ResponsesRequest",
+        {**content(ref("Response")), **typed_events(ref("ResponseStreamEvent"))},
+        TAG,
+        openai=True,
+    )
+    path["post"]["responses"].update(_NOT_STORED)
+    return path
+
+
+def _stored_response() -> dict[str, Any]:
+    path = get("A stored response", content(ref("Response")), TAG, **_NOT_STORED)
+    path["get"]["parameters"] = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    return path
+
+
+def paths() -> dict[str, Any]:
+    """The Responses API's operations."""
+    return {
+        "/v1/responses": _responses_post(),
+        "/v1/responses/{response_id}": _stored_response(),
+    }

@@ -21,10 +21,14 @@ from tgis.server.http.openapi_schemas import (
     STR,
     RequestSchemas,
     array,
+    content,
+    events,
+    get,
     given,
     integer,
     null,
     obj,
+    post,
     ref,
     ruled,
     when,
@@ -255,3 +259,41 @@ RESPONSES: dict[str, Any] = {
         ),
     ),
 }
+
+
+TAG = "Text Generation Inference"
+TAGS = ({"name": TAG, "description": "Hugging Face Text Generation Inference API"},)
+
+
+def paths() -> dict[str, Any]:
+    """TGI's operations."""
+    gen, stream = ref("GenerateResponse"), ref("StreamResponse")
+    unhealthy = {"503": {"description": "Unhealthy", "content": content(ref("ErrorResponse"))}}
+    return {
+        "/": post(
+            "Generate; `stream` chooses JSON (a one-element list) or server-sent events",
+            "CompatGenerateRequest",
+            {**content({"type": "array", "items": gen}), **events(stream, "ErrorResponse")},
+            TAG,
+        )
+        | get(
+            "Health check (as /health); a browser (Accept: text/html) gets the playground "
+            "instead, unless --no-playground",
+            {},
+            TAG,
+            **unhealthy,
+        ),
+        "/generate": post("Generate text", "GenerateRequest", content(gen), TAG),
+        "/generate_stream": post(
+            "Generate a stream of tokens (server-sent events, one StreamResponse each)",
+            "GenerateStreamRequest",
+            events(stream, "ErrorResponse"),
+            TAG,
+        ),
+        "/tokenize": post(
+            "Tokenize inputs", "GenerateRequest", content(ref("TokenizeResponse")), TAG
+        ),
+        "/info": get("Served model info", content(ref("Info")), TAG),
+        "/health": get("Health check", {}, TAG, **unhealthy),
+        "/metrics": get("Prometheus metrics", content({"type": "string"}, "text/plain"), TAG),
+    }
