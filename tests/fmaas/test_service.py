@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -258,6 +259,29 @@ def test_a_cancelled_stream_frees_its_place(
     finally:
         resume.set()
         holder.join(30)
+    wait_idle(state)
+
+
+def test_a_stream_closed_at_a_message_counts_as_cancelled(
+    server: tuple[Any, str, GrpcServer],
+) -> None:
+    """grpc cancels a call whose stream is sending a message by closing the stream where it
+    yielded, not by raising in it: that is a cancellation too, and frees the place."""
+    state, url, grpc_server = server
+    before = metric(url, "tgi_request_failure_total", err="cancelled")
+    single = pb.SingleGenerationRequest(
+        request=pb.GenerationRequest(text=PROMPTS[0]), params=pb.Parameters(stopping=stopping(160))
+    )
+
+    async def take_three_then_close() -> list[pb.GenerationResponse]:
+        stream = grpc_server.service.GenerateStream(single, None)  # type: ignore[arg-type]
+        received = [await anext(stream) for _ in range(3)]
+        await stream.aclose()
+        return received
+
+    received = asyncio.run(take_three_then_close())
+    assert received[-1].generated_token_count >= 1
+    assert metric(url, "tgi_request_failure_total", err="cancelled") == before + 1
     wait_idle(state)
 
 

@@ -164,7 +164,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                     yield message
         except (GenerationError, InputValidationError) as exc:
             await self._abort(context, _engine_failure(exc))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancelled call raises CancelledError where the stream awaits the engine; one
+            # cancelled while grpc sends a message closes the stream at its `yield` instead.
             self.metrics.request_failed("cancelled")
             raise
         finally:
