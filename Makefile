@@ -22,9 +22,12 @@ serve: install
 	$(VENV)/bin/tgis serve --port $(PORT)
 
 # In a new random order each run (pytest-randomly, which prints "Using --randomly-seed=N" first);
-# `$(PY) -m pytest -q --randomly-seed=N` replays an order, `-p no:randomly` turns it off.
+# `$(PY) -m pytest -q --randomly-seed=N` replays an order, `-p no:randomly` turns it off. A worker
+# per core (pytest-xdist), each kept to its own cores (tests/conftest.py); a worker takes the next
+# test when it is free. TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= auto
 test: install
-	$(PY) -m pytest -q -p randomly
+	$(PY) -m pytest -q -p randomly -n $(TEST_WORKERS) --dist worksteal
 
 # The tpu backend on XLA:CPU (PJRT_DEVICE=CPU): torch-xla 2.9.0 pins torch 2.9.0, so it has a
 # virtualenv of its own. PyPI's torch 2.9.0 is the CUDA build (its libraries run on the CPU).

@@ -26,6 +26,27 @@ os.environ.setdefault("TGIS_COMPILE", "false")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _share_of_the_cores() -> None:
+    """Under pytest-xdist (`make test` runs a worker per core), each worker keeps to its own
+    share of the cores: tgis sizes torch's threads (and its servers' and shards') from the
+    affinity mask, which child processes inherit, so workers do not oversubscribe the CPU."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cores, workers = sorted(os.sched_getaffinity(0)), int(count)
+    if workers < 2 or len(cores) < workers:
+        return
+    share = cores[int(worker.removeprefix("gw")) % workers :: workers]
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+_share_of_the_cores()
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     path = Path(DEMO_MODEL)
