@@ -162,6 +162,48 @@ class PagedTorchBackend:
             raise ValueError(
                 "max_sequences, max_sequence_tokens and max_prefill_tokens must be >= 1"
             )
+        self._adopt(model, traits, parallel, max_sequence_tokens, max_prefill_tokens, block_size)
+        self._choose_attention(
+            model, vision, bidirectional_images, kv_cache_dtype, attention_backend
+        )
+        self._load_weights(model, quantization, packed_weights, compile)
+        graphs = self._use_graphs(cuda_graphs, graph_api)
+        self._check_compile(compile, graphs)
+        self._step_parts(model, vision, build)
+        per_token = paged_kv_bytes_per_token(model, self.kv_dtype)
+        num_blocks = self._make_pool(
+            kv_tokens,
+            per_token + shared_kv_bytes_per_token,
+            max_sequences * max_sequence_tokens,
+            memory_fraction,
+            weight_copies_bytes(self.weight_bytes) if compile else 0,
+            graphs,
+        )
+        # What runs over the pool: built at warmup.
+        if compile:
+            self.compiled = CompiledDecode(self.path, max_sequences, packages, autotune)
+        if graphs:
+            self.graphs = self._graphs(graph_api, max_sequences, max_sequence_tokens, num_blocks)
+        self._capacity = self._capacity_of(max_sequences, num_blocks, per_token)
+        logger.info(
+            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
+            self.device,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            per_token,
+        )
+
+    def _adopt(
+        self,
+        model: PreTrainedModel,
+        traits: DeviceTraits | None,
+        parallel: TensorParallel | None,
+        max_sequence_tokens: int,
+        max_prefill_tokens: int,
+        block_size: int | None,
+    ) -> None:
+        """The model's device, dtype, vocabulary and KV shape, and the step's shape on it."""
         self.model = model.eval()
         self.device_obj = next(model.parameters()).device
         self.device = str(self.device_obj)
@@ -183,32 +225,36 @@ class PagedTorchBackend:
         )
         self.block_size = block_size or self.traits.block_size
         self.kv_shape = native_kv_shape(model)
-        self._choose_attention(
-            model, vision, bidirectional_images, kv_cache_dtype, attention_backend
-        )
-        quantization = self._load_weights(model, quantization, packed_weights, compile)
-        graphs = self._use_graphs(cuda_graphs, graph_api)
-        self._check_compile(compile, graphs)
-        # The step's own parts: from here on `_forward_packed` runs as it serves.
+
+    def _make_pool(
+        self,
+        kv_tokens: int | None,
+        per_token: int,
+        most: int,
+        fraction: float | None,
+        reserved: int,
+        graphs: bool,
+    ) -> int:
+        """Size the pool (`_size_pool`; every rank's the same) and allocate it under the
+        forward; returns its blocks as the scheduler knows them: with graphs, one more block
+        is allocated, where padding rows write."""
+        num_blocks = self._size_pool(kv_tokens, per_token, most, fraction, reserved, int(graphs))
+        if self.parallel is not None:
+            num_blocks = self.parallel.agree_min(num_blocks)
+        with torch.inference_mode():
+            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
+        return num_blocks
+
+    def _step_parts(
+        self, model: PreTrainedModel, vision: VisionEncoder | None, build: BuildRecipe | None
+    ) -> None:
+        """The step's own parts (LoRA stacks, the vision tower), so that from here on
+        `_forward_packed` runs as it serves (the profiling forward that sizes the pool too);
+        no compiled decode or graphs yet, and how they are built later."""
         self.lora = LoraStacks(LoraShapes.of(model.config), self.path.fuse_gate_up)
         self.vision = vision
         self.compiled: CompiledDecode | None = None
         self.graphs: DecodeGraphs | None = None
-        per_token = paged_kv_bytes_per_token(model, self.kv_dtype)
-        num_blocks = self._size_pool(
-            kv_tokens,
-            per_token + shared_kv_bytes_per_token,
-            max_sequences * max_sequence_tokens,
-            memory_fraction,
-            weight_copies_bytes(self.weight_bytes) if compile else 0,
-            int(graphs),
-        )
-        if parallel is not None:  # every rank's pool has the same blocks
-            num_blocks = parallel.agree_min(num_blocks)
-        with torch.inference_mode():
-            # With graphs, one more block than the scheduler knows: padding rows write there.
-            self.path.pool = self._allocate_pool(num_blocks + int(graphs))
-        # What runs over the pool.
         self.build_recipe = build
         self.background: BackgroundBuild | None = None
         # Called with `runtime()` when it changes after start-up (a build in the background).
@@ -220,41 +266,40 @@ class PagedTorchBackend:
         self.compile_failure: str | None = None
         # Seconds of warmup's parts (attention race, compile, plan, graphs), its last run.
         self.warmup_phases: dict[str, float] = {}
-        if compile:
-            self.compiled = CompiledDecode(self.path, max_sequences, packages, autotune)
-        if graphs:
-            self.graphs = DecodeGraphs(
-                self.path,
-                graph_api or CudaGraphApi(),
-                max_sequences,
-                max_blocks=-(-max_sequence_tokens // self.block_size),
-                max_kv_len=max_sequence_tokens,
-                scratch_block=num_blocks,
-            )
-        self._capacity = BackendCapacity(
+
+    def _graphs(
+        self, api: GraphApi | None, max_sequences: int, max_sequence_tokens: int, scratch: int
+    ) -> DecodeGraphs:
+        """The decode graphs' recorder (they are recorded at warmup); padding rows write to
+        the pool's block `scratch`, the one beyond the scheduler's."""
+        return DecodeGraphs(
+            self.path,
+            api or CudaGraphApi(),
+            max_sequences,
+            max_blocks=-(-max_sequence_tokens // self.block_size),
+            max_kv_len=max_sequence_tokens,
+            scratch_block=scratch,
+        )
+
+    def _capacity_of(self, max_sequences: int, num_blocks: int, per_token: int) -> BackendCapacity:
+        """What the scheduler may plan with on this backend."""
+        step_cap = self.traits.prefill_step_tokens
+        return BackendCapacity(
             max_sequences=max_sequences,
-            max_sequence_tokens=max_sequence_tokens,
+            max_sequence_tokens=self.max_sequence_tokens,
             kv_tokens=num_blocks * self.block_size,
             kv_bytes_per_token=per_token,
-            prefill_step_tokens=None if cap is None else self.prefill_chunk,
+            prefill_step_tokens=None if step_cap is None else self.prefill_chunk,
             prompt_logit_tokens=self.prompt_logit_tokens,
             kv_budget_tokens=self._memory_tokens,
             block_size=self.block_size,
             sliding_window=_common_window(self.path.windows),
             # Adapters are not sharded: tensor parallelism serves the base model only.
-            lora=parallel is None,
-            images=vision is not None,
+            lora=self.parallel is None,
+            images=self.vision is not None,
             whole_images=self.bidirectional,
             # A rank's forward is driven by items sent to it: the ids stay on rank 0's device.
-            fed_tokens=parallel is None,
-        )
-        logger.info(
-            "paged torch backend on %s (%s): %d blocks x %d tokens, %d bytes/token",
-            self.device,
-            self.dtype,
-            num_blocks,
-            self.block_size,
-            per_token,
+            fed_tokens=self.parallel is None,
         )
 
     def _choose_attention(
@@ -320,10 +365,10 @@ class PagedTorchBackend:
         quantization: Quantization | None,
         packed_weights: bool | None,
         compile: bool,
-    ) -> Quantization | None:
+    ) -> None:
         """The forward over the model's weights in their serving layout and its rope tables
         (`self.path`, over a one-block pool until the pool is sized): weights first, the pool
-        takes what memory is left. Returns the quantization the weights carry."""
+        takes what memory is left. `self.quantization`: the quantization the weights carry."""
         # A pre-quantized checkpoint's model carries its own (common/quant_checkpoint.py).
         quantization = quantization or model_quantization(model)
         if compile and quantization is not None and quantization.method in BNB_METHODS:
@@ -348,7 +393,6 @@ class PagedTorchBackend:
         self.weight_bytes = self.path.weight_bytes()
         logger.info("weights: %s, %.1f MiB", self.weights, self.weight_bytes / 2**20)
         self.path.parallel = self.parallel
-        return quantization
 
     def _check_compile(self, compile: bool, graphs: bool) -> None:
         """--compile compiles the plain-torch path's decode on one device: refused where the
