@@ -21,8 +21,10 @@ from tgis.server.chat.tool_calls import (
     ToolChoice,
     parse_tools,
     prompt_messages,
+    strict_arguments,
     template_takes_tools,
 )
+from tgis.server.chat.tool_formats import HERMES, tool_grammar
 from tgis.server.http.errors import ApiError
 from tgis.server.http.fields import Fields
 
@@ -204,9 +206,89 @@ def test_text_is_content_and_unfinished_calls_keep_the_finish_reason() -> None:
     assert scanner.finish_reason("stop") == "stop"
     cut, _ = whole('[{"name":"get_weather","arguments":{"ci', 4)
     assert cut.called and not cut.complete
-    assert cut.message()["tool_calls"][0]["function"]["arguments"] == '{"ci'
+    # A call cut by max_tokens is not a call: the message has none.
+    assert cut.message() == {"content": None}
     assert cut.finish_reason("length") == "length"
     assert cut.finish_reason("stop") == "stop"
+    # One that ended before the cut is kept.
+    after, _ = whole(f'[{CALL},{{"name":"get_weather","arguments":{{"ci', 5)
+    (kept,) = after.message()["tool_calls"]
+    assert json.loads(kept["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert after.finish_reason("length") == "length"
+
+
+def test_strict_arguments_close_the_objects_that_name_their_properties() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+            "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "free": {"type": "object"},
+            "either": {"anyOf": [{"properties": {"a": {"const": 1}}}, {"type": "null"}]},
+            "ref": {"$ref": "#/$defs/point"},
+            "unit": {"type": "string", "enum": ["c", "f"]},
+            "code": {"type": ["string", "null"], "pattern": "^[A-Z]+$"},
+            "note": {"type": ["string", "null"]},
+        },
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}},
+    }
+    strict = strict_arguments(schema, 40)
+    props = strict["properties"]
+    assert strict["additionalProperties"] is False
+    assert props["where"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert strict["$defs"]["point"]["additionalProperties"] is False
+    assert props["extra"] == schema["properties"]["extra"]  # allows others, as it says
+    assert props["free"] == {"type": "object"}  # names none: free-form
+    assert props["city"] == {"type": "string", "maxLength": 40}
+    assert props["note"]["maxLength"] == 40
+    assert props["tags"]["items"]["properties"]["k"]["maxLength"] == 40
+    assert "maxLength" not in props["unit"] and "maxLength" not in props["code"]
+    assert strict_arguments(schema)["properties"]["city"] == {"type": "string"}
+    assert "additionalProperties" not in schema  # the tool's own schema is left as it was
+    # What the strict schema refuses that the tool's own allowed.
+    invented = {"city": "Paris", "thon))LEtle be": 85}
+    jsonschema.validate(invented, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(invented, strict)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "P" * 41}, strict)
+
+
+CITY_ONLY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_the_grammar_lets_no_argument_be_invented(ll_tokenizer: tuple[Any, Any]) -> None:
+    """The schema does not say additionalProperties: false, and the grammar holds to it as if
+    it did, in tgis's compact format and in a model's own."""
+    choice = tools_of(tools=[CITY_ONLY], tool_choice="required")
+    assert choice is not None
+    assert accepts(ll_tokenizer, choice, '[{"name":"get_weather","arguments":{"city":"Rome"}}]')
+    invented = '[{"name":"get_weather","arguments":{"city":"Paris","thon":85}}]'
+    assert not accepts(ll_tokenizer, choice, invented)
+    tok, ll = ll_tokenizer
+    hermes = tool_grammar(choice, HERMES, tok, 50)
+    for text, allowed in (
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', True),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}\n</tool_call>', False),
+    ):  # fmt: skip
+        matcher = llg.LLMatcher(ll, hermes.grammar(), log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        ok = all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+        assert ok is allowed, text
 
 
 TOOL_TEMPLATE = (

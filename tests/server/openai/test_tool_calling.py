@@ -282,3 +282,40 @@ def test_unusable_tool_requests_are_422s(
 ) -> None:
     error = post(client_app, "/v1/chat/completions", 422, messages=ASK, max_tokens=4, **body)
     assert message in error["error"]["message"]
+
+
+CITY_ONLY: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_sampled_arguments_hold_to_the_schema_that_does_not_forbid_other_keys(
+    client: openai.OpenAI,
+) -> None:
+    """The schema does not say additionalProperties: false; 20 sampled calls still name no
+    key of their own (strict, as OpenAI's strict mode and xgrammar's): each is Paris or Rome."""
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model="demo",
+            messages=ASK,
+            tools=[CITY_ONLY],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            max_tokens=300,
+            seed=seed,
+        )
+        (choice,) = reply.choices
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather"  # type: ignore[union-attr]
+        arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+        assert arguments in ({"city": "Paris"}, {"city": "Rome"})

@@ -188,7 +188,11 @@ def plan_chat(
     of reasoning when it is given (a model without markers writes none)."""
     markers = fmt.markers
     opened = markers is not None and opened_in(prompt, markers)
-    grammar = tool_grammar(tools, fmt.tools, tokenizer) if tools is not None else params.grammar
+    grammar = (
+        tool_grammar(tools, fmt.tools, tokenizer, params.max_new_tokens)
+        if tools is not None
+        else params.grammar
+    )
     if grammar is not None and markers is not None:
         grammar = grammar_after_reasoning(grammar, markers, opened, tokenizer)
     params = replace(params, grammar=grammar, kept_special_ids=fmt.kept_special_ids)

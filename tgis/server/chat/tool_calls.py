@@ -66,11 +66,16 @@ class Tool:
         function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
-    def call_schema(self) -> dict[str, Any]:
+    def call_schema(self, max_tokens: int | None = None, key: str = "arguments") -> dict[str, Any]:
+        """A call of this tool as the grammar holds it: its arguments strict
+        (`strict_arguments`), under a key of the call format's (`arguments` or `parameters`)."""
         return {
             "type": "object",
-            "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"const": self.name},
+                key: strict_arguments(self.parameters, max_tokens),
+            },
+            "required": ["name", key],
             "additionalProperties": False,
         }
 
@@ -87,9 +92,9 @@ class ToolChoice:
     def callable(self) -> tuple[Tool, ...]:
         return tuple(t for t in self.tools if self.name is None or t.name == self.name)
 
-    def calls_schema(self) -> dict[str, Any]:
+    def calls_schema(self, max_tokens: int | None = None) -> dict[str, Any]:
         """The JSON schema of the output when the model calls tools."""
-        calls = [t.call_schema() for t in self.callable()]
+        calls = [t.call_schema(max_tokens) for t in self.callable()]
         schema: dict[str, Any] = {
             "type": "array",
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
@@ -99,8 +104,10 @@ class ToolChoice:
             schema["maxItems"] = 1
         return schema
 
-    def grammar(self) -> GrammarSpec:
-        schema = self.calls_schema()
+    def grammar(self, max_tokens: int | None = None) -> GrammarSpec:
+        """The grammar of the output in tgis's compact format; `max_tokens`: the request's
+        budget, which bounds free strings of the arguments (`strict_arguments`)."""
+        schema = self.calls_schema(max_tokens)
         if self.mode != "auto":
             return GrammarSpec.json_schema(schema, source="tools")
         lark_schema = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
@@ -204,6 +211,43 @@ def _arguments_schema(parameters: Fields | None, i: int) -> dict[str, Any]:
             f'("type": "object"), got type {kind!r}'
         )
     return {**schema, "type": "object"}
+
+
+# Keywords whose value is a map of names to schemas, a list of schemas, or one schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+# A string with any of these is not free: its values are bounded already.
+_BOUNDED_STRING = ("maxLength", "enum", "const", "pattern", "format")
+
+
+def strict_arguments(schema: Any, max_tokens: int | None = None) -> Any:
+    """A tool's arguments schema as the grammar enforces it, strict as OpenAI's strict mode
+    and xgrammar's are: every object that names its properties allows no others unless it
+    says so (`additionalProperties` or `patternProperties`), so that a model cannot invent
+    keys; an object that names none (`{"type": "object"}`) stays free-form. Free strings (no
+    maxLength, enum, const, pattern or format) are at most `max_tokens` characters: a token
+    writes at least one, so no single string outruns the budget by itself."""
+    if not isinstance(schema, dict):
+        return schema  # true / false
+    strict: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: strict_arguments(sub, max_tokens) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [strict_arguments(sub, max_tokens) for sub in value]
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            value = strict_arguments(value, max_tokens)
+        strict[key] = value
+    kind = schema.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind or ())
+    open_ = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if "properties" in schema and not any(k in schema for k in open_):
+        strict["additionalProperties"] = False
+    free = not any(k in schema for k in _BOUNDED_STRING)
+    if max_tokens is not None and "string" in kinds and free:
+        strict["maxLength"] = max(1, max_tokens)
+    return strict
 
 
 # --- the prompt ---------------------------------------------------------------------------
@@ -374,11 +418,15 @@ class ToolCallScanner:
         return "tool_calls" if self.complete and reason == "stop" else reason
 
     def message(self) -> dict[str, Any]:
-        """The chat message of the output so far (without its role)."""
+        """The chat message of the output (without its role): its calls that ended. A call
+        still open (the output was cut by max_tokens) is not a call: it is left out."""
         if not self.called:
             return {"content": self.content + self._held}
         content = self.content.strip() or None
-        return {"content": content, "tool_calls": [call.json() for call in self.calls]}
+        ended = self.calls[:-1] if self.state == "arguments" else self.calls
+        if not ended:
+            return {"content": content}
+        return {"content": content, "tool_calls": [call.json() for call in ended]}
 
     def finish(self) -> list[dict[str, Any]]:
         """At the end of the output: text held back as the start of a trigger is content."""

@@ -61,11 +61,14 @@ def find_tool_format(tokenizer: Any) -> ToolFormat:
     return COMPACT
 
 
-def tool_grammar(choice: ToolChoice, fmt: ToolFormat, tokenizer: Any) -> GrammarSpec:
-    """The grammar that holds the output to `choice` in format `fmt`."""
+def tool_grammar(
+    choice: ToolChoice, fmt: ToolFormat, tokenizer: Any, max_tokens: int | None = None
+) -> GrammarSpec:
+    """The grammar that holds the output to `choice` in format `fmt`, the arguments strict
+    (tool_calls.strict_arguments; `max_tokens` bounds their free strings)."""
     if fmt == COMPACT:
-        return choice.grammar()
-    calls = [_call_schema(t.name, t.parameters, fmt.key) for t in choice.callable()]
+        return choice.grammar(max_tokens)
+    calls = [t.call_schema(max_tokens, fmt.key) for t in choice.callable()]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     single = not choice.parallel or choice.mode == "named"
     if fmt.array:
@@ -109,15 +112,6 @@ def _call_rule(fmt: ToolFormat, body: str, tokenizer: Any) -> tuple[str, str]:
     trigger, end = lark_literal(tokenizer, fmt.trigger), lark_literal(tokenizer, fmt.call_end)
     first = f'"\\n" {body} "\\n" {end}'
     return first, f"{trigger} {first}"
-
-
-def _call_schema(name: str, parameters: dict[str, Any], key: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": name}, key: parameters},
-        "required": ["name", key],
-        "additionalProperties": False,
-    }
 
 
 def _json(schema: dict[str, Any]) -> str:
