@@ -18,6 +18,7 @@ import pytest
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer
 
+from tests.server.chat.test_tool_calls import CITY_ONLY
 from tests.server.conftest import demo_app, live_server, make_config
 from tests.server.fakes import FakeEngine
 from tests.server.openai.test_openai_routes import chunks, post
@@ -282,19 +283,6 @@ def test_unusable_tool_requests_are_422s(
 ) -> None:
     error = post(client_app, "/v1/chat/completions", 422, messages=ASK, max_tokens=4, **body)
     assert message in error["error"]["message"]
-
-
-CITY_ONLY: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 def test_sampled_arguments_hold_to_the_schema_that_does_not_forbid_other_keys(
