@@ -27,6 +27,10 @@ class ModelNotFoundError(TgisError):
     """A model id that is neither a local directory nor in the Hub cache / on the Hub."""
 
 
+class ModelNotCachedError(ModelNotFoundError):
+    """A Hub model id whose snapshot is not in the local Hugging Face cache."""
+
+
 class HubError(TgisError):
     """The Hub refused or failed a request (gated repo, missing file, network)."""
 

@@ -1,10 +1,11 @@
-"""Locate and download model weights in the standard Hugging Face cache (offline serving).
+"""Locate and download model weights in the standard Hugging Face cache.
 
-A model is a local directory or a Hub id. Serving never touches the network: `resolve_model_dir`
-maps a Hub id to its snapshot in the HF cache (HF_HUB_CACHE, else HF_HOME/hub), which
-`tgis download-weights` fills beforehand with TGIS semantics: root-level safetensors first;
-if the repo has none, its `.bin` weights, converted to safetensors inside the snapshot; always
-the small config and tokenizer files a server needs.
+A model is a local directory or a Hub id. `resolve_model_dir` maps a Hub id to its snapshot in
+the HF cache (HF_HUB_CACHE, else HF_HOME/hub) without the network. `tgis download-weights`
+fills the cache with TGIS semantics: root-level safetensors first; if the repo has none, its
+`.bin` weights, converted to safetensors inside the snapshot; always the small config and
+tokenizer files a server needs. `tgis serve` and `tgis warmup` fetch a model missing from the
+cache the same way (`serving_model_dir`) unless HF_HUB_OFFLINE=1 or --no-download.
 
 Cache layout (huggingface_hub's): `models--ORG--NAME/{blobs,refs/REVISION,snapshots/COMMIT}`;
 snapshot files are symlinks into `blobs/`, and converted safetensors are plain files next to them.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tgis.config.checkpoint_quant import AUTOGPTQ_CONFIG, declared_quantization
-from tgis.errors import HubError, ModelNotFoundError, TgisError
+from tgis.errors import HubError, ModelNotCachedError, ModelNotFoundError, TgisError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -103,11 +104,45 @@ def resolve_model_dir(model_id: str, revision: str | None = None) -> Path:
     except LocalEntryNotFoundError as exc:
         at = f" at revision {revision}" if revision else ""
         flag = f" --revision {revision}" if revision else ""
-        raise ModelNotFoundError(
+        raise ModelNotCachedError(
             f"model {model_id}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})",
             hint=f"run `tgis download-weights {model_id}{flag}` first, with the same HF_HUB_CACHE",
         ) from exc
     return Path(folder)
+
+
+def serving_model_dir(
+    model_id: str,
+    revision: str | None = None,
+    download: bool = True,
+    console: Console | None = None,
+) -> Path:
+    """`resolve_model_dir`, but a Hub model missing from the cache is fetched into it as
+    `tgis download-weights` does (safetensors first, a progress bar), unless `download` is
+    False (--no-download) or huggingface_hub is offline (HF_HUB_OFFLINE=1): then the
+    ModelNotCachedError says which of the two kept it from downloading."""
+    try:
+        return resolve_model_dir(model_id, revision)
+    except ModelNotCachedError as missing:
+        from huggingface_hub import constants
+
+        flag = f" --revision {revision}" if revision else ""
+        fetch = f"run `tgis download-weights {model_id}{flag}` where the Hub is reachable"
+        if not download:
+            raise ModelNotCachedError(
+                f"{missing.message}, and --no-download keeps the server from fetching it",
+                hint=f"{fetch}, with the same HF_HUB_CACHE, or drop --no-download",
+            ) from missing
+        if constants.HF_HUB_OFFLINE:
+            raise ModelNotCachedError(
+                f"{missing.message}, and HF_HUB_OFFLINE=1 keeps the server from fetching it",
+                hint=f"{fetch}, with the same HF_HUB_CACHE, or unset HF_HUB_OFFLINE",
+            ) from missing
+    from rich.console import Console
+
+    console = console or Console(stderr=True, highlight=False)
+    console.print(f"{model_id} is not in the Hugging Face cache: downloading it")
+    return fetch_weights(model_id, revision, console=console).snapshot_dir
 
 
 def read_model_config(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:

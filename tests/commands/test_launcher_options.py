@@ -18,11 +18,11 @@ def names(command: Any) -> list[str]:
 
 
 def test_serve_takes_every_launcher_option_then_its_own() -> None:
-    assert names(serve.command) == [*OPTIONS, "shutdown_grace", "check"]
+    assert names(serve.command) == [*OPTIONS, "shutdown_grace", "check", "no_download"]
 
 
 def test_warmup_takes_the_batch_shaping_options_then_its_own() -> None:
-    assert names(warmup.command) == [*WARMUP_OPTIONS, "output"]
+    assert names(warmup.command) == [*WARMUP_OPTIONS, "output", "no_download"]
     assert "port" not in WARMUP_OPTIONS and "max_best_of" not in WARMUP_OPTIONS
     assert set(WARMUP_OPTIONS) <= set(OPTIONS)
 

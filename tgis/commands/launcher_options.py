@@ -680,6 +680,18 @@ def launcher_options(*names: str) -> Callable[[Command], Command]:
     return decorate
 
 
+NoDownload = Annotated[
+    bool,
+    typer.Option(
+        "--no-download",
+        help="Never fetch the model: one missing from the Hugging Face cache is an error "
+        "(as with HF_HUB_OFFLINE=1). By default it is downloaded as `tgis download-weights` "
+        "does.",
+        rich_help_panel=MODEL,
+    ),
+]
+
+
 def launcher_args(values: dict[str, Any]) -> LauncherArgs:
     """The LauncherArgs of the launcher options a command received (`**launcher`)."""
     from tgis.config import parse_bool
@@ -691,16 +703,19 @@ def launcher_args(values: dict[str, Any]) -> LauncherArgs:
     return LauncherArgs(**picked)
 
 
-def resolve_launcher_config(values: dict[str, Any]) -> tuple[ServeConfig, Path, ModelFacts]:
+def resolve_launcher_config(
+    values: dict[str, Any], download: bool = True
+) -> tuple[ServeConfig, Path, ModelFacts]:
     """Flags -> model facts -> validated ServeConfig, the model's local directory and its
-    facts (which the backend chooser reads too)."""
+    facts (which the backend chooser reads too). A Hub model missing from the cache is
+    downloaded first unless `download` is False (hub.serving_model_dir)."""
     from tgis.backends.registry import detect_backend
     from tgis.config import build_serve_config, default_env, model_reference
-    from tgis.hub import read_model_facts, resolve_model_dir
+    from tgis.hub import read_model_facts, serving_model_dir
 
     args = launcher_args(values)
     env = default_env()
     model_id, revision = model_reference(args, env)
-    model_dir = resolve_model_dir(model_id, revision)
+    model_dir = serving_model_dir(model_id, revision, download)
     facts = read_model_facts(model_dir)
     return build_serve_config(args, facts, env, detect_backend), model_dir, facts

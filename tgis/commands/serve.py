@@ -7,7 +7,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tgis.commands.launcher_options import launcher_options, resolve_launcher_config
+from tgis.commands.launcher_options import (
+    NoDownload,
+    launcher_options,
+    resolve_launcher_config,
+)
 
 if TYPE_CHECKING:
     from tgis.server.http.lifecycle import GracefulServer
@@ -27,6 +31,7 @@ def command(
         bool,
         typer.Option("--check", help="Validate and print the resolved configuration, then exit."),
     ] = False,
+    no_download: NoDownload = False,
     **launcher: Any,
 ) -> None:
     """Serve a model over HTTP: TGI's routes (/generate, /generate_stream, ...) and OpenAI's
@@ -36,7 +41,8 @@ def command(
     Every flag falls back to the environment variable of TGI's launcher (MODEL_ID,
     MAX_TOTAL_TOKENS, ...), and TGIS's names work too (MODEL_NAME, MAX_SEQUENCE_LENGTH, ...); accelerator variables (HF_BATCH_SIZE, HF_SEQUENCE_LENGTH,
     BATCH_BUCKET_SIZE, ...) are read too. Unset limits are derived from the model and the
-    backend's shape rules. The server never downloads: run `tgis download-weights` first.
+    backend's shape rules. A Hub model missing from the Hugging Face cache is downloaded first, as
+    `tgis download-weights` does (not with --no-download or HF_HUB_OFFLINE=1).
 
     [bold]Examples[/]
 
@@ -58,7 +64,7 @@ def command(
     from tgis.server import Metrics, create_app, serve
     from tgis.server.http.lifecycle import ServerThread
 
-    config, model_dir, facts = resolve_launcher_config(launcher)
+    config, model_dir, facts = resolve_launcher_config(launcher, download=not no_download)
     choice = choose_backend(config, facts)
     console = Console()
     render_config(console, config, choice)

@@ -10,6 +10,7 @@ import typer
 
 from tgis.commands.launcher_options import (
     WARMUP_OPTIONS,
+    NoDownload,
     launcher_options,
     resolve_launcher_config,
 )
@@ -26,6 +27,7 @@ def command(
         Path | None,
         typer.Option("--output", "-o", help="Also write the report as JSON here."),
     ] = None,
+    no_download: NoDownload = False,
     **launcher: Any,
 ) -> None:
     """Compile / capture every shape bucket ahead of serving, and time each one.
@@ -51,7 +53,7 @@ def command(
     from tgis.backends.choose import choose_backend, load_backend
     from tgis.commands.show_config import render_config
 
-    config, model_dir, facts = resolve_launcher_config(launcher)
+    config, model_dir, facts = resolve_launcher_config(launcher, download=not no_download)
     choice = choose_backend(config, facts)
     console = Console()
     render_config(console, config, choice)
