@@ -1,0 +1,93 @@
+"""Tiny random pooling models on disk, in the layouts real ones ship in: a BERT encoder with
+sentence-transformers' modules (a pooling mode, Normalize or not), a cross-encoder reranker
+(`BertForSequenceClassification`, one label), and a decoder embedder (Qwen2, last-token
+pooling), each with the suite's tokenizer trained on the fly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tests.factories import SPECIAL_TOKENS, VOCAB_SIZE, tiny_config, tiny_tokenizer
+
+PAD_ID = list(SPECIAL_TOKENS).index("pad")
+TEXTS = [
+    "def fibonacci(n):",
+    "import os",
+    "class Tree: left right",
+    "the quick brown fox jumps over the lazy dog again and again",
+    "x",
+]
+
+
+def _bert_config(**more: object) -> object:
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128, pad_token_id=PAD_ID, **more,
+    )  # fmt: skip
+
+
+def write_sentence_transformers(
+    directory: Path, modes: Sequence[str], normalize: bool, dimension: int
+) -> None:
+    """modules.json, 1_Pooling/config.json (and 2_Normalize) as sentence-transformers saves."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]  # fmt: skip
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"}
+        )  # fmt: skip
+        (directory / "2_Normalize").mkdir(exist_ok=True)
+    (directory / "modules.json").write_text(json.dumps(modules))
+    keys = {
+        "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+        "mean": "pooling_mode_mean_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+        "weightedmean": "pooling_mode_weightedmean_tokens", "lasttoken": "pooling_mode_lasttoken",
+    }  # fmt: skip
+    pooling = {"word_embedding_dimension": dimension, "include_prompt": True}
+    pooling |= {key: mode in modes for mode, key in keys.items()}
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (directory / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 64, "do_lower_case": False})
+    )
+
+
+def bert_embedder(
+    directory: Path, modes: Sequence[str] = ("mean",), normalize: bool = True, seed: int = 0
+) -> Path:
+    from transformers import BertModel
+
+    torch.manual_seed(seed)
+    BertModel(_bert_config()).eval().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    write_sentence_transformers(directory, modes, normalize, 32)
+    return directory
+
+
+def cross_encoder(directory: Path, seed: int = 0) -> Path:
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(_bert_config(num_labels=1)).eval()
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def decoder_embedder(directory: Path, seed: int = 0) -> Path:
+    from transformers import AutoModel
+
+    torch.manual_seed(seed)
+    AutoModel.from_config(tiny_config("qwen2")).eval().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    write_sentence_transformers(directory, ("lasttoken",), True, 32)
+    return directory

@@ -1,0 +1,94 @@
+"""Pooling models against their oracles: sentence-transformers' `encode` (every pooling mode,
+normalized or not, an encoder and a decoder embedder) and a cross-encoder's logits; each row's
+output the same whatever batch it runs in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer
+
+from tests.pooling.models import TEXTS, bert_embedder, cross_encoder, decoder_embedder
+from tgis.hub import read_model_config
+from tgis.pooling.model import PoolingModel, cut_embedding
+from tgis.pooling.spec import MODES, read_pooling_spec
+
+TOLERANCE = 1e-5
+
+
+def load(directory: Path) -> PoolingModel:
+    spec = read_pooling_spec(directory, read_model_config(directory)[0])
+    assert spec is not None
+    return PoolingModel.load(directory, spec, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("modes", "normalize"),
+    [(("mean",), True), (("cls",), False), (("max",), True), (("lasttoken",), True),
+     (("mean_sqrt_len",), False), (("weightedmean",), True), (("cls", "mean"), False)],
+)  # fmt: skip
+def test_embeddings_equal_sentence_transformers_encode(
+    tmp_path: Path, modes: tuple[str, ...], normalize: bool
+) -> None:
+    directory = bert_embedder(tmp_path / "bert", modes, normalize)
+    model = load(directory)
+    assert model.spec.modes == tuple(m for m in MODES if m in modes)
+    assert model.dimension == 32 * len(modes)
+    oracle = SentenceTransformer(str(directory), device="cpu")
+    expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
+    got = torch.stack(model.run([model.encode(t) for t in TEXTS]).rows)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
+    if normalize:
+        torch.testing.assert_close(got.norm(dim=1), torch.ones(len(TEXTS)))
+
+
+def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(
+    tmp_path: Path,
+) -> None:
+    directory = decoder_embedder(tmp_path / "qwen")
+    model = load(directory)
+    assert (model.spec.modes, model.spec.normalize) == (("lasttoken",), True)
+    oracle = SentenceTransformer(str(directory), device="cpu")
+    expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
+    got = torch.stack(model.run([model.encode(t) for t in TEXTS]).rows)
+    torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
+
+
+def test_rerank_scores_equal_the_cross_encoders_logits(tmp_path: Path) -> None:
+    directory = cross_encoder(tmp_path / "ce")
+    model = load(directory)
+    assert model.spec.task == "rerank" and model.dimension == 1
+    query = "what is a tree"
+    pairs = [(query, text) for text in TEXTS]
+    oracle = CrossEncoder(str(directory), device="cpu")
+    logits = oracle.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_tensor=True)
+    got = torch.cat(model.run([model.encode(pair) for pair in pairs]).rows)
+    torch.testing.assert_close(got, logits.float().view(-1), atol=TOLERANCE, rtol=0)
+
+
+def test_each_row_is_the_same_alone_and_in_any_batch(tmp_path: Path) -> None:
+    model = load(bert_embedder(tmp_path / "bert", ("mean",), True))
+    encoded = [model.encode(t) for t in TEXTS]
+    alone = [model.run([row]).rows[0] for row in encoded]
+    backwards = model.run(encoded[::-1]).rows[::-1]
+    for one, other in zip(alone, backwards, strict=True):
+        torch.testing.assert_close(one, other, atol=TOLERANCE, rtol=0)
+
+
+def test_truncation_cuts_to_the_models_longest_input(tmp_path: Path) -> None:
+    model = load(bert_embedder(tmp_path / "bert"))
+    assert model.max_length == 64  # sentence_bert_config's max_seq_length, under 128 positions
+    long = " ".join(["fox"] * 200)
+    assert len(model.encode(long)["input_ids"]) > 64
+    assert len(model.encode(long, truncate=True)["input_ids"]) == 64
+
+
+def test_a_matryoshka_cut_is_normalized_again() -> None:
+    vector = torch.nn.functional.normalize(torch.arange(1.0, 9.0), dim=0)
+    cut = cut_embedding(vector, 4, normalize=True)
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(vector[:4], dim=0))
+    assert cut_embedding(vector, 4, normalize=False).tolist() == vector[:4].tolist()
+    assert cut_embedding(vector, None, normalize=True) is vector

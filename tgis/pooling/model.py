@@ -1,0 +1,146 @@
+"""A pooling model's forward over a batch: right-padded rows, the hidden states pooled per row
+as its spec says (tgis.pooling.spec), or a classifier's logits.
+
+The pooling follows sentence-transformers' Pooling and Normalize modules, so that an embedding
+equals `SentenceTransformer.encode`'s for the same model and input; a score is the
+`*ForSequenceClassification` model's logits, as TEI's `raw_scores` and a cross-encoder's
+`predict` without its activation give them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgis.pooling.spec import PoolingSpec
+
+# One tokenized input: the tokenizer's outputs for it (input_ids, and token_type_ids where the
+# tokenizer gives them), unpadded.
+Encoded = Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class PooledBatch:
+    """Each row's output: an embedding (float32, 1-D) or a classifier's logits (1-D)."""
+
+    rows: list[torch.Tensor]
+
+
+class PoolingModel:
+    """A loaded pooling model and its tokenizer; `run` takes a batch of encoded inputs."""
+
+    def __init__(self, model: Any, tokenizer: Any, spec: PoolingSpec) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        positions = getattr(model.config, "max_position_embeddings", None)
+        limits = [n for n in (spec.max_length, positions) if n]
+        # The longest input, in tokens (sentence-transformers' max_seq_length first).
+        self.max_length = min(limits) if limits else None
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        spec: PoolingSpec,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> PoolingModel:
+        """The model in `model_dir` for `spec`'s task, on `device` in `dtype` (its own when
+        None), with its tokenizer."""
+        from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+        kind = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
+        model = kind.from_pretrained(model_dir, dtype=dtype or "auto").to(device)
+        return cls(model, AutoTokenizer.from_pretrained(model_dir), spec)
+
+    @property
+    def dimension(self) -> int:
+        """An embedding's size (all its modes concatenated) or a classifier's label count."""
+        if self.spec.task != "embed":
+            return len(self.spec.labels)
+        return int(self.model.config.hidden_size) * len(self.spec.modes)
+
+    def encode(self, text: str | tuple[str, str], truncate: bool = False) -> dict[str, list[int]]:
+        """`text` (or a query-document pair) as the model's tokenizer encodes it; cut to
+        `max_length` when `truncate` (the end of the text, or of the longer of a pair)."""
+        first, second = (text, None) if isinstance(text, str) else text
+        encoded = self.tokenizer(
+            first,
+            second,
+            truncation="longest_first" if truncate and self.max_length else False,
+            max_length=self.max_length if truncate else None,
+        )
+        return {
+            name: list(encoded[name]) for name in ("input_ids", "token_type_ids") if name in encoded
+        }
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[Encoded]) -> PooledBatch:
+        """Each input's pooled output, in the order given (one forward, rows right-padded)."""
+        inputs = self._padded(batch)
+        if self.spec.task != "embed":
+            logits = self.model(**inputs).logits
+            return PooledBatch(list(logits.float().cpu().unbind(0)))
+        hidden = self.model(**inputs).last_hidden_state
+        pooled = pool(hidden, inputs["attention_mask"], self.spec.modes)
+        if self.spec.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return PooledBatch(list(pooled.float().cpu().unbind(0)))
+
+    def _padded(self, batch: Sequence[Encoded]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in batch)
+        names = [name for name in ("input_ids", "token_type_ids") if name in batch[0]]
+        out = {name: torch.zeros(len(batch), width, dtype=torch.long) for name in names}
+        out["input_ids"].fill_(self.pad_id)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, row in enumerate(batch):
+            n = len(row["input_ids"])
+            for name in names:
+                out[name][i, :n] = torch.tensor(row[name], dtype=torch.long)
+            mask[i, :n] = 1
+        out["attention_mask"] = mask
+        return {name: tensor.to(self.device) for name, tensor in out.items()}
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
+    """[rows, tokens, hidden] states of right-padded rows ([rows, tokens] mask) pooled by each
+    mode, concatenated in order, as sentence-transformers' Pooling module does."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    counts = weights.sum(1).clamp(min=1e-9)
+    parts = []
+    for mode in modes:
+        if mode == "cls":
+            parts.append(hidden[:, 0])
+        elif mode == "max":
+            masked = hidden.masked_fill(weights == 0, -1e9)
+            parts.append(masked.max(1).values)
+        elif mode == "mean":
+            parts.append((hidden * weights).sum(1) / counts)
+        elif mode == "mean_sqrt_len":
+            parts.append((hidden * weights).sum(1) / counts.sqrt())
+        elif mode == "weightedmean":
+            steps = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)
+            ramp = weights * steps.view(1, -1, 1).to(hidden.dtype)
+            parts.append((hidden * ramp).sum(1) / ramp.sum(1).clamp(min=1e-9))
+        elif mode == "lasttoken":
+            last = mask.sum(1) - 1
+            parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    return torch.cat(parts, dim=1)
+
+
+def cut_embedding(vector: torch.Tensor, size: int | None, normalize: bool) -> torch.Tensor:
+    """A Matryoshka embedding cut to its first `size` values (None: whole), normalized again
+    when the model's embeddings are."""
+    if size is None or size >= vector.shape[0]:
+        return vector
+    cut = vector[:size]
+    return torch.nn.functional.normalize(cut, p=2, dim=0) if normalize else cut

@@ -1,0 +1,156 @@
+"""Requests to a pooling model gathered into batches on one thread, as generation's engine
+gathers them into steps.
+
+Each request is a list of encoded inputs. The thread takes inputs in arrival order (a request's
+inputs may span batches) while the batch's padded size stays within `max_batch_tokens` and its
+rows within `max_batch_rows`, runs one forward, and completes each request when its last input
+is done. A request cancelled before its inputs ran is skipped; one whose forward failed gets
+the error, and the thread serves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tgis.pooling.model import Encoded, PoolingModel
+
+Results = list[torch.Tensor]
+
+
+@dataclass
+class _Request:
+    inputs: Sequence[Encoded]
+    future: concurrent.futures.Future[Results]
+    results: list[torch.Tensor | None] = field(default_factory=list)
+    # The next input to put in a batch, and how many have come back.
+    next: int = 0
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.inputs)
+
+
+class PoolingRunner:
+    """The batching thread of one PoolingModel."""
+
+    def __init__(
+        self,
+        model: PoolingModel,
+        max_batch_tokens: int,
+        max_batch_rows: int,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if max_batch_tokens < 1 or max_batch_rows < 1:
+            raise ValueError("max_batch_tokens and max_batch_rows must be >= 1")
+        self.model = model
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_rows = max_batch_rows
+        # Called with (rows, padded tokens) of each batch run (metrics).
+        self.on_batch = on_batch
+        self._queue: deque[_Request] = deque()
+        self._wake = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tgis-pooling", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(30)
+        for request in self._queue:
+            request.future.cancel()
+        self._queue.clear()
+
+    def submit(self, inputs: Sequence[Encoded]) -> concurrent.futures.Future[Results]:
+        """Each input's output, in order, once all have run."""
+        if not inputs:
+            raise ValueError("a request needs at least one input")
+        for row in inputs:
+            if len(row["input_ids"]) > self.max_batch_tokens:
+                raise ValueError(
+                    f"an input of {len(row['input_ids'])} tokens exceeds the batch's "
+                    f"{self.max_batch_tokens}"
+                )
+        future: concurrent.futures.Future[Results] = concurrent.futures.Future()
+        with self._wake:
+            if not self._running:
+                raise RuntimeError("the pooling runner is not running")
+            self._queue.append(_Request(inputs, future))
+            self._wake.notify()
+        return future
+
+    async def run(self, inputs: Sequence[Encoded]) -> Results:
+        """`submit` for a coroutine: cancelling it cancels the request."""
+        future = self.submit(inputs)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._running and not self._queue:
+                    self._wake.wait()
+                if not self._running:
+                    return
+                batch = self._take()
+            if batch:
+                self._run(batch)
+
+    def _take(self) -> list[tuple[_Request, int]]:
+        """The next batch: (request, input index) in arrival order, within the limits."""
+        batch: list[tuple[_Request, int]] = []
+        width = 0
+        while self._queue:
+            request = self._queue[0]
+            if request.future.done():  # cancelled, or failed in an earlier batch
+                self._queue.popleft()
+                continue
+            while request.next < len(request.inputs):
+                n = len(request.inputs[request.next]["input_ids"])
+                wider = max(width, n)
+                if batch and (
+                    len(batch) + 1 > self.max_batch_rows
+                    or wider * (len(batch) + 1) > self.max_batch_tokens
+                ):
+                    return batch
+                batch.append((request, request.next))
+                width = wider
+                request.next += 1
+            self._queue.popleft()
+        return batch
+
+    def _run(self, batch: list[tuple[_Request, int]]) -> None:
+        live = [(r, i) for r, i in batch if not r.future.cancelled()]
+        if not live:
+            return
+        try:
+            out = self.model.run([r.inputs[i] for r, i in live])
+        except Exception as exc:  # the requests get the error; the thread serves on
+            for request in {id(r): r for r, _ in live}.values():
+                if not request.future.done():
+                    request.future.set_exception(exc)
+            return
+        if self.on_batch is not None:
+            width = max(len(r.inputs[i]["input_ids"]) for r, i in live)
+            self.on_batch(len(live), width * len(live))
+        for (request, index), row in zip(live, out.rows, strict=True):
+            request.results[index] = row
+            request.done += 1
+            if request.done == len(request.inputs) and not request.future.done():
+                request.future.set_result([r for r in request.results if r is not None])
