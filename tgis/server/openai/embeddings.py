@@ -1,0 +1,127 @@
+"""OpenAI's `POST /v1/embeddings` body and answer, as the `openai` client sends and reads them.
+
+`input` is a string, an array of strings, an array of token ids (one input) or an array of
+arrays of token ids; at most MAX_INPUTS inputs, none empty. `encoding_format` is `float` (JSON
+numbers) or `base64` (each embedding's little-endian float32 bytes, which the `openai` client
+asks for by default and decodes). `dimensions` cuts a Matryoshka model's embeddings to one of
+the sizes it declares. `user` is OpenAI's end-user id, taken and not used, as OpenAI's own
+servers use it only for abuse monitoring.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tgis.server.http.errors import invalid
+from tgis.server.http.fields import Fields
+
+# OpenAI's bound on the inputs of one request.
+MAX_INPUTS = 2048
+EncodingFormat = Literal["float", "base64"]
+# One input: text, or token ids.
+Input = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    model: str | None
+    inputs: tuple[Input, ...]
+    encoding_format: EncodingFormat = "float"
+    dimensions: int | None = None
+
+
+def parse_embeddings_request(
+    body: Any, vocab_size: int, size: int, matryoshka: Sequence[int] = ()
+) -> EmbeddingsRequest:
+    """The request in `body`, or a 422 naming the field: `vocab_size` bounds token ids, `size`
+    is the model's embedding size and `matryoshka` the sizes it may be cut to."""
+    f = Fields(body)
+    f.string("user")
+    encoding = f.string("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise invalid(f'`encoding_format` must be "float" or "base64", got {encoding!r}')
+    dimensions = f.integer("dimensions")
+    if dimensions is not None:
+        if not matryoshka:
+            raise invalid(
+                f"`dimensions`: this model's embeddings have {size} values and cannot be cut "
+                "(its config.json declares no matryoshka_dimensions); leave `dimensions` out"
+            )
+        allowed = sorted(set(matryoshka) | {size})
+        if dimensions not in allowed:
+            raise invalid(
+                f"`dimensions` must be one of {', '.join(map(str, allowed))} for this model, "
+                f"got {dimensions}"
+            )
+    inputs = _inputs(body.get("input") if isinstance(body, dict) else None, vocab_size)
+    return EmbeddingsRequest(f.string("model"), inputs, encoding, dimensions)  # type: ignore[arg-type]
+
+
+def _inputs(value: Any, vocab_size: int) -> tuple[Input, ...]:
+    expected = (
+        "`input` must be a string, an array of strings, an array of token ids or an array of "
+        "arrays of token ids"
+    )
+    if value is None:
+        raise invalid("missing field `input`")
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_id(v) for v in value):
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise invalid(expected)
+    if not items:
+        raise invalid("`input` must not be empty")
+    if len(items) > MAX_INPUTS:
+        raise invalid(f"`input` holds {len(items)} inputs, more than {MAX_INPUTS}; split it")
+    single = items is not value  # one string or one list of ids, not an array of inputs
+    out: list[Input] = []
+    for i, item in enumerate(items):
+        where = "`input`" if single else f"`input[{i}]`"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(f"{where} must not be an empty string")
+            out.append(item)
+        elif isinstance(item, list) and item and all(_is_id(v) for v in item):
+            beyond = [v for v in item if v >= vocab_size]
+            if beyond:
+                raise invalid(
+                    f"{where} holds token id {beyond[0]}, beyond the vocabulary of "
+                    f"{vocab_size} (ids 0 to {vocab_size - 1})"
+                )
+            out.append(tuple(item))
+        else:
+            raise invalid(expected)
+    return tuple(out)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def embeddings_response(
+    vectors: Sequence[torch.Tensor], model: str, encoding: EncodingFormat, prompt_tokens: int
+) -> dict[str, Any]:
+    """OpenAI's `CreateEmbeddingResponse` of `vectors`, in request order."""
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode_vector(vector, encoding)}
+        for i, vector in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def encode_vector(vector: torch.Tensor, encoding: EncodingFormat) -> list[float] | str:
+    """An embedding as JSON numbers, or base64 of its little-endian float32 bytes."""
+    values = vector.detach().to(torch.float32).cpu().contiguous()
+    if encoding == "float":
+        return values.tolist()
+    raw = values.numpy().astype("<f4").tobytes()
+    return base64.b64encode(raw).decode("ascii")
