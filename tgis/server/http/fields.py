@@ -220,6 +220,60 @@ class Fields:
         return None if value is None else Fields(value, self.name(key))
 
 
+# One input of a pooling request (embeddings, scores): text, or token ids.
+PoolingInput = str | tuple[int, ...]
+
+
+def pooling_inputs(
+    value: Any, name: str, vocab_size: int, max_inputs: int
+) -> tuple[PoolingInput, ...]:
+    """The inputs of an embeddings request's field `name` as OpenAI and TEI take them: a
+    string, an array of strings, an array of token ids (one input) or an array of arrays of
+    token ids; at most `max_inputs`, none empty, ids within the vocabulary; else a 422 naming
+    the field (and the input's index)."""
+    expected = (
+        f"`{name}` must be a string, an array of strings, an array of token ids or an array "
+        "of arrays of token ids"
+    )
+    if value is None:
+        raise invalid(f"missing field `{name}`")
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise invalid(expected)
+    if not items:
+        raise invalid(f"`{name}` must not be empty")
+    if len(items) > max_inputs:
+        raise invalid(f"`{name}` holds {len(items)} inputs, more than {max_inputs}; split it")
+    single = items is not value  # one string or one list of ids, not an array of inputs
+    out: list[PoolingInput] = []
+    for i, item in enumerate(items):
+        where = f"`{name}`" if single else f"`{name}[{i}]`"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(f"{where} must not be an empty string")
+            out.append(item)
+        elif isinstance(item, list) and item and all(_is_token_id(v) for v in item):
+            beyond = [v for v in item if v >= vocab_size]
+            if beyond:
+                raise invalid(
+                    f"{where} holds token id {beyond[0]}, beyond the vocabulary of "
+                    f"{vocab_size} (ids 0 to {vocab_size - 1})"
+                )
+            out.append(tuple(item))
+        else:
+            raise invalid(expected)
+    return tuple(out)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True)
 class TgiRequest:
     """A parsed TGI `GenerateRequest` / `CompatGenerateRequest`."""

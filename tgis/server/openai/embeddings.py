@@ -18,19 +18,17 @@ from typing import Any, Literal
 import torch
 
 from tgis.server.http.errors import invalid
-from tgis.server.http.fields import Fields
+from tgis.server.http.fields import Fields, PoolingInput, pooling_inputs
 
 # OpenAI's bound on the inputs of one request.
 MAX_INPUTS = 2048
 EncodingFormat = Literal["float", "base64"]
-# One input: text, or token ids.
-Input = str | tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class EmbeddingsRequest:
     model: str | None
-    inputs: tuple[Input, ...]
+    inputs: tuple[PoolingInput, ...]
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = None
 
@@ -58,52 +56,9 @@ def parse_embeddings_request(
                 f"`dimensions` must be one of {', '.join(map(str, allowed))} for this model, "
                 f"got {dimensions}"
             )
-    inputs = _inputs(body.get("input") if isinstance(body, dict) else None, vocab_size)
+    value = body.get("input") if isinstance(body, dict) else None
+    inputs = pooling_inputs(value, "input", vocab_size, MAX_INPUTS)
     return EmbeddingsRequest(f.string("model"), inputs, encoding, dimensions)  # type: ignore[arg-type]
-
-
-def _inputs(value: Any, vocab_size: int) -> tuple[Input, ...]:
-    expected = (
-        "`input` must be a string, an array of strings, an array of token ids or an array of "
-        "arrays of token ids"
-    )
-    if value is None:
-        raise invalid("missing field `input`")
-    if isinstance(value, str):
-        items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(_is_id(v) for v in value):
-        items = [value]
-    elif isinstance(value, list):
-        items = value
-    else:
-        raise invalid(expected)
-    if not items:
-        raise invalid("`input` must not be empty")
-    if len(items) > MAX_INPUTS:
-        raise invalid(f"`input` holds {len(items)} inputs, more than {MAX_INPUTS}; split it")
-    single = items is not value  # one string or one list of ids, not an array of inputs
-    out: list[Input] = []
-    for i, item in enumerate(items):
-        where = "`input`" if single else f"`input[{i}]`"
-        if isinstance(item, str):
-            if not item:
-                raise invalid(f"{where} must not be an empty string")
-            out.append(item)
-        elif isinstance(item, list) and item and all(_is_id(v) for v in item):
-            beyond = [v for v in item if v >= vocab_size]
-            if beyond:
-                raise invalid(
-                    f"{where} holds token id {beyond[0]}, beyond the vocabulary of "
-                    f"{vocab_size} (ids 0 to {vocab_size - 1})"
-                )
-            out.append(tuple(item))
-        else:
-            raise invalid(expected)
-    return tuple(out)
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def embeddings_response(

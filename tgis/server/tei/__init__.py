@@ -1,0 +1,1 @@
+"""text-embeddings-inference's API: /embed, /embed_all, /rerank and /predict, in its JSON."""
