@@ -286,3 +286,28 @@ def test_serve_check_still_validates_only() -> None:
     # The resolved limits: the flag, and the input limit derived from it.
     assert re.search(r"max_total_tokens\W+256\b", result.stdout), result.stdout
     assert re.search(r"max_input_tokens\W+255\b", result.stdout), result.stdout
+
+
+def test_serve_of_an_embedding_model_answers_its_routes_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """`tgis serve` reads that the model pools (sentence-transformers' modules), serves its
+    routes, and stops cleanly; `--check` says what it read."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.pooling.models import TEXTS, bert_embedder
+    from tests.server.conftest import demo_serve
+
+    model = bert_embedder(tmp_path / "embedder", ("cls", "mean"), normalize=True)
+    checked = run_tgis("serve", "--model-id", str(model), "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert "serves embed (cls+mean pooling), as its sentence-transformers says" in " ".join(
+        checked.stdout.split()
+    )
+    expected = SentenceTransformer(str(model), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    with demo_serve(tmp_path / "serve.log", "--model-id", str(model)) as url:
+        got = httpx.post(f"{url}/embed", json={"inputs": TEXTS}, timeout=60)
+        assert got.status_code == 200, got.text
+        torch.testing.assert_close(torch.tensor(got.json()), expected.float(), atol=1e-5, rtol=0)
+        assert httpx.get(f"{url}/info", timeout=30).json()["task"] == "embed"
+    assert "Serving" in (tmp_path / "serve.log").read_text()

@@ -12,7 +12,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from tests.pooling.models import TEXTS, bert_embedder, cross_encoder, decoder_embedder
 from tgis.hub import read_model_config
-from tgis.pooling.model import PoolingModel, cut_embedding
+from tgis.pooling.model import PoolingModel, finish_embedding
 from tgis.pooling.spec import MODES, read_pooling_spec
 
 TOLERANCE = 1e-5
@@ -38,7 +38,8 @@ def test_embeddings_equal_sentence_transformers_encode(
     assert model.dimension == 32 * len(modes)
     oracle = SentenceTransformer(str(directory), device="cpu")
     expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
-    got = torch.stack(model.run([model.encode(t) for t in TEXTS]).rows)
+    rows = model.run([model.encode(t) for t in TEXTS]).rows
+    got = torch.stack([finish_embedding(row, None, model.spec.normalize) for row in rows])
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
     if normalize:
@@ -53,7 +54,8 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(
     assert (model.spec.modes, model.spec.normalize) == (("lasttoken",), True)
     oracle = SentenceTransformer(str(directory), device="cpu")
     expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
-    got = torch.stack(model.run([model.encode(t) for t in TEXTS]).rows)
+    rows = model.run([model.encode(t) for t in TEXTS]).rows
+    got = torch.stack([finish_embedding(row, None, True) for row in rows])
     torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
 
 
@@ -87,8 +89,9 @@ def test_truncation_cuts_to_the_models_longest_input(tmp_path: Path) -> None:
 
 
 def test_a_matryoshka_cut_is_normalized_again() -> None:
-    vector = torch.nn.functional.normalize(torch.arange(1.0, 9.0), dim=0)
-    cut = cut_embedding(vector, 4, normalize=True)
+    vector = torch.arange(1.0, 9.0)
+    cut = finish_embedding(vector, 4, normalize=True)
     torch.testing.assert_close(cut, torch.nn.functional.normalize(vector[:4], dim=0))
-    assert cut_embedding(vector, 4, normalize=False).tolist() == vector[:4].tolist()
-    assert cut_embedding(vector, None, normalize=True) is vector
+    assert finish_embedding(vector, 4, normalize=False).tolist() == vector[:4].tolist()
+    assert finish_embedding(vector, None, normalize=False) is vector
+    torch.testing.assert_close(finish_embedding(vector, 99, True).norm(), torch.tensor(1.0))

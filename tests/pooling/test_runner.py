@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.pooling.models import TEXTS, bert_embedder
+from tgis.errors import InputValidationError
 from tgis.hub import read_model_config
 from tgis.pooling.model import Encoded, PooledBatch, PoolingModel
 from tgis.pooling.runner import PoolingRunner
@@ -87,7 +88,7 @@ def test_a_batch_never_pads_past_its_token_budget(model: PoolingModel) -> None:
     finally:
         runner.stop()
     assert all(tokens <= 40 for tokens in widths) and len(widths) >= 2
-    with pytest.raises(ValueError, match="exceeds the batch's 40"):
+    with pytest.raises(InputValidationError, match="exceeds a batch's 40"):
         PoolingRunner(model, 40, 8).submit([{"input_ids": [5] * 41}])
 
 

@@ -14,6 +14,12 @@ from tgis.commands.launcher_options import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from tgis.config import ServeConfig
+    from tgis.pooling.spec import PoolingSpec
     from tgis.server.http.lifecycle import GracefulServer
 
 
@@ -61,12 +67,17 @@ def command(
     from tgis.backends.choose import choose_backend
     from tgis.commands.show_config import render_config
     from tgis.launch import build_service, service_info
+    from tgis.pooling.spec import read_pooling_spec
     from tgis.server import Metrics, create_app, serve
     from tgis.server.http.lifecycle import ServerThread
 
     config, model_dir, facts = resolve_launcher_config(launcher, download=not no_download)
-    choice = choose_backend(config, facts)
     console = Console()
+    spec = read_pooling_spec(model_dir, dict(facts.config))
+    if spec is not None:
+        _serve_pooling(console, config, model_dir, spec, check, shutdown_grace)
+        return
+    choice = choose_backend(config, facts)
     render_config(console, config, choice)
     if check:
         return
@@ -128,5 +139,59 @@ def command(
         http.join()
     finally:
         service.stop()
+    if http.failure is not None:
+        raise typer.Exit(1)
+
+
+def _serve_pooling(
+    console: Console,
+    config: ServeConfig,
+    model_dir: Path,
+    spec: PoolingSpec,
+    check: bool,
+    shutdown_grace: float,
+) -> None:
+    """Serve a pooling model (embeddings, rerank, classify: tgis.pooling) over HTTP: its
+    runner's loop on this thread, as the engine's is for generation. TGIS's gRPC API
+    generates text, so no gRPC server starts."""
+    import logging
+
+    from tgis.pooling.service import load_pooling_service
+    from tgis.server import Metrics, serve
+    from tgis.server.http.app import create_pooling_app
+    from tgis.server.http.lifecycle import ServerThread
+
+    modes = f" ({'+'.join(spec.modes)} pooling)" if spec.modes else ""
+    console.print(
+        f"{config.model_id} serves {spec.task}{modes}, as its {spec.source} says, on "
+        f"{config.backend}"
+    )
+    if check:
+        return
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    service = load_pooling_service(config, model_dir, spec)
+    metrics = Metrics(config.max_total_tokens, config.batch_slots)
+    app = create_pooling_app(
+        service.model, service.runner, config, metrics, config.api_key, config.cors_allow_origins
+    )
+    scheme = "https" if config.tls else "http"
+    console.print(
+        f"[green]Serving[/] {config.model_id} on {scheme}://{config.hostname}:{config.port}"
+    )
+
+    async def run(server_ready: Callable[[GracefulServer], None]) -> None:
+        await serve(
+            app, config.hostname, config.port, shutdown_grace_s=shutdown_grace,
+            server_ready=server_ready, tls=config.tls, header_timeout_s=config.header_timeout_s,
+            body_timeout_s=config.body_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,
+        )  # fmt: skip
+
+    http = ServerThread(run, on_exit=service.runner.stop)
+    service.runner.open()  # requests that come before the loop runs wait for it
+    http.start()
+    service.runner.run_loop()
+    http.join()
     if http.failure is not None:
         raise typer.Exit(1)

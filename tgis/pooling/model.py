@@ -1,14 +1,16 @@
 """A pooling model's forward over a batch: right-padded rows, the hidden states pooled per row
 as its spec says (tgis.pooling.spec), or a classifier's logits.
 
-The pooling follows sentence-transformers' Pooling and Normalize modules, so that an embedding
-equals `SentenceTransformer.encode`'s for the same model and input; a score is the
+The pooling follows sentence-transformers' Pooling module and `finish_embedding` its Normalize,
+so that an embedding equals `SentenceTransformer.encode`'s for the same model and input (the
+APIs normalize as the model's pipeline does, or as TEI's `normalize` asks); a score is the
 `*ForSequenceClassification` model's logits, as TEI's `raw_scores` and a cross-encoder's
 `predict` without its activation give them.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ class PoolingModel:
         # The longest input, in tokens (sentence-transformers' max_seq_length first).
         self.max_length = min(limits) if limits else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._left: Any = None
 
     @classmethod
     def load(
@@ -67,11 +70,15 @@ class PoolingModel:
             return len(self.spec.labels)
         return int(self.model.config.hidden_size) * len(self.spec.modes)
 
-    def encode(self, text: str | tuple[str, str], truncate: bool = False) -> dict[str, list[int]]:
+    def encode(
+        self, text: str | tuple[str, str], truncate: bool = False, left: bool = False
+    ) -> dict[str, list[int]]:
         """`text` (or a query-document pair) as the model's tokenizer encodes it; cut to
-        `max_length` when `truncate` (the end of the text, or of the longer of a pair)."""
+        `max_length` when `truncate`: its end (of the longer of a pair), or its start when
+        `left`, the tokenizer's special tokens kept."""
         first, second = (text, None) if isinstance(text, str) else text
-        encoded = self.tokenizer(
+        tokenizer = self._left_tokenizer() if left else self.tokenizer
+        encoded = tokenizer(
             first,
             second,
             truncation="longest_first" if truncate and self.max_length else False,
@@ -80,6 +87,21 @@ class PoolingModel:
         return {
             name: list(encoded[name]) for name in ("input_ids", "token_type_ids") if name in encoded
         }
+
+    def cut_ids(self, ids: Sequence[int], left: bool = False) -> dict[str, list[int]]:
+        """Token ids given as an input, cut to `max_length` (their end, or start when `left`)."""
+        keep = list(ids)
+        if self.max_length is not None and len(keep) > self.max_length:
+            keep = keep[-self.max_length :] if left else keep[: self.max_length]
+        return {"input_ids": keep}
+
+    def _left_tokenizer(self) -> Any:
+        """A copy of the tokenizer that truncates from the start (made once)."""
+        if self._left is None:
+            left = copy.deepcopy(self.tokenizer)
+            left.truncation_side = "left"
+            self._left = left
+        return self._left
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Encoded]) -> PooledBatch:
@@ -90,8 +112,6 @@ class PoolingModel:
             return PooledBatch(list(logits.float().cpu().unbind(0)))
         hidden = self.model(**inputs).last_hidden_state
         pooled = pool(hidden, inputs["attention_mask"], self.spec.modes)
-        if self.spec.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return PooledBatch(list(pooled.float().cpu().unbind(0)))
 
     def _padded(self, batch: Sequence[Encoded]) -> dict[str, torch.Tensor]:
@@ -137,10 +157,10 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
     return torch.cat(parts, dim=1)
 
 
-def cut_embedding(vector: torch.Tensor, size: int | None, normalize: bool) -> torch.Tensor:
-    """A Matryoshka embedding cut to its first `size` values (None: whole), normalized again
-    when the model's embeddings are."""
-    if size is None or size >= vector.shape[0]:
-        return vector
-    cut = vector[:size]
-    return torch.nn.functional.normalize(cut, p=2, dim=0) if normalize else cut
+def finish_embedding(vector: torch.Tensor, size: int | None, normalize: bool) -> torch.Tensor:
+    """A pooled row as the API returns it: cut to its first `size` values (a Matryoshka size;
+    None: whole), then L2-normalized when `normalize` (the model's Normalize module, or the
+    request's choice where the API gives one)."""
+    if size is not None and size < vector.shape[0]:
+        vector = vector[:size]
+    return torch.nn.functional.normalize(vector, p=2, dim=0) if normalize else vector

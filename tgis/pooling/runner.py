@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tgis.errors import InputValidationError
 from tgis.pooling.model import Encoded, PoolingModel
 
 Results = list[torch.Tensor]
@@ -58,11 +59,33 @@ class PoolingRunner:
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
+        self._in_flight = 0
+
+    def open(self) -> None:
+        """Take requests from now on (they wait for the loop to run them)."""
+        with self._wake:
+            self._running = True
 
     def start(self) -> None:
-        self._running = True
+        """Run the loop on a thread of its own."""
+        self.open()
         self._thread = threading.Thread(target=self._loop, name="tgis-pooling", daemon=True)
         self._thread.start()
+
+    def run_loop(self) -> None:
+        """Run the loop on this thread (`tgis serve`'s main thread, as the engine's) until
+        `stop`."""
+        self.open()
+        self._loop()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered."""
+        return self._in_flight
 
     def stop(self) -> None:
         with self._wake:
@@ -80,17 +103,23 @@ class PoolingRunner:
             raise ValueError("a request needs at least one input")
         for row in inputs:
             if len(row["input_ids"]) > self.max_batch_tokens:
-                raise ValueError(
-                    f"an input of {len(row['input_ids'])} tokens exceeds the batch's "
-                    f"{self.max_batch_tokens}"
+                raise InputValidationError(
+                    f"an input of {len(row['input_ids'])} tokens exceeds a batch's "
+                    f"{self.max_batch_tokens} (--max-batch-prefill-tokens): shorten it"
                 )
         future: concurrent.futures.Future[Results] = concurrent.futures.Future()
         with self._wake:
             if not self._running:
                 raise RuntimeError("the pooling runner is not running")
             self._queue.append(_Request(inputs, future))
+            self._in_flight += 1
             self._wake.notify()
+        future.add_done_callback(self._answered)
         return future
+
+    def _answered(self, _: concurrent.futures.Future[Results]) -> None:
+        with self._wake:
+            self._in_flight -= 1
 
     async def run(self, inputs: Sequence[Encoded]) -> Results:
         """`submit` for a coroutine: cancelling it cancels the request."""

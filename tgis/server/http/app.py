@@ -30,7 +30,7 @@ from tgis.prefix_store import PrefixStore
 from tgis.server.anthropic import openapi as anthropic_openapi
 from tgis.server.anthropic import routes as anthropic_routes
 from tgis.server.chat.prompt import ChatFormat
-from tgis.server.http import playground
+from tgis.server.http import playground, pooling
 from tgis.server.http.contract import RequestContract
 from tgis.server.http.errors import (
     UNAUTHORIZED,
@@ -49,11 +49,13 @@ from tgis.server.http.metrics import Metrics
 from tgis.server.http.openapi import docs, docs_asset, openapi_json
 from tgis.server.http.openapi_schemas import AdapterChoice, RequestSchemas
 from tgis.server.http.state import ServerState
+from tgis.server.openai import embeddings as openai_embeddings
 from tgis.server.openai import openapi as openai_openapi
 from tgis.server.openai import routes as openai_routes
 from tgis.server.responses import openapi as responses_openapi
 from tgis.server.responses import routes as responses_routes
 from tgis.server.responses.store import ResponseStore
+from tgis.server.tei import routes as tei_routes
 from tgis.server.tgi import openapi as tgi_openapi
 from tgis.server.tgi import routes as tgi_routes
 
@@ -61,10 +63,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tgis.adapter_store import AdapterStore
+    from tgis.pooling.model import PoolingModel
+    from tgis.pooling.runner import PoolingRunner
     from tgis.vision.processor import ImageProcessor
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
-PROTECTED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/tokenize"})
+PROTECTED_PATHS = frozenset(
+    {"/", "/generate", "/generate_stream", "/tokenize", "/embed", "/rerank", "/predict"}
+)
 
 
 def api_contract(schemas: RequestSchemas) -> RequestContract:
@@ -121,6 +127,26 @@ def _protected(scope: Scope) -> bool:
     if path == "/":
         return scope["method"] == "POST"  # GET / is not an API route
     return path in PROTECTED_PATHS or path.startswith("/v1/")
+
+
+def _middleware(
+    api_key: str | None, cors_origins: Sequence[str], lifecycle: Lifecycle
+) -> list[Middleware]:
+    """CORS (for `cors_origins`), the API key's check, the graceful-shutdown gate."""
+    middleware = []
+    if cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["*"],
+            )
+        )
+    if api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    middleware.append(Middleware(LifecycleMiddleware, lifecycle=lifecycle))
+    return middleware
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -199,19 +225,7 @@ def create_app(
         stored_responses=config.max_stored_responses,
         images=pipeline.image_limits if vision is not None else None,
     )
-    middleware = []
-    if cors_origins:
-        middleware.append(
-            Middleware(
-                CORSMiddleware,
-                allow_origins=list(cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
-                allow_headers=["*"],
-            )
-        )
-    if api_key:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
-    middleware.append(Middleware(LifecycleMiddleware, lifecycle=lifecycle))
+    middleware = _middleware(api_key, cors_origins, lifecycle)
     routes = [
         *tgi_routes.ROUTES,
         *openai_routes.ROUTES,
@@ -241,4 +255,39 @@ def create_app(
     )
     # The Responses API's own state: the responses it keeps for previous_response_id.
     app.state.tgis_responses = ResponseStore(config.max_stored_responses)
+    return app
+
+
+def create_pooling_app(
+    model: PoolingModel,
+    runner: PoolingRunner,
+    config: ServeConfig,
+    metrics: Metrics | None = None,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+) -> Starlette:
+    """The HTTP server of one pooling model (tgis.pooling): OpenAI's /v1/embeddings and TEI's
+    /embed, /rerank and /predict over `runner`'s batches, with /health, /info and /metrics;
+    the API key, CORS and graceful shutdown as on a generation server."""
+    if metrics is None:
+        metrics = Metrics(
+            max_total_tokens=config.max_total_tokens, max_batch_size=config.batch_slots
+        )
+    lifecycle = Lifecycle()
+    middleware = _middleware(api_key, cors_origins, lifecycle)
+    routes = [
+        *openai_embeddings.ROUTES,
+        *tei_routes.ROUTES,
+        Route("/health", pooling.health, methods=["GET"]),
+        Route("/info", pooling.info, methods=["GET"]),
+        Route("/metrics", pooling.metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.tgis_pooling = pooling.PoolingState(
+        model, runner, config, metrics, lifecycle, config.model_id
+    )
     return app

@@ -253,6 +253,14 @@ class Metrics:
             per_token = timings.inference / completion.generated_tokens
             h["tgi_request_mean_time_per_token_duration"].observe(per_token)
 
+    def pooled(self, kind: str, lengths: list[int], seconds: float) -> None:
+        """A pooling request (`kind`: embed, rerank, classify) answered `seconds` after it
+        arrived, its inputs of `lengths` tokens."""
+        self.request_success.labels(stop_reason="pooled", kind=kind).inc()
+        self.hist["tgi_request_duration"].observe(seconds)
+        for length in lengths:
+            self.hist["tgi_request_input_length"].observe(length)
+
     def tokenize_request(self, inputs: int, tokens: int, seconds: float) -> None:
         """A /tokenize request tokenized `inputs` texts into `tokens` tokens."""
         self.tokenize_request_count.inc()

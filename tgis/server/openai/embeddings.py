@@ -16,9 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from tgis.server.http.errors import invalid
-from tgis.server.http.fields import Fields, PoolingInput, pooling_inputs
+from tgis.pooling.model import finish_embedding
+from tgis.server.http.errors import ApiError, invalid
+from tgis.server.http.fields import Fields, PoolingInput, pooling_inputs, read_json
+from tgis.server.http.pooling import answered, get_pooling, run_pooling
 
 # OpenAI's bound on the inputs of one request.
 MAX_INPUTS = 2048
@@ -80,3 +85,35 @@ def encode_vector(vector: torch.Tensor, encoding: EncodingFormat) -> list[float]
         return values.tolist()
     raw = values.numpy().astype("<f4").tobytes()
     return base64.b64encode(raw).decode("ascii")
+
+
+async def embeddings(request: Request) -> Response:
+    """POST /v1/embeddings."""
+
+    async def work() -> Response:
+        state = get_pooling(request)
+        model = state.model
+        if model.spec.task != "embed":
+            raise ApiError(
+                404,
+                f"this server's model {state.model_id} serves {model.spec.task}, not "
+                "embeddings: use /rerank or /predict",
+                "not_found",
+            )
+        body = parse_embeddings_request(
+            await read_json(request), len(model.tokenizer), model.dimension, model.spec.dimensions
+        )
+        pooled = await run_pooling(request, "embed", body.inputs, "input", truncate=None)
+        vectors = [
+            finish_embedding(vector, body.dimensions, model.spec.normalize)
+            for vector in pooled.outputs
+        ]
+        answer = embeddings_response(
+            vectors, body.model or state.model_id, body.encoding_format, pooled.tokens
+        )
+        return JSONResponse(answer)
+
+    return await answered(request, work, "openai")
+
+
+ROUTES = [Route("/v1/embeddings", embeddings, methods=["POST"])]

@@ -1,0 +1,138 @@
+"""A pooling model served over HTTP (`create_pooling_app`, the `tgis serve` path of an
+embedding or reranker model): the `openai` client's embeddings and TEI's JSON through httpx,
+against sentence-transformers' encode and the cross-encoder; limits, tasks and /info."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer
+
+from tests.pooling.models import TEXTS, bert_embedder, cross_encoder
+from tests.server.conftest import live_server, make_config
+from tgis.hub import read_model_config
+from tgis.pooling.service import load_pooling_service
+from tgis.pooling.spec import read_pooling_spec
+from tgis.server.http.app import create_pooling_app
+
+TOLERANCE = 1e-5
+
+
+def serving(directory: Path, **config: Any) -> Iterator[str]:
+    spec = read_pooling_spec(directory, read_model_config(directory)[0])
+    assert spec is not None
+    settings = make_config(model_id=directory.name, **config)
+    service = load_pooling_service(settings, directory, spec)
+    app = create_pooling_app(service.model, service.runner, settings)
+    service.runner.start()
+    try:
+        with live_server(app) as (url, _):
+            yield url
+    finally:
+        service.runner.stop()
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return bert_embedder(tmp_path_factory.mktemp("pool") / "bert-embed", ("mean",), True)
+
+
+@pytest.fixture(scope="module")
+def embed_url(embedder: Path) -> Iterator[str]:
+    yield from serving(embedder)
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cross_encoder(tmp_path_factory.mktemp("pool") / "bert-rerank")
+
+
+@pytest.fixture(scope="module")
+def rerank_url(reranker: Path) -> Iterator[str]:
+    yield from serving(reranker)
+
+
+def test_the_openai_clients_embeddings_equal_sentence_transformers(
+    embedder: Path, embed_url: str
+) -> None:
+    expected = SentenceTransformer(str(embedder), device="cpu").encode(
+        TEXTS, convert_to_tensor=True
+    )
+    client = openai.OpenAI(base_url=f"{embed_url}/v1", api_key="none", max_retries=0)
+    # The client asks for base64 unless told otherwise, and decodes it.
+    reply = client.embeddings.create(model="bert-embed", input=TEXTS)
+    got = torch.tensor([item.embedding for item in reply.data])
+    torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
+    assert [item.index for item in reply.data] == list(range(len(TEXTS)))
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > len(TEXTS)
+    floats = client.embeddings.create(model="bert-embed", input=TEXTS[0], encoding_format="float")
+    torch.testing.assert_close(torch.tensor(floats.data[0].embedding), expected[0].float(), atol=TOLERANCE, rtol=0)  # fmt: skip
+    with pytest.raises(openai.UnprocessableEntityError, match="declares no matryoshka_dimensions"):
+        client.embeddings.create(model="bert-embed", input="x", dimensions=8)
+
+
+def test_teis_embed_equals_sentence_transformers(embedder: Path, embed_url: str) -> None:
+    oracle = SentenceTransformer(str(embedder), device="cpu")
+    expected = oracle.encode(TEXTS, convert_to_tensor=True)
+    got = httpx.post(f"{embed_url}/embed", json={"inputs": TEXTS}, timeout=60)
+    assert got.status_code == 200, got.text
+    torch.testing.assert_close(torch.tensor(got.json()), expected.float(), atol=TOLERANCE, rtol=0)
+    # normalize: false is the Pooling module's output, before Normalize.
+    raw = httpx.post(f"{embed_url}/embed", json={"inputs": TEXTS[0], "normalize": False}, timeout=60)  # fmt: skip
+    pooled = oracle.encode(TEXTS[:1], convert_to_tensor=True, output_value="token_embeddings")[0]
+    torch.testing.assert_close(torch.tensor(raw.json()[0]), pooled.mean(0).float(), atol=TOLERANCE, rtol=0)  # fmt: skip
+
+
+def test_inputs_past_the_models_length_are_refused_unless_truncated(embed_url: str) -> None:
+    long = " ".join(["fox"] * 200)
+    refused = httpx.post(f"{embed_url}/embed", json={"inputs": ["x", long]}, timeout=60)
+    assert refused.status_code == 422
+    assert "`inputs[1]` has" in refused.json()["error"]
+    assert "more than this model's 64: shorten it, or set `truncate`" in refused.json()["error"]
+    cut = httpx.post(f"{embed_url}/embed", json={"inputs": long, "truncate": True}, timeout=60)
+    assert cut.status_code == 200 and len(cut.json()[0]) == 32
+    openai_refusal = httpx.post(f"{embed_url}/v1/embeddings", json={"input": long}, timeout=60)
+    assert openai_refusal.status_code == 422
+    assert "shorten it" in openai_refusal.text and "truncate" not in openai_refusal.text
+
+
+def test_rerank_scores_equal_the_cross_encoders(reranker: Path, rerank_url: str) -> None:
+    query = "what is a tree"
+    oracle = CrossEncoder(str(reranker), device="cpu")
+    logits = oracle.predict([(query, t) for t in TEXTS], activation_fn=torch.nn.Identity())
+    body = {"query": query, "texts": TEXTS, "raw_scores": True, "return_text": True}
+    got = httpx.post(f"{rerank_url}/rerank", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    ranked = got.json()
+    assert [r["index"] for r in ranked] == sorted(range(len(TEXTS)), key=lambda i: -logits[i])
+    for r in ranked:
+        assert r["score"] == pytest.approx(float(logits[r["index"]]), abs=TOLERANCE)
+        assert r["text"] == TEXTS[r["index"]]
+    sigmoid = httpx.post(f"{rerank_url}/rerank", json={"query": query, "texts": TEXTS}, timeout=60)
+    probabilities = torch.sigmoid(torch.tensor(logits))  # TEI's default: through a sigmoid
+    for r in sigmoid.json():
+        assert r["score"] == pytest.approx(float(probabilities[r["index"]]), abs=TOLERANCE)
+
+
+def test_each_server_says_its_task_and_refuses_the_others_routes(
+    embed_url: str, rerank_url: str
+) -> None:
+    info = httpx.get(f"{embed_url}/info", timeout=30).json()
+    assert (info["task"], info["pooling"], info["normalized"], info["dimensions"]) == ("embed", ["mean"], True, 32)  # fmt: skip
+    assert info["max_input_length"] == 64
+    assert httpx.get(f"{rerank_url}/info", timeout=30).json()["task"] == "rerank"
+    assert httpx.get(f"{embed_url}/health", timeout=30).status_code == 200
+    wrong = httpx.post(f"{embed_url}/rerank", json={"query": "q", "texts": ["a"]}, timeout=30)
+    assert wrong.status_code == 424
+    assert wrong.json()["error"] == "/rerank: this server's model serves embed, not rerank"
+    none = httpx.post(f"{rerank_url}/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert none.status_code == 404
+    assert "serves rerank, not embeddings" in none.json()["error"]["message"]
+    metrics = httpx.get(f"{embed_url}/metrics", timeout=30).text
+    assert 'tgi_request_success{stop_reason="pooled",kind="embed"} ' in metrics
