@@ -239,3 +239,24 @@ def demo_serve(log: Path, *extra: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def pooling_server(directory: Path, **config: Any) -> Iterator[str]:
+    """The URL of `tgis serve`'s app for the pooling model in `directory` (cpu, float32,
+    `config`: ServeConfig fields over make_config's), live until the generator closes."""
+    from tgis.hub import read_model_config
+    from tgis.pooling.service import load_pooling_service
+    from tgis.pooling.spec import read_pooling_spec
+    from tgis.server.http.app import create_pooling_app
+
+    spec = read_pooling_spec(directory, read_model_config(directory)[0])
+    assert spec is not None
+    settings = make_config(model_id=directory.name, **config)
+    service = load_pooling_service(settings, directory, spec)
+    app = create_pooling_app(service.model, service.runner, settings, api_key=settings.api_key)
+    service.runner.start()
+    try:
+        with live_server(app) as (url, _):
+            yield url
+    finally:
+        service.runner.stop()

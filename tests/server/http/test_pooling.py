@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -15,27 +14,9 @@ import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from tests.pooling.models import TEXTS, bert_embedder, cross_encoder
-from tests.server.conftest import live_server, make_config
-from tgis.hub import read_model_config
-from tgis.pooling.service import load_pooling_service
-from tgis.pooling.spec import read_pooling_spec
-from tgis.server.http.app import create_pooling_app
+from tests.server.conftest import pooling_server
 
 TOLERANCE = 1e-5
-
-
-def serving(directory: Path, **config: Any) -> Iterator[str]:
-    spec = read_pooling_spec(directory, read_model_config(directory)[0])
-    assert spec is not None
-    settings = make_config(model_id=directory.name, **config)
-    service = load_pooling_service(settings, directory, spec)
-    app = create_pooling_app(service.model, service.runner, settings)
-    service.runner.start()
-    try:
-        with live_server(app) as (url, _):
-            yield url
-    finally:
-        service.runner.stop()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +26,7 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def embed_url(embedder: Path) -> Iterator[str]:
-    yield from serving(embedder)
+    yield from pooling_server(embedder)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +36,7 @@ def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def rerank_url(reranker: Path) -> Iterator[str]:
-    yield from serving(reranker)
+    yield from pooling_server(reranker)
 
 
 def test_the_openai_clients_embeddings_equal_sentence_transformers(

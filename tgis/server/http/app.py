@@ -52,6 +52,7 @@ from tgis.server.http.state import ServerState
 from tgis.server.openai import embeddings as openai_embeddings
 from tgis.server.openai import openapi as openai_openapi
 from tgis.server.openai import routes as openai_routes
+from tgis.server.rerank import routes as rerank_routes
 from tgis.server.responses import openapi as responses_openapi
 from tgis.server.responses import routes as responses_routes
 from tgis.server.responses.store import ResponseStore
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
 PROTECTED_PATHS = frozenset(
-    {"/", "/generate", "/generate_stream", "/tokenize", "/embed", "/rerank", "/predict"}
+    {"/", "/generate", "/generate_stream", "/tokenize", "/embed", "/rerank", "/predict", "/score"}
 )
 
 
@@ -126,7 +127,7 @@ def _protected(scope: Scope) -> bool:
         return False
     if path == "/":
         return scope["method"] == "POST"  # GET / is not an API route
-    return path in PROTECTED_PATHS or path.startswith("/v1/")
+    return path in PROTECTED_PATHS or path.startswith(("/v1/", "/v2/"))
 
 
 def _middleware(
@@ -266,8 +267,9 @@ def create_pooling_app(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
 ) -> Starlette:
-    """The HTTP server of one pooling model (tgis.pooling): OpenAI's /v1/embeddings and TEI's
-    /embed, /rerank and /predict over `runner`'s batches, with /health, /info and /metrics;
+    """The HTTP server of one pooling model (tgis.pooling): OpenAI's /v1/embeddings, TEI's
+    /embed, /rerank and /predict, and the rerank APIs' /v1/rerank, /v2/rerank and /score over
+    `runner`'s batches, with /health, /info and /metrics;
     the API key, CORS and graceful shutdown as on a generation server."""
     if metrics is None:
         metrics = Metrics(
@@ -278,6 +280,7 @@ def create_pooling_app(
     routes = [
         *openai_embeddings.ROUTES,
         *tei_routes.ROUTES,
+        *rerank_routes.ROUTES,
         Route("/health", pooling.health, methods=["GET"]),
         Route("/info", pooling.info, methods=["GET"]),
         Route("/metrics", pooling.metrics, methods=["GET"]),
