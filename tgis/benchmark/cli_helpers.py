@@ -185,11 +185,18 @@ def choose_profile(
     ).with_images(images)
 
 
+# The APIs whose requests carry no images, by the name their refusals give them.
+TEXT_ONLY_APIS = {
+    "openai-completions": "OpenAI's completions API",
+    "embeddings": "OpenAI's embeddings API",
+}
+
+
 def check_images_api(api: str, images: ImageSpec | None) -> None:
     """Images need an API that carries them: TGI's (markdown images) or OpenAI's chat API."""
-    if images is not None and api == "openai-completions":
+    if images is not None and api in TEXT_ONLY_APIS:
         raise ConfigError(
-            "OpenAI's completions API takes text only, and the prompts carry images "
+            f"{TEXT_ONLY_APIS[api]} takes text only, and the prompts carry images "
             f"({images.describe()})",
             "use --api openai-chat or --api tgi, or --images-per-prompt 0 for text only",
         )

@@ -1,4 +1,5 @@
-"""Streaming clients for the APIs under test: TGI's `/generate_stream` and OpenAI's `/v1/...`.
+"""Streaming clients for the APIs under test: TGI's `/generate_stream` and OpenAI's `/v1/...`
+(and OpenAI's `/v1/embeddings`, one JSON answer per request: its latency is the measure).
 
 Every request ends in a `RequestRecord`, never an exception: an HTTP error, a stall longer than
 `stall_timeout`, a request longer than `request_timeout`, a stream that closes before its end
@@ -39,12 +40,14 @@ import httpx
 
 from tgis.benchmark.prompts import Turn
 
-Api = Literal["tgi", "openai-chat", "openai-completions"]
-APIS: tuple[str, ...] = ("tgi", "openai-chat", "openai-completions")
+Api = Literal["tgi", "openai-chat", "openai-completions", "embeddings"]
+APIS: tuple[str, ...] = ("tgi", "openai-chat", "openai-completions", "embeddings")
 PATHS: dict[str, str] = {
     "tgi": "/generate_stream",
     "openai-chat": "/v1/chat/completions",
     "openai-completions": "/v1/completions",
+    # OpenAI's embeddings (tgis, vLLM and TEI serve it): one JSON answer, no stream.
+    "embeddings": "/v1/embeddings",
 }
 
 
@@ -157,12 +160,15 @@ class BenchmarkClient:
     def body(self, turn: Turn, history: Sequence[tuple[Turn, RequestRecord]]) -> dict[str, Any]:
         """The JSON body of a streaming request for `turn` after `history`."""
         images = bool(turn.images) or any(t.images for t, _ in history)
-        if images and self.api == "openai-completions":
+        if images and self.api in ("openai-completions", "embeddings"):
+            kind = "completions" if self.api == "openai-completions" else "embeddings"
             raise ValueError(
-                "OpenAI's completions API takes text only: send images through the chat API "
-                "or TGI's"
+                f"OpenAI's {kind} API takes text only: send images through the chat API or TGI's"
             )
         adapter = self.adapters[next(self._sent) % len(self.adapters)] if self.adapters else ""
+        if self.api == "embeddings":
+            text = prompt_text(turn, history)
+            return {"model": adapter or self.model, "input": text, **self.extra_parameters}
         if self.api == "tgi":
             parameters = {"max_new_tokens": turn.max_new_tokens, **self.extra_parameters}
             if adapter:
@@ -215,6 +221,9 @@ class BenchmarkClient:
         self, turn: Turn, history: Sequence[tuple[Turn, RequestRecord]], record: RequestRecord
     ) -> None:
         body = self.body(turn, history)
+        if self.api == "embeddings":
+            await self._embed(body, record)
+            return
         async with self._http.stream("POST", PATHS[self.api], json=body) as response:
             if response.status_code != 200:
                 message = (await response.aread()).decode(errors="replace")[:500]
@@ -243,6 +252,27 @@ class BenchmarkClient:
                 return
             record.error = "stream_closed"
             record.error_message = "the stream ended before its final event"
+
+    async def _embed(self, body: dict[str, Any], record: RequestRecord) -> None:
+        """One embeddings request: its answer is the whole record (no tokens come back; the
+        answer's arrival is its one event, and its usage the prompt's tokens)."""
+        response = await self._http.post(PATHS["embeddings"], json=body)
+        if response.status_code != 200:
+            record.error = f"http_{response.status_code}"
+            record.error_message = response.text[:500]
+            return
+        try:
+            answer = response.json()
+            vectors = [item["embedding"] for item in answer["data"]]
+            usage = answer.get("usage") or {}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedEvent(f"{exc}: {response.text[:200]!r}") from exc
+        if not vectors or not all(isinstance(v, list | str) and v for v in vectors):
+            raise MalformedEvent(f"no embedding in {response.text[:200]!r}")
+        record.token_times.append(time.perf_counter())
+        record.finish_reason = "stop"
+        if isinstance(usage.get("prompt_tokens"), int):
+            record.prompt_tokens = usage["prompt_tokens"]
 
     def _tgi_event(self, event: Any, record: RequestRecord) -> bool:
         """Record a TGI stream event; True on the final one."""

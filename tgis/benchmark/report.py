@@ -76,26 +76,37 @@ def results_table(data: dict[str, Any], title: str | None = None) -> Table:
         f"({config.get('api', '?')}, profile {profile.get('name', '?')}"
         f"{', ' + images if images else ''})"
     )
-    for header in ("step", "target", "requests", "errors", "output tok/s"):
+    # An embeddings run answers each request at once: its measures are requests and latency.
+    embeddings = config.get("api") == "embeddings"
+    first = ("step", "target", "requests", "errors")
+    headers = (
+        ("req/s", "e2e p50 ms", "e2e p99 ms")
+        if embeddings
+        else ("output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "e2e p50 ms")
+    )  # fmt: skip
+    for header in (*first, *headers):
         table.add_column(header, justify="left" if header in ("step", "target") else "right")
-    for header in ("TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "e2e p50 ms"):
-        table.add_column(header, justify="right")
     if with_goodput:
         table.add_column("goodput", justify="right")
     for index, step in enumerate(steps, start=1):
         requests = step["requests"]
-        row = [
-            f"{index} {step['kind']}",
-            target_label(step),
-            str(requests["ok"]),
-            str(requests["failed"]),
-            f"{step['output_tokens_per_s']:.1f}",
-            _ms(_get(step, ("ttft_s", "p50"))),
-            _ms(_get(step, ("ttft_s", "p99"))),
-            _ms(_get(step, ("itl_s", "p50"))),
-            _ms(_get(step, ("itl_s", "p99"))),
-            _ms(_get(step, ("e2e_s", "p50"))),
-        ]
+        row = [f"{index} {step['kind']}", target_label(step), str(requests["ok"]),
+               str(requests["failed"])]  # fmt: skip
+        if embeddings:
+            row += [
+                f"{step['requests_per_s']:.1f}",
+                _ms(_get(step, ("e2e_s", "p50"))),
+                _ms(_get(step, ("e2e_s", "p99"))),
+            ]
+        else:
+            row += [
+                f"{step['output_tokens_per_s']:.1f}",
+                _ms(_get(step, ("ttft_s", "p50"))),
+                _ms(_get(step, ("ttft_s", "p99"))),
+                _ms(_get(step, ("itl_s", "p50"))),
+                _ms(_get(step, ("itl_s", "p99"))),
+                _ms(_get(step, ("e2e_s", "p50"))),
+            ]
         if with_goodput:
             goodput = step.get("goodput")
             row.append(
@@ -145,6 +156,8 @@ def short_output_warning(data: dict[str, Any]) -> str | None:
     output tokens than their max_new_tokens: how many, and their mean and min tokens against
     the asked length; None when every answer ran to its length (or no step recorded
     `output_lengths`)."""
+    if data.get("config", {}).get("api") == "embeddings":
+        return None  # no answer has tokens to count
     short = []
     for index, step in enumerate(data["steps"], start=1):
         lengths = step.get("output_lengths")

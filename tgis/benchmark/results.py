@@ -162,7 +162,7 @@ _HTTP_CONFIG = {
     "required": ["url", "api", "kind", "profile", "seed"],
     "properties": {
         "url": {"type": "string"},
-        "api": {"enum": ["tgi", "openai-chat", "openai-completions"]},
+        "api": {"enum": ["tgi", "openai-chat", "openai-completions", "embeddings"]},
         "kind": {"enum": ["throughput", "rate", "sweep"]},
         "profile": {
             "type": "object",

@@ -3,8 +3,9 @@
     target = detect_target("http://127.0.0.1:3000", api=None, api_key=None)
     tokenizer = load_tokenizer(None, target.model_id)   # never downloads
 
-Detection: GET /info answering a JSON object with `model_id` means TGI's API; otherwise
-GET /v1/models answering a model list means OpenAI's (chat completions by default).
+Detection: GET /info answering a JSON object with `model_id` means TGI's API (OpenAI's
+embeddings when it says the model embeds: tgis's `task`, TEI's `model_type`); otherwise GET
+/v1/models answering a model list means OpenAI's (chat completions by default).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def detect_target(url: str, api: str | None, api_key: str | None, timeout: float
         ) as http:
             info = _get_json(http, "/info")
             if isinstance(info, dict) and isinstance(info.get("model_id"), str):
-                return Target(base, api or "tgi", info["model_id"])
+                # tgis's /info of an embedding model says its task (TEI's says model_type).
+                embeds = info.get("task") == "embed" or "embedding" in str(info.get("model_type"))
+                return Target(base, api or ("embeddings" if embeds else "tgi"), info["model_id"])
             models = _get_json(http, "/v1/models")
     except httpx.HTTPError as exc:
         raise TgisError(

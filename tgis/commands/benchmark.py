@@ -24,9 +24,11 @@ def command(
         str | None,
         typer.Option(
             "--api",
-            help="tgi, openai-chat or openai-completions.",
+            help="tgi, openai-chat, openai-completions or embeddings (OpenAI's /v1/embeddings: "
+            "requests/s and latency; --decode-tokens does not apply).",
             rich_help_panel=TARGET,
-            show_default="detected: /info -> tgi, else /v1/models -> openai-chat",
+            show_default="detected: /info -> tgi (embeddings for an embedding model), else "
+            "/v1/models -> openai-chat",
         ),
     ] = None,
     api_key: Annotated[
