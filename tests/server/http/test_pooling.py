@@ -4,6 +4,8 @@ against sentence-transformers' encode and the cross-encoder; limits, tasks and /
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +119,50 @@ def test_each_server_says_its_task_and_refuses_the_others_routes(
     assert "serves rerank, not embeddings" in none.json()["error"]["message"]
     metrics = httpx.get(f"{embed_url}/metrics", timeout=30).text
     assert 'tgi_request_success{stop_reason="pooled",kind="embed"} ' in metrics
+
+
+def test_past_the_concurrency_limit_a_request_is_a_429_and_a_leaving_client_cancels(
+    embedder: Path,
+) -> None:
+    """A runner that takes requests but runs none holds the first in flight: the second is
+    refused; the first, given up by its client, leaves the runner's queue."""
+    from tests.server.conftest import live_server, make_config
+    from tgis.hub import read_model_config
+    from tgis.pooling.service import load_pooling_service
+    from tgis.pooling.spec import read_pooling_spec
+    from tgis.server.http.app import create_pooling_app
+
+    spec = read_pooling_spec(embedder, read_model_config(embedder)[0])
+    assert spec is not None
+    settings = make_config(model_id="held", max_concurrent_requests=1)
+    service = load_pooling_service(settings, embedder, spec)
+    app = create_pooling_app(service.model, service.runner, settings)
+    service.runner.open()  # takes requests; no loop runs them
+    state = app.state.tgis_pooling
+    try:
+        with live_server(app) as (url, _):
+            outcome: list[BaseException] = []
+
+            def held() -> None:
+                try:
+                    httpx.post(f"{url}/embed", json={"inputs": "held"}, timeout=5)
+                except httpx.HTTPError as exc:
+                    outcome.append(exc)
+
+            first = threading.Thread(target=held)
+            first.start()
+            deadline = time.monotonic() + 30  # bounds on a hang, not measures
+            while not state.admitted:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            refused = httpx.post(f"{url}/embed", json={"inputs": "x"}, timeout=30)
+            assert refused.status_code == 429
+            assert refused.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+            first.join(30)
+            assert isinstance(outcome[0], httpx.ReadTimeout)
+            # The client left: its request was cancelled and its place given back.
+            while state.admitted or service.runner.in_flight:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        service.runner.stop()
