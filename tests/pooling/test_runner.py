@@ -38,14 +38,14 @@ class Gated(PoolingModel):
         self.batches: list[int] = []
         self.fail = False
 
-    def run(self, batch: Sequence[Encoded]) -> PooledBatch:
+    def run(self, batch: Sequence[Encoded], tokens: bool = False) -> PooledBatch:
         self.entered.release()
         self.gate.acquire(timeout=60)
         self.batches.append(len(batch))
         if self.fail:
             self.fail = False
             raise RuntimeError("the device failed")
-        return super().run(batch)
+        return super().run(batch, tokens)
 
 
 @pytest.fixture
@@ -130,3 +130,20 @@ def test_a_coroutine_that_is_cancelled_cancels_its_request(
 
     asyncio.run(ask_then_give_up())
     assert double.batches == [1]
+
+
+def test_per_token_requests_run_in_batches_of_their_own(
+    model: PoolingModel, gated: tuple[Gated, PoolingRunner]
+) -> None:
+    double, runner = gated
+    rows = [model.encode(t) for t in TEXTS[:3]]
+    first = runner.submit(rows[:1])  # taken at once, alone
+    assert double.entered.acquire(timeout=60)
+    pooled = runner.submit(rows[1:2])
+    tokens = runner.submit(rows, tokens=True)
+    more = runner.submit(rows[2:3])
+    double.gate.release(4)
+    assert [len(f.result(60)) for f in (first, pooled, tokens, more)] == [1, 1, 3, 1]
+    assert double.batches == [1, 1, 3, 1]  # arrival order kept: no pooled row joins the tokens'
+    for row, states in zip(rows, tokens.result(), strict=True):
+        assert states.shape == (len(row["input_ids"]), 32)

@@ -104,13 +104,20 @@ class PoolingModel:
         return self._left
 
     @torch.inference_mode()
-    def run(self, batch: Sequence[Encoded]) -> PooledBatch:
-        """Each input's pooled output, in the order given (one forward, rows right-padded)."""
+    def run(self, batch: Sequence[Encoded], tokens: bool = False) -> PooledBatch:
+        """Each input's pooled output, in the order given (one forward, rows right-padded);
+        with `tokens`, each input's hidden state per token instead ([its tokens, hidden]:
+        sentence-transformers' `token_embeddings`, TEI's /embed_all)."""
         inputs = self._padded(batch)
         if self.spec.task != "embed":
+            if tokens:
+                raise ValueError(f"a {self.spec.task} model has no token embeddings")
             logits = self.model(**inputs).logits
             return PooledBatch(list(logits.float().cpu().unbind(0)))
         hidden = self.model(**inputs).last_hidden_state
+        if tokens:
+            rows = hidden.float().cpu()
+            return PooledBatch([rows[i, : len(row["input_ids"])] for i, row in enumerate(batch)])
         pooled = pool(hidden, inputs["attention_mask"], self.spec.modes)
         return PooledBatch(list(pooled.float().cpu().unbind(0)))
 

@@ -3,7 +3,8 @@ gathers them into steps.
 
 Each request is a list of encoded inputs. The thread takes inputs in arrival order (a request's
 inputs may span batches) while the batch's padded size stays within `max_batch_tokens` and its
-rows within `max_batch_rows`, runs one forward, and completes each request when its last input
+rows within `max_batch_rows` (and its requests ask for the same kind of output: pooled, or per
+token), runs one forward, and completes each request when its last input
 is done. A request cancelled before its inputs ran is skipped; one whose forward failed gets
 the error, and the thread serves on.
 """
@@ -29,6 +30,8 @@ Results = list[torch.Tensor]
 class _Request:
     inputs: Sequence[Encoded]
     future: concurrent.futures.Future[Results]
+    # Per-token outputs (PoolingModel.run's `tokens`): batched only with requests like it.
+    tokens: bool = False
     results: list[torch.Tensor | None] = field(default_factory=list)
     # The next input to put in a batch, and how many have come back.
     next: int = 0
@@ -97,8 +100,10 @@ class PoolingRunner:
             request.future.cancel()
         self._queue.clear()
 
-    def submit(self, inputs: Sequence[Encoded]) -> concurrent.futures.Future[Results]:
-        """Each input's output, in order, once all have run."""
+    def submit(
+        self, inputs: Sequence[Encoded], tokens: bool = False
+    ) -> concurrent.futures.Future[Results]:
+        """Each input's output, in order, once all have run (per token with `tokens`)."""
         if not inputs:
             raise ValueError("a request needs at least one input")
         for row in inputs:
@@ -111,7 +116,7 @@ class PoolingRunner:
         with self._wake:
             if not self._running:
                 raise RuntimeError("the pooling runner is not running")
-            self._queue.append(_Request(inputs, future))
+            self._queue.append(_Request(inputs, future, tokens=tokens))
             self._in_flight += 1
             self._wake.notify()
         future.add_done_callback(self._answered)
@@ -121,9 +126,9 @@ class PoolingRunner:
         with self._wake:
             self._in_flight -= 1
 
-    async def run(self, inputs: Sequence[Encoded]) -> Results:
+    async def run(self, inputs: Sequence[Encoded], tokens: bool = False) -> Results:
         """`submit` for a coroutine: cancelling it cancels the request."""
-        future = self.submit(inputs)
+        future = self.submit(inputs, tokens)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -150,6 +155,8 @@ class PoolingRunner:
             if request.future.done():  # cancelled, or failed in an earlier batch
                 self._queue.popleft()
                 continue
+            if batch and request.tokens != batch[0][0].tokens:
+                return batch  # per-token and pooled outputs come from forwards of their own
             while request.next < len(request.inputs):
                 n = len(request.inputs[request.next]["input_ids"])
                 wider = max(width, n)
@@ -169,7 +176,7 @@ class PoolingRunner:
         if not live:
             return
         try:
-            out = self.model.run([r.inputs[i] for r, i in live])
+            out = self.model.run([r.inputs[i] for r, i in live], tokens=live[0][0].tokens)
         except Exception as exc:  # the requests get the error; the thread serves on
             for request in {id(r): r for r, _ in live}.values():
                 if not request.future.done():

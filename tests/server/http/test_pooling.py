@@ -72,6 +72,17 @@ def test_teis_embed_equals_sentence_transformers(embedder: Path, embed_url: str)
     torch.testing.assert_close(torch.tensor(raw.json()[0]), pooled.mean(0).float(), atol=TOLERANCE, rtol=0)  # fmt: skip
 
 
+def test_teis_embed_all_gives_each_tokens_state(embedder: Path, embed_url: str) -> None:
+    oracle = SentenceTransformer(str(embedder), device="cpu")
+    expected = oracle.encode(TEXTS[:2], output_value="token_embeddings")
+    got = httpx.post(f"{embed_url}/embed_all", json={"inputs": TEXTS[:2]}, timeout=60)
+    assert got.status_code == 200, got.text
+    for states, want in zip(got.json(), expected, strict=True):
+        torch.testing.assert_close(torch.tensor(states), want.float(), atol=TOLERANCE, rtol=0)
+    refused = httpx.post(f"{embed_url}/embed_all", json={"inputs": "a", "dimensions": 8}, timeout=60)  # fmt: skip
+    assert refused.status_code == 422 and "/embed_all takes none" in refused.text
+
+
 def test_inputs_past_the_models_length_are_refused_unless_truncated(embed_url: str) -> None:
     long = " ".join(["fox"] * 200)
     refused = httpx.post(f"{embed_url}/embed", json={"inputs": ["x", long]}, timeout=60)

@@ -70,7 +70,17 @@ if TYPE_CHECKING:
 
 # Routes that need the API key when one is set; health, info, metrics and docs stay open.
 PROTECTED_PATHS = frozenset(
-    {"/", "/generate", "/generate_stream", "/tokenize", "/embed", "/rerank", "/predict", "/score"}
+    {
+        "/",
+        "/generate",
+        "/generate_stream",
+        "/tokenize",
+        "/embed",
+        "/embed_all",
+        "/rerank",
+        "/predict",
+        "/score",
+    }
 )
 
 

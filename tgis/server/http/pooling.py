@@ -69,11 +69,12 @@ async def run_pooling(
     field_name: str,
     truncate: bool | None = False,
     left: bool = False,
+    tokens: bool = False,
 ) -> Pooled:
     """Run `inputs` (the request's field `field_name`) through the served model, cut to its
     length when `truncate` (None: the API has no such field). Raises InputValidationError
     (an input past the model's length otherwise), OverloadedError, ClientDisconnected, or the
-    model's error."""
+    model's error. `tokens`: each input's outputs per token (TEI's /embed_all)."""
     state = get_pooling(request)
     arrival = time.monotonic()
     state.metrics.request_received(kind, len(inputs))
@@ -95,7 +96,9 @@ async def run_pooling(
                 )
             if n == 0:
                 raise InputValidationError(f"`{field_name}` has an input of no tokens")
-        outputs = await unless_disconnected(request.receive, lambda: state.runner.run(encoded))
+        outputs = await unless_disconnected(
+            request.receive, lambda: state.runner.run(encoded, tokens)
+        )
     finally:
         state.admitted -= 1
     lengths = [len(row["input_ids"]) for row in encoded]

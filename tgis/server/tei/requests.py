@@ -3,9 +3,9 @@ clients, e.g. huggingface_hub's `feature_extraction` and `text_classification`) 
 reads them.
 
 - `/embed` and `/embed_all`: `inputs` (a string, strings, token ids or arrays of them),
-  `normalize` (default true; /embed), `truncate` (default false: an input past the model's
-  length is a 413 in TEI, a 422 naming the limit here), `truncation_direction` (`right` or
-  `left`), `dimensions` (a Matryoshka size). /embed answers one array of floats per input;
+  `truncate` (default false: an input past the model's length is a 413 in TEI, a 422 naming
+  the limit here), `truncation_direction` (`right` or `left`); /embed's `normalize` (default
+  true) and `dimensions` (a Matryoshka size). /embed answers one array of floats per input;
   /embed_all one array per token of each input.
 - `/rerank`: `query`, `texts`, `truncate`, `truncation_direction`, `raw_scores` (default false:
   the scores through a sigmoid), `return_text`; answers `[{"index", "score", "text"?}]`,
@@ -86,6 +86,21 @@ def parse_embed(body: Any, vocab_size: int, max_batch: int = MAX_CLIENT_BATCH) -
     return EmbedRequest(
         inputs, True if normalize is None else normalize, truncate, direction, dimensions
     )
+
+
+def parse_embed_all(body: Any, vocab_size: int, max_batch: int = MAX_CLIENT_BATCH) -> EmbedRequest:
+    """/embed_all's body: /embed's without `normalize` and `dimensions`, which shape pooled
+    embeddings only."""
+    request = parse_embed(body, vocab_size, max_batch)
+    for name in ("normalize", "dimensions"):
+        if isinstance(body, dict) and body.get(name) is not None:
+            raise invalid(f"`{name}` shapes /embed's pooled embeddings; /embed_all takes none")
+    return request
+
+
+def embed_all_answer(states: Sequence[torch.Tensor]) -> list[list[list[float]]]:
+    """Each input's hidden state per token."""
+    return [rows.float().tolist() for rows in states]
 
 
 def parse_rerank(body: Any, max_batch: int = MAX_CLIENT_BATCH) -> RerankRequest:

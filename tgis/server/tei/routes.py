@@ -1,4 +1,4 @@
-"""TEI's routes over a pooling model: POST /embed, /rerank and /predict (bodies and answers:
+"""TEI's routes over a pooling model: POST /embed, /embed_all, /rerank and /predict (bodies and answers:
 tei/requests.py). A route the model's task does not serve is a 424 naming the task, as TEI
 answers it."""
 
@@ -13,8 +13,10 @@ from tgis.server.http.errors import ApiError
 from tgis.server.http.fields import read_json
 from tgis.server.http.pooling import PoolingState, answered, get_pooling, run_pooling
 from tgis.server.tei.requests import (
+    embed_all_answer,
     embed_answer,
     parse_embed,
+    parse_embed_all,
     parse_predict,
     parse_rerank,
     predict_answer,
@@ -45,6 +47,24 @@ async def embed(request: Request) -> Response:
         pooled = await run_pooling(request, "embed", body.inputs, "inputs", body.truncate, left)
         vectors = [finish_embedding(v, body.dimensions, body.normalize) for v in pooled.outputs]
         return JSONResponse(embed_answer(vectors))
+
+    return await answered(request, work)
+
+
+async def embed_all(request: Request) -> Response:
+    """POST /embed_all: each input's hidden state per token."""
+
+    async def work() -> Response:
+        state = get_pooling(request)
+        _serves(state, ("embed",), "/embed_all")
+        body = parse_embed_all(
+            await read_json(request), len(state.model.tokenizer), state.runner.max_batch_rows
+        )
+        left = body.direction == "left"
+        pooled = await run_pooling(
+            request, "embed", body.inputs, "inputs", body.truncate, left, tokens=True
+        )
+        return JSONResponse(embed_all_answer(pooled.outputs))
 
     return await answered(request, work)
 
@@ -81,6 +101,7 @@ async def predict(request: Request) -> Response:
 
 ROUTES = [
     Route("/embed", embed, methods=["POST"]),
+    Route("/embed_all", embed_all, methods=["POST"]),
     Route("/rerank", rerank, methods=["POST"]),
     Route("/predict", predict, methods=["POST"]),
 ]
