@@ -177,3 +177,40 @@ def test_past_the_concurrency_limit_a_request_is_a_429_and_a_leaving_client_canc
                 time.sleep(0.05)
     finally:
         service.runner.stop()
+
+
+def test_the_openapi_document_is_valid_and_holds_what_was_sent_and_answered(
+    embed_url: str, rerank_url: str
+) -> None:
+    from jsonschema import Draft202012Validator
+    from openapi_spec_validator import validate
+
+    document = httpx.get(f"{embed_url}/openapi.json", timeout=30).json()
+    validate(document)
+    assert set(document["paths"]) == {
+        "/v1/embeddings", "/embed", "/embed_all", "/rerank", "/predict", "/v1/rerank",
+        "/v2/rerank", "/score", "/v1/score", "/openapi.json", "/docs", "/docs/assets/{name}",
+    }  # fmt: skip
+    assert httpx.get(f"{embed_url}/docs", timeout=30).status_code == 200
+
+    def holds(name: str, value: object) -> None:
+        schema = {**document, "$ref": f"#/components/schemas/{name}"}
+        Draft202012Validator(schema).validate(value)
+
+    cases = [
+        (embed_url, "/v1/embeddings", {"input": TEXTS, "encoding_format": "base64"}, "Embeddings"),
+        (embed_url, "/embed", {"inputs": [[5, 6], [7]], "truncate": True}, "Embed"),
+        (embed_url, "/embed_all", {"inputs": "x"}, "EmbedAll"),
+        (rerank_url, "/rerank", {"query": "q", "texts": TEXTS, "return_text": True}, "Rerank"),
+        (rerank_url, "/predict", {"inputs": [["q", "a"], "b"]}, "Predict"),
+        (rerank_url, "/v1/rerank", {"query": "q", "documents": [{"text": "a"}, "b"]}, "RerankDocuments"),
+        (rerank_url, "/score", {"text_1": "q", "text_2": ["a", "b"]}, "Score"),
+    ]  # fmt: skip
+    for url, path, body, name in cases:
+        holds(f"{name}Request", body)
+        answer = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert answer.status_code == 200, (path, answer.text)
+        holds(f"{name}Response", answer.json())
+    refused = httpx.post(f"{embed_url}/v1/embeddings", json={"input": []}, timeout=30)
+    holds("OpenAIError", refused.json())
+    holds("ErrorResponse", httpx.post(f"{embed_url}/embed", json={}, timeout=30).json())

@@ -50,12 +50,15 @@ from tgis.server.http.openapi import docs, docs_asset, openapi_json
 from tgis.server.http.openapi_schemas import AdapterChoice, RequestSchemas
 from tgis.server.http.state import ServerState
 from tgis.server.openai import embeddings as openai_embeddings
+from tgis.server.openai import embeddings_openapi as openai_embeddings_openapi
 from tgis.server.openai import openapi as openai_openapi
 from tgis.server.openai import routes as openai_routes
+from tgis.server.rerank import openapi as rerank_openapi
 from tgis.server.rerank import routes as rerank_routes
 from tgis.server.responses import openapi as responses_openapi
 from tgis.server.responses import routes as responses_routes
 from tgis.server.responses.store import ResponseStore
+from tgis.server.tei import openapi as tei_openapi
 from tgis.server.tei import routes as tei_routes
 from tgis.server.tgi import openapi as tgi_openapi
 from tgis.server.tgi import routes as tgi_routes
@@ -84,19 +87,31 @@ PROTECTED_PATHS = frozenset(
 )
 
 
-def api_contract(schemas: RequestSchemas) -> RequestContract:
-    """The request contract of every API this app serves, from each API's own schemas."""
-    apis = (tgi_openapi, openai_openapi, responses_openapi, anthropic_openapi)
+def pooling_contract() -> RequestContract:
+    """The request contract of a pooling server's APIs (their schemas need no limits)."""
+    return _gathered([(api.requests(), api.RESPONSES, api.paths(), api.TAGS) for api in
+                      (openai_embeddings_openapi, tei_openapi, rerank_openapi)])  # fmt: skip
+
+
+def _gathered(
+    apis: Sequence[tuple[dict[str, Any], dict[str, Any], dict[str, Any], Sequence[dict[str, str]]]],
+) -> RequestContract:
     requests: dict[str, Any] = {}
     responses: dict[str, Any] = {}
     paths: dict[str, Any] = {}
     tags: list[dict[str, str]] = []
-    for api in apis:
-        requests.update(api.requests(schemas))
-        responses.update(api.RESPONSES)
-        paths.update(api.paths())
-        tags.extend(api.TAGS)
+    for api_requests, api_responses, api_paths, api_tags in apis:
+        requests.update(api_requests)
+        responses.update(api_responses)
+        paths.update(api_paths)
+        tags.extend(api_tags)
     return RequestContract(requests, responses, paths, tuple(tags))
+
+
+def api_contract(schemas: RequestSchemas) -> RequestContract:
+    """The request contract of every API this app serves, from each API's own schemas."""
+    apis = (tgi_openapi, openai_openapi, responses_openapi, anthropic_openapi)
+    return _gathered([(api.requests(schemas), api.RESPONSES, api.paths(), api.TAGS) for api in apis])  # fmt: skip
 
 
 class ApiKeyMiddleware:
@@ -279,7 +294,7 @@ def create_pooling_app(
 ) -> Starlette:
     """The HTTP server of one pooling model (tgis.pooling): OpenAI's /v1/embeddings, TEI's
     /embed, /rerank and /predict, and the rerank APIs' /v1/rerank, /v2/rerank and /score over
-    `runner`'s batches, with /health, /info and /metrics;
+    `runner`'s batches, with /health, /info, /metrics, /openapi.json and /docs;
     the API key, CORS and graceful shutdown as on a generation server."""
     if metrics is None:
         metrics = Metrics(
@@ -294,6 +309,9 @@ def create_pooling_app(
         Route("/health", pooling.health, methods=["GET"]),
         Route("/info", pooling.info, methods=["GET"]),
         Route("/metrics", pooling.metrics, methods=["GET"]),
+        Route("/openapi.json", pooling.openapi, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
+        Route("/docs/assets/{name}", docs_asset, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -301,6 +319,6 @@ def create_pooling_app(
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
     )
     app.state.tgis_pooling = pooling.PoolingState(
-        model, runner, config, metrics, lifecycle, config.model_id
+        model, runner, config, metrics, lifecycle, config.model_id, pooling_contract()
     )
     return app

@@ -67,6 +67,12 @@ FACTOR: dict[str, Any] = {**POSITIVE, "maximum": MAX_FACTOR}
 FRACTION: dict[str, Any] = {"type": "number", "minimum": MIN_POSITIVE, "exclusiveMaximum": 1}
 PENALTY: dict[str, Any] = {"type": "number", "minimum": -2.0, "maximum": 2.0}
 SEED = integer(0, MAX_SEED)
+# The error bodies: TGI's (and TEI's) and OpenAI's.
+ERROR_RESPONSE = obj(["error", "error_type"], error=STR, error_type=STR)
+OPENAI_ERROR = obj(
+    ["error"],
+    error=obj(["message", "type"], message=STR, type=STR, param=null(STR), code=null(INT)),
+)
 
 SCHEMA_VALUE = {
     "type": "object",

@@ -20,6 +20,7 @@ from tgis.config import ServeConfig
 from tgis.errors import InputValidationError, OverloadedError
 from tgis.pooling.model import PoolingModel
 from tgis.pooling.runner import PoolingRunner
+from tgis.server.http.contract import RequestContract
 from tgis.server.http.errors import SHUTTING_DOWN, ApiError, Shape, classify, error_response
 from tgis.server.http.fields import PoolingInput
 from tgis.server.http.lifecycle import Lifecycle
@@ -41,6 +42,8 @@ class PoolingState:
     lifecycle: Lifecycle
     # What /info and the answers' `model` name.
     model_id: str
+    # The pooling APIs' operations and schemas (`/openapi.json`).
+    contract: RequestContract
     # Requests admitted and not yet answered (429 at config.max_concurrent_requests).
     admitted: int = field(default=0)
 
@@ -175,3 +178,10 @@ def _version() -> str:
     from importlib.metadata import version
 
     return version("tgis")
+
+
+async def openapi(request: Request) -> Response:
+    """GET /openapi.json of a pooling server."""
+    from tgis.server.http.openapi import openapi_document
+
+    return JSONResponse(openapi_document(get_pooling(request).contract))

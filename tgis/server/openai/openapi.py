@@ -14,6 +14,7 @@ from tgis.server.http.openapi_schemas import (
     INT,
     NULL,
     NUM,
+    OPENAI_ERROR,
     PENALTY,
     SEED,
     STR,
@@ -326,10 +327,7 @@ RESPONSES: dict[str, Any] = {
             obj(["id", "object"], id=STR, object=STR, created=INT, owned_by=STR, parent=STR)
         ),
     ),
-    "OpenAIError": obj(
-        ["error"],
-        error=obj(["message", "type"], message=STR, type=STR, param=null(STR), code=null(INT)),
-    ),
+    "OpenAIError": OPENAI_ERROR,
 }
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from tgis.params import MAX_TIME_LIMIT_MS
 from tgis.server.http.openapi_schemas import (
     BOOL,
+    ERROR_RESPONSE,
     FACTOR,
     FINISH_REASON,
     FRACTION,
@@ -212,7 +213,7 @@ RESPONSES: dict[str, Any] = {
     ),
     "SimpleToken": obj(["id", "text", "start", "stop"], id=INT, text=STR, start=INT, stop=INT),
     "TokenizeResponse": array(ref("SimpleToken")),
-    "ErrorResponse": obj(["error", "error_type"], error=STR, error_type=STR),
+    "ErrorResponse": ERROR_RESPONSE,
     "Info": obj(
         ["model_id", "max_input_tokens", "max_total_tokens", "version"],
         model_id=STR,
