@@ -67,6 +67,23 @@ FACTOR: dict[str, Any] = {**POSITIVE, "maximum": MAX_FACTOR}
 FRACTION: dict[str, Any] = {"type": "number", "minimum": MIN_POSITIVE, "exclusiveMaximum": 1}
 PENALTY: dict[str, Any] = {"type": "number", "minimum": -2.0, "maximum": 2.0}
 SEED = integer(0, MAX_SEED)
+
+
+def pooling_input(max_inputs: int) -> dict[str, Any]:
+    """The inputs of an embeddings request (http/fields.pooling_inputs): a string, strings,
+    token ids or arrays of token ids, at most `max_inputs`."""
+    ids = array(integer(), minItems=1)
+    text = {"type": "string", "minLength": 1}
+    return {
+        "anyOf": [
+            text,
+            array(text, minItems=1, maxItems=max_inputs),
+            ids,
+            array(ids, minItems=1, maxItems=max_inputs),
+        ]
+    }
+
+
 # The error bodies: TGI's (and TEI's) and OpenAI's.
 ERROR_RESPONSE = obj(["error", "error_type"], error=STR, error_type=STR)
 OPENAI_ERROR = obj(

@@ -15,6 +15,7 @@ from tgis.server.http.openapi_schemas import (
     content,
     integer,
     obj,
+    pooling_input,
     post,
     ref,
 )
@@ -22,23 +23,13 @@ from tgis.server.openai.embeddings import MAX_INPUTS
 
 TAG = "Embeddings"
 TAGS = ({"name": TAG, "description": "OpenAI's embeddings API"},)
-TOKEN_IDS = array(integer(), minItems=1)
-# A string, strings, token ids or arrays of token ids (http/fields.pooling_inputs).
-POOLING_INPUT = {
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        array({"type": "string", "minLength": 1}, minItems=1, maxItems=MAX_INPUTS),
-        TOKEN_IDS,
-        array(TOKEN_IDS, minItems=1, maxItems=MAX_INPUTS),
-    ]
-}
 
 
 def requests() -> dict[str, Any]:
     return {
         "EmbeddingsRequest": obj(
             ["input"],
-            input=POOLING_INPUT,
+            input=pooling_input(MAX_INPUTS),
             model=STR,
             encoding_format={"type": "string", "enum": ["float", "base64"]},
             dimensions=integer(1),

@@ -15,6 +15,7 @@ from tgis.server.http.openapi_schemas import (
     content,
     integer,
     obj,
+    pooling_input,
     post,
     ref,
 )
@@ -22,15 +23,7 @@ from tgis.server.tei.requests import MAX_CLIENT_BATCH
 
 TAG = "TEI"
 TAGS = ({"name": TAG, "description": "text-embeddings-inference's API"},)
-_IDS = array(integer(), minItems=1)
-_INPUTS = {
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        array({"type": "string", "minLength": 1}, minItems=1, maxItems=MAX_CLIENT_BATCH),
-        _IDS,
-        array(_IDS, minItems=1, maxItems=MAX_CLIENT_BATCH),
-    ]
-}
+_INPUTS = pooling_input(MAX_CLIENT_BATCH)
 _DIRECTION = {"type": "string", "enum": ["right", "left", "Right", "Left"]}
 _PAIR = array(STR, minItems=2, maxItems=2)
 
