@@ -83,6 +83,16 @@ def test_teis_embed_all_gives_each_tokens_state(embedder: Path, embed_url: str) 
     assert refused.status_code == 422 and "/embed_all takes none" in refused.text
 
 
+def test_teis_dimensions_cut_and_normalize_again(embed_url: str) -> None:
+    whole = httpx.post(f"{embed_url}/embed", json={"inputs": "x", "normalize": False}, timeout=60)
+    cut = httpx.post(f"{embed_url}/embed", json={"inputs": "x", "dimensions": 8}, timeout=60)
+    vector = torch.tensor(whole.json()[0])
+    want = torch.nn.functional.normalize(vector[:8], dim=0)
+    torch.testing.assert_close(torch.tensor(cut.json()[0]), want, atol=TOLERANCE, rtol=0)
+    wide = httpx.post(f"{embed_url}/embed", json={"inputs": "x", "dimensions": 33}, timeout=60)
+    assert wide.status_code == 422 and "at most this model's 32, got 33" in wide.text
+
+
 def test_inputs_past_the_models_length_are_refused_unless_truncated(embed_url: str) -> None:
     long = " ".join(["fox"] * 200)
     refused = httpx.post(f"{embed_url}/embed", json={"inputs": ["x", long]}, timeout=60)

@@ -43,6 +43,13 @@ async def embed(request: Request) -> Response:
         body = parse_embed(
             await read_json(request), len(model.tokenizer), state.runner.max_batch_rows
         )
+        if body.dimensions is not None and body.dimensions > model.dimension:
+            raise ApiError(
+                422,
+                f"Input validation error: `dimensions` must be at most this model's "
+                f"{model.dimension}, got {body.dimensions}",
+                "validation",
+            )
         left = body.direction == "left"
         pooled = await run_pooling(request, "embed", body.inputs, "inputs", body.truncate, left)
         vectors = [finish_embedding(v, body.dimensions, body.normalize) for v in pooled.outputs]
