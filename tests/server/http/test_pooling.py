@@ -138,6 +138,7 @@ def test_each_server_says_its_task_and_refuses_the_others_routes(
     none = httpx.post(f"{rerank_url}/v1/embeddings", json={"input": "x"}, timeout=30)
     assert none.status_code == 404
     assert "serves rerank, not embeddings" in none.json()["error"]["message"]
+    assert httpx.post(f"{embed_url}/embed", json={"inputs": "x"}, timeout=60).status_code == 200
     metrics = httpx.get(f"{embed_url}/metrics", timeout=30).text
     assert 'tgi_request_success{stop_reason="pooled",kind="embed"} ' in metrics
 
