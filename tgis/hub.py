@@ -163,9 +163,14 @@ def read_model_config(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] |
 
 def read_model_facts(model_dir: Path) -> ModelFacts:
     """What the validation core and the backend chooser read of the model in `model_dir`."""
-    from tgis.config import ModelFacts
+    from dataclasses import replace
 
-    return ModelFacts.from_config(*read_model_config(model_dir))
+    from tgis.config import ModelFacts
+    from tgis.pooling.spec import read_pooling_spec
+
+    config, neuron = read_model_config(model_dir)
+    facts = ModelFacts.from_config(config, neuron)
+    return replace(facts, pooling=read_pooling_spec(Path(model_dir), config) is not None)
 
 
 def download_weights(

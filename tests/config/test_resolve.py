@@ -201,6 +201,16 @@ def test_prefill_default_with_batch_size() -> None:
     assert build(GPT2, max_batch_size=4, max_total_tokens=512).max_batch_prefill_tokens == 4 * 511
 
 
+def test_a_pooling_models_batch_budget_defaults_to_teis() -> None:
+    bert = ModelFacts("bert", 512, pooling=True)
+    assert build(bert, backend="cpu").max_batch_prefill_tokens == 16384
+    generator = build(GPT2, backend="cpu")  # TGI's: one longest prompt and a margin
+    assert generator.max_batch_prefill_tokens == generator.max_input_tokens + 50
+    assert (
+        build(bert, backend="cpu", max_batch_prefill_tokens=2048).max_batch_prefill_tokens == 2048
+    )
+
+
 def test_env_fallbacks_use_launcher_names() -> None:
     env = {"MODEL_ID": "gpt2", "MAX_TOTAL_TOKENS": "512", "MAX_INPUT_LENGTH": "100", "PORT": "8080"}
     config = build(GPT2, env)

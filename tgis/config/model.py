@@ -51,6 +51,8 @@ class ModelFacts:
     encoder_decoder: bool = False
     # The whole config.json, for the rules that read more of it (which engine can run it).
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # A pooling model (embeddings, scores: tgis.pooling), as its files say (hub.read_model_facts).
+    pooling: bool = False
 
     @staticmethod
     def from_config(

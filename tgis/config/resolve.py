@@ -103,7 +103,7 @@ def build_serve_config(
     if backend in STATIC_BACKENDS:
         static, dtype = apply_static_rules(backend, values, r, facts, env, dtype, notes)
     else:
-        derive_dynamic_defaults(values, facts.max_position_embeddings, notes)
+        derive_dynamic_defaults(values, facts.max_position_embeddings, notes, facts.pooling)
     check_token_limits(values, r, facts.max_position_embeddings)
     if backend == "gaudi":
         gaudi = gaudi_settings(env, values, notes)

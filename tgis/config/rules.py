@@ -107,10 +107,16 @@ def check_value_ranges(values: dict[str, Any], r: Sources) -> None:
             )
 
 
+# A pooling model's batch budget when none is given: TEI's --max-batch-tokens default (its
+# forward keeps no KV, so a batch is bounded by its activations only).
+POOLING_BATCH_TOKENS = 16384
+
+
 def derive_dynamic_defaults(
-    values: dict[str, Any], max_positions: int | None, notes: list[str]
+    values: dict[str, Any], max_positions: int | None, notes: list[str], pooling: bool = False
 ) -> None:
-    """TGI's launcher defaults for dynamic-shape backends (cpu, cuda, gaudi)."""
+    """TGI's launcher defaults for dynamic-shape backends (cpu, cuda, gaudi); a pooling
+    model's batch budget is TEI's (POOLING_BATCH_TOKENS)."""
     if values["max_total_tokens"] is None:
         cap = DEFAULT_MAX_TOTAL_CAP
         default = cap if max_positions is None else min(max_positions, cap)
@@ -129,7 +135,11 @@ def derive_dynamic_defaults(
     if values["max_input_tokens"] is None:
         values["max_input_tokens"] = values["max_total_tokens"] - 1
     if values["max_batch_prefill_tokens"] is None:
-        if values["max_batch_size"] is not None:
+        if pooling:
+            values["max_batch_prefill_tokens"] = max(
+                POOLING_BATCH_TOKENS, values["max_input_tokens"]
+            )
+        elif values["max_batch_size"] is not None:
             values["max_batch_prefill_tokens"] = (
                 values["max_batch_size"] * values["max_input_tokens"]
             )
