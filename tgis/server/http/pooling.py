@@ -110,11 +110,13 @@ async def run_pooling(
 
 
 def _encode(model: PoolingModel, text: Text, truncate: bool, left: bool) -> dict[str, list[int]]:
-    if isinstance(text, tuple) and all(isinstance(t, int) for t in text):
-        ids = [int(t) for t in text]  # token ids given
-        return model.cut_ids(ids, left) if truncate else {"input_ids": ids}
-    pair = text if isinstance(text, tuple) else None
-    return model.encode(pair if pair is not None else str(text), truncate, left)  # type: ignore[arg-type]
+    if isinstance(text, str):
+        return model.encode(text, truncate, left)
+    first, second = text[0], text[-1]
+    if isinstance(first, str) and isinstance(second, str):  # a text and its pair
+        return model.encode((first, second), truncate, left)
+    ids = [int(t) for t in text]  # token ids given
+    return model.cut_ids(ids, left) if truncate else {"input_ids": ids}
 
 
 async def answered(
