@@ -1,7 +1,7 @@
 """Tiny random pooling models on disk, in the layouts real ones ship in: a BERT encoder with
 sentence-transformers' modules (a pooling mode, Normalize or not), a cross-encoder reranker
-(`BertForSequenceClassification`, one label), and a decoder embedder (Qwen2, last-token
-pooling), each with the suite's tokenizer trained on the fly."""
+(`BertForSequenceClassification`, one label), a decoder embedder (Qwen2, last-token
+pooling) and a decoder that reranks by a yes/no answer (Qwen2), each with the suite's tokenizer trained on the fly."""
 
 from __future__ import annotations
 
@@ -83,11 +83,30 @@ def cross_encoder(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def decoder_embedder(directory: Path, seed: int = 0) -> Path:
+def decoder_embedder(
+    directory: Path, modes: Sequence[str] = ("lasttoken",), normalize: bool = True, seed: int = 0
+) -> Path:
+    """A Qwen2 base model (Qwen3-Embedding's layout: no lm_head) with sentence-transformers'
+    modules."""
     from transformers import AutoModel
 
     torch.manual_seed(seed)
     AutoModel.from_config(tiny_config("qwen2")).eval().save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
-    write_sentence_transformers(directory, ("lasttoken",), True, 32)
+    write_sentence_transformers(directory, modes, normalize, 32)
+    return directory
+
+
+# The two one-token words of the suite's tokenizer a yes/no reranker answers with.
+YES, NO = "the", "a"
+
+
+def yes_no_reranker(directory: Path, seed: int = 0) -> Path:
+    """A Qwen2 causal LM (Qwen3-Reranker's layout) whose yes/no logits score a pair."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config("qwen2", tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
     return directory

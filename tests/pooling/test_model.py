@@ -12,7 +12,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from tests.pooling.models import TEXTS, bert_embedder, cross_encoder, decoder_embedder
 from tgis.hub import read_model_config
-from tgis.pooling.model import PoolingModel, finish_embedding
+from tgis.pooling.model import DecoderForward, PoolingModel, finish_embedding
 from tgis.pooling.spec import MODES, read_pooling_spec
 
 TOLERANCE = 1e-5
@@ -46,17 +46,55 @@ def test_embeddings_equal_sentence_transformers_encode(
         torch.testing.assert_close(got.norm(dim=1), torch.ones(len(TEXTS)))
 
 
-def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(
-    tmp_path: Path,
+@pytest.mark.parametrize("modes", [("lasttoken",), ("mean",), ("cls", "lasttoken")])
+def test_a_decoder_embedder_on_the_paged_layers_pools_as_sentence_transformers_does(
+    tmp_path: Path, modes: tuple[str, ...]
 ) -> None:
-    directory = decoder_embedder(tmp_path / "qwen")
+    directory = decoder_embedder(tmp_path / "qwen", modes)
     model = load(directory)
-    assert (model.spec.modes, model.spec.normalize) == (("lasttoken",), True)
+    assert (model.spec.modes, model.spec.normalize, model.spec.decoder) == (modes, True, True)
+    assert isinstance(model.forward, DecoderForward)
     oracle = SentenceTransformer(str(directory), device="cpu")
     expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
     rows = model.run([model.encode(t) for t in TEXTS]).rows
     got = torch.stack([finish_embedding(row, None, True) for row in rows])
     torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
+
+
+def test_a_decoder_embedders_token_embeddings_equal_sentence_transformers(
+    tmp_path: Path,
+) -> None:
+    directory = decoder_embedder(tmp_path / "qwen")
+    model = load(directory)
+    oracle = SentenceTransformer(str(directory), device="cpu")
+    rows = model.run([model.encode(t) for t in TEXTS], tokens=True).rows
+    for text, row in zip(TEXTS, rows, strict=True):
+        expected = oracle.encode(text, output_value="token_embeddings", convert_to_tensor=True)
+        torch.testing.assert_close(row, expected.float(), atol=TOLERANCE, rtol=0)
+
+
+def test_a_decoder_embedder_in_bfloat16_stays_with_transformers_in_bfloat16(
+    tmp_path: Path,
+) -> None:
+    """The GPU's dtype on the CPU: the paged layers in bfloat16 against sentence-transformers
+    over transformers' bfloat16 model."""
+    directory = decoder_embedder(tmp_path / "qwen", ("mean",))
+    spec = read_pooling_spec(directory, read_model_config(directory)[0])
+    assert spec is not None
+    model = PoolingModel.load(directory, spec, dtype=torch.bfloat16)
+    oracle = SentenceTransformer(
+        str(directory), device="cpu", model_kwargs={"dtype": torch.bfloat16}
+    )
+    expected = oracle.encode(TEXTS, convert_to_tensor=True).float()
+    got = torch.stack(
+        [
+            finish_embedding(row, None, True)
+            for row in model.run([model.encode(t) for t in TEXTS]).rows
+        ]
+    )
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=1)
+    assert cosine.min() > 0.999, cosine
+    assert torch.isfinite(got).all()
 
 
 def test_rerank_scores_equal_the_cross_encoders_logits(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ class Gated(PoolingModel):
     """The model, each batch held until the test lets it run, its batches recorded."""
 
     def __init__(self, inner: PoolingModel) -> None:
-        super().__init__(inner.model, inner.tokenizer, inner.spec)
+        super().__init__(inner.forward, inner.tokenizer, inner.spec, inner.config)
         self.gate = threading.Semaphore(0)
         # Released as a batch reaches the gate: the thread has taken it.
         self.entered = threading.Semaphore(0)

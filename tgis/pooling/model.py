@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from tgis.pooling.spec import PoolingSpec
+from tgis.errors import ConfigError
+from tgis.pooling.decoder import PackedDecoder, PackedRows
+from tgis.pooling.spec import PoolingSpec, compile_template
 
 # One tokenized input: the tokenizer's outputs for it (input_ids, and token_type_ids where the
 # tokenizer gives them), unpadded.
@@ -32,20 +34,82 @@ class PooledBatch:
     rows: list[torch.Tensor]
 
 
+class EncoderForward:
+    """transformers' model over right-padded rows: an encoder (or a `*ForSequenceClassification`
+    model) as its own forward runs it."""
+
+    def __init__(self, model: Any, pad_id: int) -> None:
+        self.model = model.eval()
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+
+    def hidden(self, batch: Sequence[Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states [rows, width, hidden] and the mask of real tokens [rows,
+        width]."""
+        inputs = self._padded(batch)
+        return self.model(**inputs).last_hidden_state, inputs["attention_mask"]
+
+    def scores(self, batch: Sequence[Encoded]) -> torch.Tensor:
+        """The classifier's logits [rows, labels]."""
+        return self.model(**self._padded(batch)).logits
+
+    def _padded(self, batch: Sequence[Encoded]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in batch)
+        names = [name for name in ("input_ids", "token_type_ids") if name in batch[0]]
+        out = {name: torch.zeros(len(batch), width, dtype=torch.long) for name in names}
+        out["input_ids"].fill_(self.pad_id)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, row in enumerate(batch):
+            n = len(row["input_ids"])
+            for name in names:
+                out[name][i, :n] = torch.tensor(row[name], dtype=torch.long)
+            mask[i, :n] = 1
+        out["attention_mask"] = mask
+        return {name: tensor.to(self.device) for name, tensor in out.items()}
+
+
+class DecoderForward:
+    """A decoder on the paged engine's layers over packed rows (tgis.pooling.decoder), its
+    hidden states laid out as `EncoderForward`'s for pooling."""
+
+    def __init__(self, decoder: PackedDecoder) -> None:
+        self.decoder = decoder
+
+    def hidden(self, batch: Sequence[Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows(batch)
+        packed = self.decoder.hidden(rows)
+        lengths = torch.tensor(rows.lengths, device=packed.device)
+        mask = torch.arange(int(lengths.max()), device=packed.device)[None] < lengths[:, None]
+        padded = packed.new_zeros(len(batch), mask.shape[1], packed.shape[1])
+        padded[mask] = packed  # row-major: each row's tokens in order
+        return padded, mask.long()
+
+    def scores(self, batch: Sequence[Encoded]) -> torch.Tensor:
+        return self.decoder.scores(self._rows(batch))
+
+    def _rows(self, batch: Sequence[Encoded]) -> PackedRows:
+        windows = [layer.window for layer in self.decoder.weights.layers]
+        return PackedRows([row["input_ids"] for row in batch], self.decoder.device, windows)
+
+
+Forward = EncoderForward | DecoderForward
+
+
 class PoolingModel:
     """A loaded pooling model and its tokenizer; `run` takes a batch of encoded inputs."""
 
-    def __init__(self, model: Any, tokenizer: Any, spec: PoolingSpec) -> None:
-        self.model = model.eval()
+    def __init__(self, forward: Forward, tokenizer: Any, spec: PoolingSpec, config: Any) -> None:
+        """`config`: the model's transformers config."""
+        self.forward = forward
         self.tokenizer = tokenizer
         self.spec = spec
-        self.device = next(model.parameters()).device
-        positions = getattr(model.config, "max_position_embeddings", None)
+        self.config = config
+        positions = getattr(config, "max_position_embeddings", None)
         limits = [n for n in (spec.max_length, positions) if n]
         # The longest input, in tokens (sentence-transformers' max_seq_length first).
         self.max_length = min(limits) if limits else None
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._left: Any = None
+        self._template = compile_template(spec.template) if spec.template else None
 
     @classmethod
     def load(
@@ -56,26 +120,51 @@ class PoolingModel:
         dtype: torch.dtype | None = None,
     ) -> PoolingModel:
         """The model in `model_dir` for `spec`'s task, on `device` in `dtype` (its own when
-        None), with its tokenizer."""
-        from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+        None), with its tokenizer: a decoder on the paged engine's layers where the spec
+        says it runs there (`PoolingSpec.decoder`), else transformers' own model."""
+        from transformers import (
+            AutoConfig,
+            AutoModel,
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+        )
 
-        kind = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
-        model = kind.from_pretrained(model_dir, dtype=dtype or "auto").to(device)
-        return cls(model, AutoTokenizer.from_pretrained(model_dir), spec)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        chosen: Any = dtype or "auto"
+        forward: Forward
+        if spec.decoder:
+            score_ids = score_token_ids(tokenizer, spec.score_tokens) if spec.score_tokens else None
+            # An embedder reads no logits: a tied head is the embeddings, never a new tensor.
+            tie = {} if score_ids else {"tie_word_embeddings": True}
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen, **tie)
+            positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+            limit = min(n for n in (spec.max_length, positions) if n)
+            forward = DecoderForward(PackedDecoder(model.to(device).eval(), limit, score_ids))
+        else:
+            kind = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
+            model = kind.from_pretrained(model_dir, dtype=chosen).to(device)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            forward = EncoderForward(model, pad)
+        return cls(forward, tokenizer, spec, config)
 
     @property
     def dimension(self) -> int:
         """An embedding's size (all its modes concatenated) or a classifier's label count."""
         if self.spec.task != "embed":
             return len(self.spec.labels)
-        return int(self.model.config.hidden_size) * len(self.spec.modes)
+        return int(self.config.hidden_size) * len(self.spec.modes)
 
     def encode(
         self, text: str | tuple[str, str], truncate: bool = False, left: bool = False
     ) -> dict[str, list[int]]:
         """`text` (or a query-document pair) as the model's tokenizer encodes it; cut to
         `max_length` when `truncate`: its end (of the longer of a pair), or its start when
-        `left`, the tokenizer's special tokens kept."""
+        `left`, the tokenizer's special tokens kept. A pair under a reranker's template is
+        the template's text, its document cut where it is too long."""
+        if self._template is not None and not isinstance(text, str):
+            return {"input_ids": self._templated(*text, truncate, left)}
         first, second = (text, None) if isinstance(text, str) else text
         tokenizer = self._left_tokenizer() if left else self.tokenizer
         encoded = tokenizer(
@@ -87,6 +176,29 @@ class PoolingModel:
         return {
             name: list(encoded[name]) for name in ("input_ids", "token_type_ids") if name in encoded
         }
+
+    def _templated(self, query: str, document: str, truncate: bool, left: bool) -> list[int]:
+        """The template's text for (query, document) as token ids; with `truncate`, the
+        document's tokens cut (its end, or its start when `left`) until the whole fits."""
+        assert self._template is not None
+        render = self._template.render
+
+        def ids_of(doc: str) -> list[int]:
+            text = render(query=query, document=doc)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        ids = ids_of(document)
+        if not truncate or self.max_length is None:
+            return ids
+        words = list(self.tokenizer(document, add_special_tokens=False)["input_ids"])
+        # Re-tokenized text may merge differently at the cut: a few rounds settle it.
+        for _ in range(4):
+            over = len(ids) - self.max_length
+            if over <= 0 or not words:
+                break
+            words = words[over:] if left else words[: len(words) - over]
+            ids = ids_of(self.tokenizer.decode(words))
+        return ids
 
     def cut_ids(self, ids: Sequence[int], left: bool = False) -> dict[str, list[int]]:
         """Token ids given as an input, cut to `max_length` (their end, or start when `left`)."""
@@ -105,35 +217,36 @@ class PoolingModel:
 
     @torch.inference_mode()
     def run(self, batch: Sequence[Encoded], tokens: bool = False) -> PooledBatch:
-        """Each input's pooled output, in the order given (one forward, rows right-padded);
-        with `tokens`, each input's hidden state per token instead ([its tokens, hidden]:
-        sentence-transformers' `token_embeddings`, TEI's /embed_all)."""
-        inputs = self._padded(batch)
+        """Each input's pooled output, in the order given (one forward); with `tokens`, each
+        input's hidden state per token instead ([its tokens, hidden]: sentence-transformers'
+        `token_embeddings`, TEI's /embed_all)."""
         if self.spec.task != "embed":
             if tokens:
                 raise ValueError(f"a {self.spec.task} model has no token embeddings")
-            logits = self.model(**inputs).logits
-            return PooledBatch(list(logits.float().cpu().unbind(0)))
-        hidden = self.model(**inputs).last_hidden_state
+            return PooledBatch(list(self.forward.scores(batch).float().cpu().unbind(0)))
+        hidden, mask = self.forward.hidden(batch)
         if tokens:
             rows = hidden.float().cpu()
             return PooledBatch([rows[i, : len(row["input_ids"])] for i, row in enumerate(batch)])
-        pooled = pool(hidden, inputs["attention_mask"], self.spec.modes)
+        pooled = pool(hidden, mask, self.spec.modes)
         return PooledBatch(list(pooled.float().cpu().unbind(0)))
 
-    def _padded(self, batch: Sequence[Encoded]) -> dict[str, torch.Tensor]:
-        width = max(len(row["input_ids"]) for row in batch)
-        names = [name for name in ("input_ids", "token_type_ids") if name in batch[0]]
-        out = {name: torch.zeros(len(batch), width, dtype=torch.long) for name in names}
-        out["input_ids"].fill_(self.pad_id)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, row in enumerate(batch):
-            n = len(row["input_ids"])
-            for name in names:
-                out[name][i, :n] = torch.tensor(row[name], dtype=torch.long)
-            mask[i, :n] = 1
-        out["attention_mask"] = mask
-        return {name: tensor.to(self.device) for name, tensor in out.items()}
+
+def score_token_ids(tokenizer: Any, tokens: Sequence[str]) -> tuple[int, int]:
+    """The ids of a yes/no reranker's two tokens (--rerank-tokens); a ConfigError for one the
+    tokenizer does not hold as a single token."""
+    ids = []
+    for token in tokens:
+        encoded = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"--rerank-tokens {','.join(tokens)}: {token!r} is {len(encoded)} tokens to "
+                "this model's tokenizer, not one",
+                "name the two tokens the model answers with, as its model card does "
+                "(Qwen3-Reranker: yes,no)",
+            )
+        ids.append(int(encoded[0]))
+    return ids[0], ids[1]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:

@@ -9,12 +9,19 @@ an encoder's base model (`BertModel`, `XLMRobertaModel`, `ModernBertModel`, ...)
 CLS token, normalized, and a causal LM is a text generator, not a pooling model.
 `matryoshka_dimensions` in config.json (as vLLM reads it) lists the sizes an embedding may be
 cut to (`dimensions`).
+
+A causal LM that reranks by answering yes or no (Qwen3-Reranker style) says nothing of it in its
+files: `--rerank-tokens yes,no` makes it a reranker scored by those two tokens' logits, and
+`--rerank-template` gives the Jinja text each (query, document) pair is put in. A decoder the
+paged forward runs (models/families.py) pools on its layers (`PoolingSpec.decoder`,
+tgis.pooling.decoder); an encoder runs as transformers' model.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,17 +57,40 @@ class PoolingSpec:
     dimensions: tuple[int, ...] = ()
     # Classifiers: each label's name, by index.
     labels: tuple[str, ...] = ()
-    # Where it was read: "sentence-transformers" or "architecture".
+    # Where it was read: "sentence-transformers", "architecture" or "--rerank-tokens".
     source: str = "architecture"
+    # Whether the model runs on the paged engine's decoder layers (tgis.pooling.decoder).
+    decoder: bool = False
+    # A yes/no reranker's two tokens (--rerank-tokens): the score is logit(yes) - logit(no).
+    score_tokens: tuple[str, ...] = ()
+    # The Jinja text a (query, document) pair is rendered into (--rerank-template).
+    template: str | None = None
 
 
-def read_pooling_spec(model_dir: Path, config: dict[str, Any]) -> PoolingSpec | None:
+def read_pooling_spec(
+    model_dir: Path,
+    config: dict[str, Any],
+    rerank_tokens: Sequence[str] = (),
+    rerank_template: Path | None = None,
+) -> PoolingSpec | None:
     """The pooling spec of the model in `model_dir` (its config.json as `config`); None for
-    a text generator. A ConfigError names a sentence-transformers module tgis does not run."""
+    a text generator. `rerank_tokens` / `rerank_template`: --rerank-tokens and
+    --rerank-template (module doc). A ConfigError names a sentence-transformers module tgis
+    does not run, or a flag the model cannot take."""
+    if rerank_tokens:
+        return _yes_no_reranker(model_dir, config, tuple(rerank_tokens), rerank_template)
+    if rerank_template is not None:
+        raise ConfigError(
+            "--rerank-template renders a decoder reranker's input, and --rerank-tokens is not "
+            "given",
+            "give --rerank-tokens too (Qwen3-Reranker: --rerank-tokens yes,no), or drop "
+            "--rerank-template",
+        )
     dimensions = tuple(int(d) for d in config.get("matryoshka_dimensions") or ())
     modules = model_dir / "modules.json"
     if modules.is_file():
-        return _from_sentence_transformers(model_dir, _json(modules), dimensions)
+        spec = _from_sentence_transformers(model_dir, _json(modules), dimensions)
+        return replace(spec, decoder=runs_on_decoder_layers(config))
     architectures = [str(a) for a in config.get("architectures") or ()]
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         labels = _labels(config)
@@ -105,6 +135,73 @@ def _from_sentence_transformers(
         dimensions=dimensions,
         source="sentence-transformers",
     )
+
+
+def runs_on_decoder_layers(config: dict[str, Any]) -> bool:
+    """Whether the paged engine's decoder forward runs the model of `config`."""
+    from tgis.backends.models.families import family_of, paged_unsupported_reason
+
+    return (
+        not _is_encoder(config)
+        and family_of(config) is not None
+        and paged_unsupported_reason(config) is None
+    )
+
+
+def _yes_no_reranker(
+    model_dir: Path, config: dict[str, Any], tokens: tuple[str, ...], template: Path | None
+) -> PoolingSpec:
+    flag = f"--rerank-tokens {','.join(tokens)}"
+    if len(tokens) != 2 or not all(tokens):
+        raise ConfigError(
+            f"{flag}: it takes two tokens, the answer scored and the one it is weighed against",
+            "give them as YES,NO (Qwen3-Reranker: --rerank-tokens yes,no)",
+        )
+    architectures = [str(a) for a in config.get("architectures") or ()]
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        raise ConfigError(
+            f"{flag} scores a causal LM's answer, and {model_dir} is "
+            f"{', '.join(architectures) or 'no causal LM'}",
+            "drop --rerank-tokens: a cross-encoder (*ForSequenceClassification) reranks as it is",
+        )
+    if not runs_on_decoder_layers(config):
+        from tgis.backends.models.families import paged_unsupported_reason
+
+        raise ConfigError(
+            f"{flag}: {paged_unsupported_reason(config) or 'the model is not a decoder'}",
+            "serve a decoder reranker of a family tgis runs (docs/models.md)",
+        )
+    text = None
+    if template is not None:
+        try:
+            text = template.read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"--rerank-template {template}: {exc.strerror or exc}",
+                "give the path of a Jinja file that places {{ query }} and {{ document }}",
+            ) from None
+        compile_template(text, f"--rerank-template {template}")
+    return PoolingSpec(
+        "rerank", labels=(tokens[0],), source="--rerank-tokens", decoder=True,
+        score_tokens=tokens, template=text,
+    )  # fmt: skip
+
+
+def compile_template(text: str, name: str = "the rerank template") -> Any:
+    """A reranker's Jinja template, checked: it must render with a query and a document and
+    place both; a ConfigError names what is wrong."""
+    import jinja2
+
+    fix = "write a Jinja text that places {{ query }} and {{ document }}"
+    try:
+        template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(text)
+        probe = template.render(query="\x00query\x00", document="\x00document\x00")
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"{name} does not render: {exc}", fix) from None
+    for part in ("query", "document"):
+        if f"\x00{part}\x00" not in probe:
+            raise ConfigError(f"{name} never places the {part}", fix)
+    return template
 
 
 def _labels(config: dict[str, Any]) -> tuple[str, ...]:

@@ -200,7 +200,7 @@ def test_flash_attention_is_offered_only_on_cuda_in_half_precision(
     models on CUDA, plain torch for float32 (flash does not compute in it) and off CUDA; the
     path says why."""
     monkeypatch.setattr(
-        paged_attention_module, "_varlen_parameters", lambda: frozenset({"block_table"})
+        paged_attention_module, "varlen_parameters", lambda: frozenset({"block_table"})
     )
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert flash_paged_available(cuda, torch.bfloat16)
@@ -210,7 +210,7 @@ def test_flash_attention_is_offered_only_on_cuda_in_half_precision(
     assert attention_path(cuda, torch.bfloat16).startswith("flash attention")
     assert "needs float16 or bfloat16; the model is float32" in attention_path(cuda, torch.float32)
     assert "needs CUDA; this is cpu" in attention_path(cpu, torch.float32)
-    monkeypatch.setattr(paged_attention_module, "_varlen_parameters", lambda: frozenset())
+    monkeypatch.setattr(paged_attention_module, "varlen_parameters", lambda: frozenset())
     assert not flash_paged_available(cuda, torch.bfloat16)
     assert "needs torch >= 2.12" in attention_path(cuda, torch.bfloat16)
 

@@ -30,7 +30,7 @@ TOLERANCE = 0.05
 def sdpa_backend(device: str, monkeypatch: pytest.MonkeyPatch) -> PagedTorchBackend:
     """A tiny bfloat16 Llama (head_dim 64, grouped KV heads) on `device` whose attention goes
     through SDPA: flash attention over pages turned off, and so CUDA graphs."""
-    monkeypatch.setattr(paged_attention_module, "_varlen_parameters", lambda: frozenset())
+    monkeypatch.setattr(paged_attention_module, "varlen_parameters", lambda: frozenset())
     model = tiny_model(
         "llama", seed=3, vocab_size=256, hidden_size=256, intermediate_size=512,
         num_attention_heads=4, num_key_value_heads=2,

@@ -53,10 +53,11 @@ from tgis.backends.common.quant import Quantization, QuantLinear, kernel
 from tgis.backends.common.quant_checkpoint import model_quantization, stored
 from tgis.backends.models.families import Family, family_of_model
 from tgis.backends.models.moe import MoeMlp, moe_block, released
-from tgis.backends.models.mrope import sections
+from tgis.backends.models.mrope import rotate_tables, sections
 
 if TYPE_CHECKING:
     from tgis.backends.models.parallel import TensorParallel
+    from tgis.backends.paged.lora import LoraStep
 
 # Fuse gate and up into one matmul on CUDA (fewer launches). On CPU two fp32 GEMMs of
 # [intermediate, hidden] beat one of [2 * intermediate, hidden] by ~5% from 32 rows up and tie
@@ -192,6 +193,12 @@ def _constant(value: object) -> object:
 
 def _epsilon(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+# One layer's attention inside `DecoderWeights.layers_over`: (index, layer, q, k, v) -> out.
+LayerAttention = Callable[
+    [int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 class DecoderWeights:
@@ -515,6 +522,11 @@ class DecoderWeights:
             x = x * self.embed_scale
         return x
 
+    def embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for token ids [N]: their embeddings, scaled where the
+        family scales them."""
+        return self._inputs(self._embed(ids))
+
     def _inputs(self, x: torch.Tensor) -> torch.Tensor:
         """The first layer's input from the embeddings (prompt prefixes' rows included):
         scaled where the family scales every input embedding."""
@@ -570,11 +582,43 @@ class DecoderWeights:
             lora.add(down, mid, "down_proj")
         return down
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def layers_over(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        lora: LoraStep | None = None,
+    ) -> torch.Tensor:
+        """Every decoder layer over x [tokens, hidden] at `positions` ([tokens], or [3, tokens]
+        for a model with multimodal rope), each one's attention
+        (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
+        v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
+        # Each rope table's rows of the step's positions, [tokens, 1, rotary_dim].
+        if positions.dim() == 2:  # three streams [3, tokens]: multimodal rope
+            if self.mrope is None:
+                raise ValueError("three-stream positions for a model without multimodal rope")
+            ropes = [rotate_tables(cos, sin, positions, self.mrope) for cos, sin in self.ropes]
+        else:
+            ropes = [
+                (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+                for cos, sin in self.ropes
+            ]
+        for index, layer in enumerate(self.layers):
+            adapted = lora.layer(index) if lora is not None else None
+            q, k, v = self._qkv(layer, x, *ropes[layer.rope], adapted)
+            out = attention(index, layer, q, k, v)
+            x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
+        return x
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm over the last layer's output x [rows, hidden]: the hidden states
+        the lm_head reads, and what a pooling model pools (transformers' last_hidden_state)."""
+        return self._rms(x, self.final_norm)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: x [rows, hidden] -> float32 logits [rows, vocab], scaled
         and soft-capped where the family does."""
-        h = self._rms(x, self.final_norm)
-        logits = linear(h, self.lm_head)
+        logits = linear(self.normed(x), self.lm_head)
         if self.parallel is not None:
             logits = self.parallel.gather_logits(logits)
         if self.logits_divisor != 1.0:

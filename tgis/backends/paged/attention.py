@@ -141,7 +141,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def flash_paged_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `varlen_attn` with a paged cache can run on `device` for a model in `dtype`:
     CUDA, torch >= 2.12 (varlen_attn's block_table), float16 or bfloat16."""
-    return device.type == "cuda" and dtype in FLASH_DTYPES and "block_table" in _varlen_parameters()
+    return device.type == "cuda" and dtype in FLASH_DTYPES and "block_table" in varlen_parameters()
 
 
 def attention_path(device: torch.device, dtype: torch.dtype, model_needs: str | None = None) -> str:
@@ -173,7 +173,7 @@ def torch_attention_reason(config: object) -> str | None:
 
 
 @functools.cache
-def _varlen_parameters() -> frozenset[str]:
+def varlen_parameters() -> frozenset[str]:
     """The installed torch's `varlen_attn` parameters (none without CUDA or the function),
     looked up once: every attention call asks."""
     if not torch.cuda.is_available():
@@ -214,7 +214,7 @@ def paged_attention(
     # One split of the KV length per sequence: the result of a sequence then does not depend
     # on the rest of the batch (the kernel's split-KV choice does), so greedy tokens are the
     # same alone and in any batch. Older torch has no choice to make.
-    splits = {"num_splits": 1} if "num_splits" in _varlen_parameters() else {}
+    splits = {"num_splits": 1} if "num_splits" in varlen_parameters() else {}
     return varlen_attn(
         query,
         k_cache,

@@ -155,8 +155,8 @@ class _DecodeStep(torch.nn.Module):
                 weights.attn_softcap or 0.0,
             )
 
-        x = weights._inputs(weights._embed(input_ids))
-        return weights._logits(weights.layers_over(x, positions, attention))
+        x = weights.embedded(input_ids)
+        return weights.logits(weights.layers_over(x, positions, attention))
 
 
 class CompiledDecode:

@@ -10,7 +10,7 @@ family changes come from `DecoderWeights` (models/decoder.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,6 @@ from transformers import PreTrainedModel
 from tgis.backends.common.masks import place_embeds
 from tgis.backends.common.quant import Quantization
 from tgis.backends.models.decoder import DecoderWeights, LayerWeights
-from tgis.backends.models.mrope import rotate_tables
 from tgis.backends.paged.attention import (
     StepMetadata,
     attend,
@@ -28,11 +27,6 @@ from tgis.backends.paged.attention import (
 )
 from tgis.backends.paged.lora import LoraStep
 from tgis.backends.paged.triton_attention import write_kv_triton
-
-# One layer's attention inside `PagedForward.layers_over`: (index, layer, q, k, v) -> out.
-LayerAttention = Callable[
-    [int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
 
 
 @dataclass(frozen=True)
@@ -147,32 +141,4 @@ class PagedForward(DecoderWeights):
             )
 
         x = self._inputs(place_embeds(self._embed(input_ids), embeds))  # [tokens, hidden]
-        return self._logits(self.layers_over(x, positions, attention, lora)[logits_rows])
-
-    def layers_over(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        attention: LayerAttention,
-        lora: LoraStep | None = None,
-    ) -> torch.Tensor:
-        """Every decoder layer over x [tokens, hidden] at `positions` ([tokens], or [3, tokens]
-        for a model with multimodal rope), each one's attention
-        (its new K/V written into the pool, q attended) done by `attention(index, layer, q, k,
-        v)` -> [tokens, heads, dim]: the eager step's `attend`, or the compiled decode's op."""
-        # Each rope table's rows of the step's positions, [tokens, 1, rotary_dim].
-        if positions.dim() == 2:  # three streams [3, tokens]: multimodal rope
-            if self.mrope is None:
-                raise ValueError("three-stream positions for a model without multimodal rope")
-            ropes = [rotate_tables(cos, sin, positions, self.mrope) for cos, sin in self.ropes]
-        else:
-            ropes = [
-                (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-                for cos, sin in self.ropes
-            ]
-        for index, layer in enumerate(self.layers):
-            adapted = lora.layer(index) if lora is not None else None
-            q, k, v = self._qkv(layer, x, *ropes[layer.rope], adapted)
-            out = attention(index, layer, q, k, v)
-            x = self._finish(layer, x, out.view(x.shape[0], -1), adapted)
-        return x
+        return self.logits(self.layers_over(x, positions, attention, lora)[logits_rows])

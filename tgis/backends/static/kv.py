@@ -182,9 +182,9 @@ class StaticLlamaForward(DecoderWeights):
             x = self._finish(layer, x, out.reshape(b * length, -1))
         x = x.view(b, length, self.hidden)
         if all_logits:
-            return self._logits(x.reshape(b * length, -1)).view(b, length, -1)
+            return self.logits(x.reshape(b * length, -1)).view(b, length, -1)
         last = (lengths - 1).clamp(min=0)
-        return self._logits(x[torch.arange(b, device=x.device), last])
+        return self.logits(x[torch.arange(b, device=x.device), last])
 
     @torch.no_grad()
     def decode_static(
@@ -208,4 +208,4 @@ class StaticLlamaForward(DecoderWeights):
             keys, values = cache.keys[index][:rows], cache.values[index][:rows]
             out = self._attend(q[:, None], keys, values, masks[layer.window])
             x = self._finish(layer, x, out[:, 0])
-        return self._logits(x)
+        return self.logits(x)
