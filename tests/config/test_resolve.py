@@ -211,6 +211,16 @@ def test_a_pooling_models_batch_budget_defaults_to_teis() -> None:
     )
 
 
+def test_rerank_tokens_make_a_causal_lm_pool_and_take_its_budget() -> None:
+    qwen = ModelFacts("qwen3", 40960)
+    config = build(qwen, backend="cpu", rerank_tokens="yes,no", rerank_template="/t.jinja")
+    assert (config.rerank_tokens, config.rerank_template) == (("yes", "no"), "/t.jinja")
+    assert config.max_batch_prefill_tokens == 16384
+    from_env = build(qwen, {"TGIS_RERANK_TOKENS": "yes,no"}, backend="cpu")
+    assert from_env.rerank_tokens == ("yes", "no")
+    assert build(qwen, backend="cpu").rerank_tokens == ()
+
+
 def test_env_fallbacks_use_launcher_names() -> None:
     env = {"MODEL_ID": "gpt2", "MAX_TOTAL_TOKENS": "512", "MAX_INPUT_LENGTH": "100", "PORT": "8080"}
     config = build(GPT2, env)

@@ -6,6 +6,7 @@ batch, and flash attention's varlen call driven through a double of its document
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def _varlen_double(calls: list[dict[str, object]]):  # type: ignore[no-untyped-d
         assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
         out = torch.empty_like(q)
         bounds = cu_seq_q.tolist()
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        for start, end in itertools.pairwise(bounds):
             n = end - start
             i = torch.arange(n)
             visible = i[None] <= i[:, None]

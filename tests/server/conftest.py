@@ -249,9 +249,12 @@ def pooling_server(directory: Path, **config: Any) -> Iterator[str]:
     from tgis.pooling.spec import read_pooling_spec
     from tgis.server.http.app import create_pooling_app
 
-    spec = read_pooling_spec(directory, read_model_config(directory)[0])
-    assert spec is not None
     settings = make_config(model_id=directory.name, **config)
+    template = Path(settings.rerank_template) if settings.rerank_template else None
+    spec = read_pooling_spec(
+        directory, read_model_config(directory)[0], settings.rerank_tokens, template
+    )
+    assert spec is not None
     service = load_pooling_service(settings, directory, spec)
     app = create_pooling_app(service.model, service.runner, settings, api_key=settings.api_key)
     service.runner.start()

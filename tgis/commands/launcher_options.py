@@ -312,6 +312,26 @@ Speculate = Annotated[
         "0",
     ),
 ]
+RerankTokens = Annotated[
+    str | None,
+    _opt(
+        "rerank_tokens",
+        MODEL,
+        "Serve a causal LM as a reranker scored by its answer: YES,NO, the token whose "
+        "probability against the other is the score (Qwen3-Reranker: yes,no).",
+        "none: a causal LM generates",
+    ),
+]
+RerankTemplate = Annotated[
+    str | None,
+    _opt(
+        "rerank_template",
+        MODEL,
+        "With --rerank-tokens: a Jinja file that places {{ query }} and {{ document }} in the "
+        "text the model judges (its model card's prompt).",
+        "none: the pair as the tokenizer joins it",
+    ),
+]
 DraftModel = Annotated[
     str | None,
     _opt(
@@ -568,6 +588,8 @@ OPTIONS: dict[str, Any] = {
     "prefix_caching": PrefixCaching,
     "speculate": Speculate,
     "draft_model": DraftModel,
+    "rerank_tokens": RerankTokens,
+    "rerank_template": RerankTemplate,
     "cuda_memory_fraction": CudaMemoryFraction,
     "max_concurrent_requests": MaxConcurrentRequests,
     "max_best_of": MaxBestOf,

@@ -61,6 +61,7 @@ def command(
       tgis serve --model-id MODEL --num-shard 16 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1
     """
     import logging
+    from pathlib import Path
 
     from rich.console import Console
 
@@ -73,7 +74,8 @@ def command(
 
     config, model_dir, facts = resolve_launcher_config(launcher, download=not no_download)
     console = Console()
-    spec = read_pooling_spec(model_dir, dict(facts.config))
+    template = Path(config.rerank_template) if config.rerank_template else None
+    spec = read_pooling_spec(model_dir, dict(facts.config), config.rerank_tokens, template)
     if spec is not None:
         _serve_pooling(console, config, model_dir, spec, check, shutdown_grace)
         return

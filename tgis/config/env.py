@@ -33,6 +33,8 @@ ENV_NAMES["allow_image_urls"] = "TGIS_ALLOW_IMAGE_URLS"
 ENV_NAMES["socket_ifname"] = "TGIS_SOCKET_IFNAME"
 ENV_NAMES["join_timeout_s"] = "TGIS_JOIN_TIMEOUT_S"
 ENV_NAMES["node_timeout_s"] = "TGIS_NODE_TIMEOUT_S"
+ENV_NAMES["rerank_tokens"] = "TGIS_RERANK_TOKENS"
+ENV_NAMES["rerank_template"] = "TGIS_RERANK_TEMPLATE"
 # Other launchers' names of a setting (alias -> the field it sets): TGI 1.x's
 # --max-input-length and TGIS's flags and variables, so a deployment's settings move over as
 # they are. Giving both names of one setting is an error.

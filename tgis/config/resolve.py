@@ -103,7 +103,8 @@ def build_serve_config(
     if backend in STATIC_BACKENDS:
         static, dtype = apply_static_rules(backend, values, r, facts, env, dtype, notes)
     else:
-        derive_dynamic_defaults(values, facts.max_position_embeddings, notes, facts.pooling)
+        pooling = facts.pooling or bool(values["rerank_tokens"])  # a yes/no reranker pools too
+        derive_dynamic_defaults(values, facts.max_position_embeddings, notes, pooling)
     check_token_limits(values, r, facts.max_position_embeddings)
     if backend == "gaudi":
         gaudi = gaudi_settings(env, values, notes)
@@ -203,6 +204,8 @@ def build_serve_config(
         cuda_memory_fraction=values["cuda_memory_fraction"],
         speculate=values["speculate"] or 0,
         draft_model=values["draft_model"] or None,
+        rerank_tokens=tuple(values["rerank_tokens"].split(",")) if values["rerank_tokens"] else (),
+        rerank_template=values["rerank_template"] or None,
         lora_adapters=lora_adapters,
         lora_adapter_dir=lora_adapter_dir,
         max_loras=max_loras,

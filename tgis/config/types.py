@@ -81,6 +81,8 @@ class LauncherArgs:
     cuda_memory_fraction: float | None = None
     speculate: int | None = None
     draft_model: str | None = None
+    rerank_tokens: str | None = None
+    rerank_template: str | None = None
     lora_adapters: str | None = None
     lora_adapter_dir: str | None = None
     max_loras: int | None = None
@@ -300,6 +302,11 @@ class ServeConfig:
     # A small model of the same tokenizer (a directory or a cached Hub id) that drafts for
     # speculative decoding instead of prompt lookup; None: prompt lookup.
     draft_model: str | None = None
+    # A causal LM served as a reranker by its yes/no answer (tgis.pooling.spec): the token
+    # scored and the one it is weighed against (--rerank-tokens), and the Jinja file a
+    # (query, document) pair is rendered into (--rerank-template); (): not a reranker.
+    rerank_tokens: tuple[str, ...] = ()
+    rerank_template: str | None = None
     # LoRA adapters (the paged engine): (name, directory or Hub id) pairs named at start-up,
     # the directory whose subdirectories are loaded on demand, how many stay loaded, and the
     # largest rank served.

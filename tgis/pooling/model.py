@@ -178,27 +178,27 @@ class PoolingModel:
         }
 
     def _templated(self, query: str, document: str, truncate: bool, left: bool) -> list[int]:
-        """The template's text for (query, document) as token ids; with `truncate`, the
-        document's tokens cut (its end, or its start when `left`) until the whole fits."""
+        """The template's text for (query, document) as token ids. With `truncate`, one too
+        long keeps the template's text before and after the document whole and cuts the
+        document's tokens (its end, or its start when `left`) to fit, each piece tokenized
+        alone (as Qwen3-Reranker's model card builds its inputs)."""
         assert self._template is not None
-        render = self._template.render
 
-        def ids_of(doc: str) -> list[int]:
-            text = render(query=query, document=doc)
+        def ids_of(text: str) -> list[int]:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-        ids = ids_of(document)
-        if not truncate or self.max_length is None:
+        ids = ids_of(self._template.render(query=query, document=document))
+        if not truncate or self.max_length is None or len(ids) <= self.max_length:
             return ids
-        words = list(self.tokenizer(document, add_special_tokens=False)["input_ids"])
-        # Re-tokenized text may merge differently at the cut: a few rounds settle it.
-        for _ in range(4):
-            over = len(ids) - self.max_length
-            if over <= 0 or not words:
-                break
-            words = words[over:] if left else words[: len(words) - over]
-            ids = ids_of(self.tokenizer.decode(words))
-        return ids
+        marker = "\x00document\x00"
+        pieces = self._template.render(query=query, document=marker).split(marker)
+        if len(pieces) != 2:  # the document placed more than once: cut the whole
+            return ids[-self.max_length :] if left else ids[: self.max_length]
+        before, after = ids_of(pieces[0]), ids_of(pieces[1])
+        room = max(0, self.max_length - len(before) - len(after))
+        words = ids_of(document)
+        kept = (words[len(words) - room :] if room else []) if left else words[:room]
+        return (before + kept + after)[: self.max_length]
 
     def cut_ids(self, ids: Sequence[int], left: bool = False) -> dict[str, list[int]]:
         """Token ids given as an input, cut to `max_length` (their end, or start when `left`)."""
