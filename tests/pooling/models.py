@@ -32,10 +32,21 @@ def _bert_config(**more: object) -> object:
     )  # fmt: skip
 
 
+# Named prompts as embedding models ship them (config_sentence_transformers.json).
+PROMPTS = {"query": "find code that does: ", "passage": "code: "}
+
+
 def write_sentence_transformers(
-    directory: Path, modes: Sequence[str], normalize: bool, dimension: int
+    directory: Path,
+    modes: Sequence[str],
+    normalize: bool,
+    dimension: int,
+    prompts: dict[str, str] | None = None,
+    default_prompt: str | None = None,
+    include_prompt: bool = True,
 ) -> None:
-    """modules.json, 1_Pooling/config.json (and 2_Normalize) as sentence-transformers saves."""
+    """modules.json, 1_Pooling/config.json (and 2_Normalize) as sentence-transformers saves,
+    and config_sentence_transformers.json with `prompts`."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -52,7 +63,12 @@ def write_sentence_transformers(
         "mean": "pooling_mode_mean_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
         "weightedmean": "pooling_mode_weightedmean_tokens", "lasttoken": "pooling_mode_lasttoken",
     }  # fmt: skip
-    pooling = {"word_embedding_dimension": dimension, "include_prompt": True}
+    if prompts is not None:
+        (directory / "config_sentence_transformers.json").write_text(
+            json.dumps({"prompts": prompts, "default_prompt_name": default_prompt,
+                        "similarity_fn_name": "cosine"})
+        )  # fmt: skip
+    pooling = {"word_embedding_dimension": dimension, "include_prompt": include_prompt}
     pooling |= {key: mode in modes for mode, key in keys.items()}
     (directory / "1_Pooling").mkdir(exist_ok=True)
     (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
@@ -62,14 +78,19 @@ def write_sentence_transformers(
 
 
 def bert_embedder(
-    directory: Path, modes: Sequence[str] = ("mean",), normalize: bool = True, seed: int = 0
+    directory: Path,
+    modes: Sequence[str] = ("mean",),
+    normalize: bool = True,
+    seed: int = 0,
+    **prompts: object,
 ) -> Path:
+    """`prompts`: write_sentence_transformers' prompts, default_prompt and include_prompt."""
     from transformers import BertModel
 
     torch.manual_seed(seed)
     BertModel(_bert_config()).eval().save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
-    write_sentence_transformers(directory, modes, normalize, 32)
+    write_sentence_transformers(directory, modes, normalize, 32, **prompts)  # type: ignore[arg-type]
     return directory
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from tests.pooling.models import TEXTS, bert_embedder, cross_encoder, decoder_embedder
+from tests.pooling.models import PROMPTS, TEXTS, bert_embedder, cross_encoder, decoder_embedder
+from tgis.errors import InputValidationError
 from tgis.hub import read_model_config
 from tgis.pooling.model import DecoderForward, PoolingModel, finish_embedding
 from tgis.pooling.spec import MODES, read_pooling_spec
@@ -95,6 +96,42 @@ def test_a_decoder_embedder_in_bfloat16_stays_with_transformers_in_bfloat16(
     cosine = torch.nn.functional.cosine_similarity(got, expected, dim=1)
     assert cosine.min() > 0.999, cosine
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize(
+    ("modes", "include_prompt"),
+    [(("mean",), True), (("mean",), False), (("max",), False), (("cls", "lasttoken"), False)],
+)
+def test_named_prompts_are_applied_as_sentence_transformers_applies_them(
+    tmp_path: Path, modes: tuple[str, ...], include_prompt: bool
+) -> None:
+    directory = bert_embedder(
+        tmp_path / "bert", modes, prompts=PROMPTS, default_prompt="query",
+        include_prompt=include_prompt,
+    )  # fmt: skip
+    model = load(directory)
+    assert model.spec.prompts == tuple(PROMPTS.items()) and model.spec.default_prompt == "query"
+    assert model.spec.include_prompt is include_prompt
+    oracle = SentenceTransformer(str(directory), device="cpu")
+    for name in (None, "query", "passage"):
+        expected = oracle.encode(TEXTS, prompt_name=name, convert_to_tensor=True)
+        prompt = model.prompt(name)
+        assert prompt == PROMPTS[name or "query"]
+        rows = model.run([model.encode(t, prompt=prompt) for t in TEXTS]).rows
+        got = torch.stack([finish_embedding(row, None, True) for row in rows])
+        torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
+    with pytest.raises(
+        InputValidationError,
+        match="'title' is not one of this model's prompts \\('query', 'passage'\\)",
+    ):
+        model.prompt("title")
+
+
+def test_a_model_without_prompts_refuses_a_prompt_name(tmp_path: Path) -> None:
+    model = load(bert_embedder(tmp_path / "bert"))
+    assert model.prompt(None) is None
+    with pytest.raises(InputValidationError, match="prompts: it has none"):
+        model.prompt("query")
 
 
 def test_rerank_scores_equal_the_cross_encoders_logits(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tgis.errors import ConfigError
+from tgis.errors import ConfigError, InputValidationError
 from tgis.pooling.decoder import PackedDecoder, PackedRows
 from tgis.pooling.spec import PoolingSpec, compile_template
 
@@ -156,15 +156,41 @@ class PoolingModel:
             return len(self.spec.labels)
         return int(self.config.hidden_size) * len(self.spec.modes)
 
+    def prompt(self, name: str | None) -> str | None:
+        """The text of the model's prompt `name` (sentence-transformers' named prompts); None
+        names the model's default prompt, if it has one. An InputValidationError lists the
+        names for one the model does not have."""
+        prompts = dict(self.spec.prompts)
+        if name is None:
+            return prompts.get(self.spec.default_prompt) if self.spec.default_prompt else None
+        if name not in prompts:
+            names = ", ".join(repr(n) for n in prompts)
+            raise InputValidationError(
+                f"`prompt_name` {name!r} is not one of this model's prompts"
+                + (f" ({names})" if names else ": it has none")
+            )
+        return prompts[name]
+
     def encode(
-        self, text: str | tuple[str, str], truncate: bool = False, left: bool = False
+        self,
+        text: str | tuple[str, str],
+        truncate: bool = False,
+        left: bool = False,
+        prompt: str | None = None,
     ) -> dict[str, list[int]]:
         """`text` (or a query-document pair) as the model's tokenizer encodes it; cut to
         `max_length` when `truncate`: its end (of the longer of a pair), or its start when
         `left`, the tokenizer's special tokens kept. A pair under a reranker's template is
-        the template's text, its document cut where it is too long."""
+        the template's text, its document cut where it is too long. `prompt`: a text put
+        before `text`; where the model pools without its prompt, `skip` holds how many of
+        the first tokens pooling leaves out (as sentence-transformers counts them)."""
         if self._template is not None and not isinstance(text, str):
             return {"input_ids": self._templated(*text, truncate, left)}
+        if prompt is not None and isinstance(text, str):
+            encoded = self.encode(prompt + text, truncate, left)
+            if not self.spec.include_prompt:
+                encoded["skip"] = [self._prompt_length(prompt)]
+            return encoded
         first, second = (text, None) if isinstance(text, str) else text
         tokenizer = self._left_tokenizer() if left else self.tokenizer
         encoded = tokenizer(
@@ -176,6 +202,14 @@ class PoolingModel:
         return {
             name: list(encoded[name]) for name in ("input_ids", "token_type_ids") if name in encoded
         }
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens as sentence-transformers counts them: the prompt encoded alone
+        (stripped, as its Transformer module strips every text), less a special token it ends
+        with."""
+        ids = list(self.tokenizer(prompt.strip())["input_ids"])
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        return len(ids) - 1 if ids and ids[-1] in special else len(ids)
 
     def _templated(self, query: str, document: str, truncate: bool, left: bool) -> list[int]:
         """The template's text for (query, document) as token ids. With `truncate`, one too
@@ -225,6 +259,11 @@ class PoolingModel:
                 raise ValueError(f"a {self.spec.task} model has no token embeddings")
             return PooledBatch(list(self.forward.scores(batch).float().cpu().unbind(0)))
         hidden, mask = self.forward.hidden(batch)
+        skips = [int(row["skip"][0]) if "skip" in row else 0 for row in batch]
+        if any(skips) and not tokens:  # prompts pooled without their tokens
+            mask = mask.clone()
+            for i, skip in enumerate(skips):
+                mask[i, :skip] = 0
         if tokens:
             rows = hidden.float().cpu()
             return PooledBatch([rows[i, : len(row["input_ids"])] for i, row in enumerate(batch)])
@@ -269,8 +308,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
             steps = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)
             ramp = weights * steps.view(1, -1, 1).to(hidden.dtype)
             parts.append((hidden * ramp).sum(1) / ramp.sum(1).clamp(min=1e-9))
-        elif mode == "lasttoken":
-            last = mask.sum(1) - 1
+        elif mode == "lasttoken":  # the last token the mask holds
+            last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
             parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")

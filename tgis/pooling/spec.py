@@ -65,6 +65,12 @@ class PoolingSpec:
     score_tokens: tuple[str, ...] = ()
     # The Jinja text a (query, document) pair is rendered into (--rerank-template).
     template: str | None = None
+    # Sentence-transformers' named prompts (config_sentence_transformers.json): (name, text)
+    # pairs, the one applied when a request names none, and whether the prompt's tokens are
+    # pooled with the text's (the Pooling module's include_prompt).
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt: str | None = None
+    include_prompt: bool = True
 
 
 def read_pooling_spec(
@@ -127,6 +133,7 @@ def _from_sentence_transformers(
         )
     bert = model_dir / "sentence_bert_config.json"
     max_length = _json(bert).get("max_seq_length") if bert.is_file() else None
+    prompts, default = _prompts(model_dir / "config_sentence_transformers.json")
     return PoolingSpec(
         "embed",
         modes,
@@ -134,7 +141,31 @@ def _from_sentence_transformers(
         max_length=int(max_length) if max_length else None,
         dimensions=dimensions,
         source="sentence-transformers",
+        prompts=prompts,
+        default_prompt=default,
+        include_prompt=bool(settings.get("include_prompt", True)),
     )
+
+
+def _prompts(path: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """The named prompts and the default prompt's name of config_sentence_transformers.json
+    (none where the file is absent)."""
+    if not path.is_file():
+        return (), None
+    settings = _json(path)
+    prompts = settings.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise ConfigError(f"{path}'s `prompts` is not an object of names to texts", _REFETCH)
+    default = settings.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ConfigError(
+            f"{path}'s default_prompt_name {default!r} is not one of its prompts "
+            f"({', '.join(prompts) or 'none'})",
+            _REFETCH,
+        )
+    return tuple(prompts.items()), default
 
 
 def runs_on_decoder_layers(config: dict[str, Any]) -> bool:

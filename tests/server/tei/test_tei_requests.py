@@ -43,8 +43,10 @@ def test_embed_bodies() -> None:
     assert refused(
         lambda b: parse_embed(b, 100), {"inputs": "a", "truncation_direction": "up"}
     ) == ('`truncation_direction` must be "right" or "left", got \'up\'')
-    assert "named prompts" in refused(
-        lambda b: parse_embed(b, 100), {"inputs": "a", "prompt_name": "q"}
+    named = parse_embed({"inputs": "a", "prompt_name": "query"}, 100)
+    assert named == EmbedRequest(("a",), prompt_name="query")
+    assert refused(lambda b: parse_embed(b, 100), {"inputs": "a", "prompt_name": 3}) == (
+        "`prompt_name` must be a string, got a number"
     )
 
 

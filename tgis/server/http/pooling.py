@@ -73,11 +73,14 @@ async def run_pooling(
     truncate: bool | None = False,
     left: bool = False,
     tokens: bool = False,
+    prompt_name: str | None = None,
 ) -> Pooled:
     """Run `inputs` (the request's field `field_name`) through the served model, cut to its
     length when `truncate` (None: the API has no such field). Raises InputValidationError
     (an input past the model's length otherwise), OverloadedError, ClientDisconnected, or the
-    model's error. `tokens`: each input's outputs per token (TEI's /embed_all)."""
+    model's error. `tokens`: each input's outputs per token (TEI's /embed_all). An embedding
+    model's text inputs start with its prompt `prompt_name` (None: its default prompt, if any;
+    an InputValidationError for a name it does not have); token ids and pairs take none."""
     state = get_pooling(request)
     arrival = time.monotonic()
     state.metrics.request_received(kind, len(inputs))
@@ -85,8 +88,10 @@ async def run_pooling(
         raise OverloadedError("Model is overloaded")
     state.admitted += 1
     try:
+        model = state.model
+        prompt = model.prompt(prompt_name) if model.spec.task == "embed" else None
         encoded = await anyio.to_thread.run_sync(
-            lambda: [_encode(state.model, x, bool(truncate), left) for x in inputs]
+            lambda: [_encode(model, x, bool(truncate), left, prompt) for x in inputs]
         )
         longest = state.model.max_length
         for i, row in enumerate(encoded):
@@ -109,9 +114,11 @@ async def run_pooling(
     return Pooled(outputs, lengths)
 
 
-def _encode(model: PoolingModel, text: Text, truncate: bool, left: bool) -> dict[str, list[int]]:
+def _encode(
+    model: PoolingModel, text: Text, truncate: bool, left: bool, prompt: str | None
+) -> dict[str, list[int]]:
     if isinstance(text, str):
-        return model.encode(text, truncate, left)
+        return model.encode(text, truncate, left, prompt)
     first, second = text[0], text[-1]
     if isinstance(first, str) and isinstance(second, str):  # a text and its pair
         return model.encode((first, second), truncate, left)

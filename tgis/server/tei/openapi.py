@@ -14,6 +14,7 @@ from tgis.server.http.openapi_schemas import (
     array,
     content,
     integer,
+    null,
     obj,
     pooling_input,
     post,
@@ -30,11 +31,17 @@ _PAIR = array(STR, minItems=2, maxItems=2)
 
 def requests() -> dict[str, Any]:
     truncation = {"truncate": BOOL, "truncation_direction": _DIRECTION}
+    prompt = {"prompt_name": null(STR)}
     return {
         "EmbedRequest": obj(
-            ["inputs"], inputs=_INPUTS, normalize=BOOL, dimensions=integer(1), **truncation
+            ["inputs"],
+            inputs=_INPUTS,
+            normalize=BOOL,
+            dimensions=integer(1),
+            **truncation,
+            **prompt,
         ),
-        "EmbedAllRequest": obj(["inputs"], inputs=_INPUTS, **truncation),
+        "EmbedAllRequest": obj(["inputs"], inputs=_INPUTS, **truncation, **prompt),
         "RerankRequest": obj(
             ["query", "texts"],
             query=STR,

@@ -5,7 +5,9 @@ reads them.
 - `/embed` and `/embed_all`: `inputs` (a string, strings, token ids or arrays of them),
   `truncate` (default false: an input past the model's length is a 413 in TEI, a 422 naming
   the limit here), `truncation_direction` (`right` or `left`); /embed's `normalize` (default
-  true) and `dimensions` (a Matryoshka size). /embed answers one array of floats per input;
+  true) and `dimensions` (a Matryoshka size); `prompt_name`, one of the model's
+  sentence-transformers prompts put before each text (none given: the model's default
+  prompt, as sentence-transformers' `encode` applies it). /embed answers one array of floats per input;
   /embed_all one array per token of each input.
 - `/rerank`: `query`, `texts`, `truncate`, `truncation_direction`, `raw_scores` (default false:
   the scores through a sigmoid), `return_text`; answers `[{"index", "score", "text"?}]`,
@@ -39,6 +41,9 @@ class EmbedRequest:
     truncate: bool = False
     direction: Direction = "right"
     dimensions: int | None = None
+    # One of the model's sentence-transformers prompts, put before each text input; None:
+    # its default prompt, if it has one.
+    prompt_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,20 +77,16 @@ def _truncation(f: Fields) -> tuple[bool, Direction]:
 def parse_embed(body: Any, vocab_size: int, max_batch: int = MAX_CLIENT_BATCH) -> EmbedRequest:
     f = Fields(body)
     truncate, direction = _truncation(f)
-    f.string("prompt_name")
-    if f.has("prompt_name"):
-        raise invalid(
-            "`prompt_name`: tgis does not apply sentence-transformers' named prompts; write "
-            "the prompt at the start of each input instead"
-        )
+    prompt_name = f.string("prompt_name")
     inputs = pooling_inputs(body.get("inputs"), "inputs", vocab_size, max_batch)
     normalize = f.boolean("normalize")
     dimensions = f.integer("dimensions")
     if dimensions is not None and dimensions < 1:
         raise invalid(f"`dimensions` must be >= 1, got {dimensions}")
     return EmbedRequest(
-        inputs, True if normalize is None else normalize, truncate, direction, dimensions
-    )
+        inputs, True if normalize is None else normalize, truncate, direction, dimensions,
+        prompt_name,
+    )  # fmt: skip
 
 
 def parse_embed_all(body: Any, vocab_size: int, max_batch: int = MAX_CLIENT_BATCH) -> EmbedRequest:

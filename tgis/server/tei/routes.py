@@ -51,7 +51,10 @@ async def embed(request: Request) -> Response:
                 "validation",
             )
         left = body.direction == "left"
-        pooled = await run_pooling(request, "embed", body.inputs, "inputs", body.truncate, left)
+        pooled = await run_pooling(
+            request, "embed", body.inputs, "inputs", body.truncate, left,
+            prompt_name=body.prompt_name,
+        )  # fmt: skip
         vectors = [finish_embedding(v, body.dimensions, body.normalize) for v in pooled.outputs]
         return JSONResponse(embed_answer(vectors))
 
@@ -69,8 +72,9 @@ async def embed_all(request: Request) -> Response:
         )
         left = body.direction == "left"
         pooled = await run_pooling(
-            request, "embed", body.inputs, "inputs", body.truncate, left, tokens=True
-        )
+            request, "embed", body.inputs, "inputs", body.truncate, left, tokens=True,
+            prompt_name=body.prompt_name,
+        )  # fmt: skip
         return JSONResponse(embed_all_answer(pooled.outputs))
 
     return await answered(request, work)
