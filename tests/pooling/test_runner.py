@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.pooling.models import TEXTS, bert_embedder
+from tests.pooling.models import TEXTS, bert_embedder, decoder_embedder
 from tgis.errors import InputValidationError
 from tgis.hub import read_model_config
 from tgis.pooling.model import Encoded, PooledBatch, PoolingModel
@@ -90,6 +91,30 @@ def test_a_batch_never_pads_past_its_token_budget(model: PoolingModel) -> None:
     assert all(tokens <= 40 for tokens in widths) and len(widths) >= 2
     with pytest.raises(InputValidationError, match="exceeds a batch's 40"):
         PoolingRunner(model, 40, 8).submit([{"input_ids": [5] * 41}])
+
+
+def test_a_packed_models_batch_counts_its_tokens_not_its_padding(tmp_path: Path) -> None:
+    directory = decoder_embedder(tmp_path / "qwen")
+    spec = read_pooling_spec(directory, read_model_config(directory)[0])
+    assert spec is not None
+    packed = PoolingModel.load(directory, spec, dtype=torch.float32)
+    assert packed.packed
+    batches: list[tuple[int, int]] = []
+    runner = PoolingRunner(packed, max_batch_tokens=40, max_batch_rows=8)
+    runner.on_batch = lambda rows, tokens: batches.append((rows, tokens))
+    long = {"input_ids": [5] * 30}
+    short = {"input_ids": [5] * 3}
+    runner.open()
+    future = runner.submit([long, short, short, short, short])
+    thread = threading.Thread(target=runner.run_loop, daemon=True)
+    thread.start()
+    try:
+        assert len(future.result(60)) == 5
+    finally:
+        runner.stop()
+        thread.join(30)
+    # 30 + 3 + 3 + 3 = 39 tokens fit in 40 (padded, two rows would already be 60).
+    assert batches == [(4, 39), (1, 3)]
 
 
 def test_a_cancelled_request_is_skipped_and_a_failed_batch_fails_only_its_own(

@@ -150,6 +150,12 @@ class PoolingModel:
         return cls(forward, tokenizer, spec, config)
 
     @property
+    def packed(self) -> bool:
+        """Whether a batch runs its rows back to back (a decoder on the paged layers: its cost
+        is its tokens) rather than right-padded to its longest (its rows x its longest)."""
+        return isinstance(self.forward, DecoderForward)
+
+    @property
     def dimension(self) -> int:
         """An embedding's size (all its modes concatenated) or a classifier's label count."""
         if self.spec.task != "embed":

@@ -2,7 +2,9 @@
 gathers them into steps.
 
 Each request is a list of encoded inputs. The thread takes inputs in arrival order (a request's
-inputs may span batches) while the batch's padded size stays within `max_batch_tokens` and its
+inputs may span batches) while the batch's size stays within `max_batch_tokens` (its tokens
+where the model runs rows back to back, `PoolingModel.packed`; else its rows padded to the
+longest) and its
 rows within `max_batch_rows` (and its requests ask for the same kind of output: pooled, or per
 token), runs one forward, and completes each request when its last input
 is done. A request cancelled before its inputs ran is skipped; one whose forward failed gets
@@ -56,7 +58,7 @@ class PoolingRunner:
         self.model = model
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_rows = max_batch_rows
-        # Called with (rows, padded tokens) of each batch run (metrics).
+        # Called with (rows, tokens computed: padded, or packed) of each batch run (metrics).
         self.on_batch = on_batch
         self._queue: deque[_Request] = deque()
         self._wake = threading.Condition()
@@ -149,7 +151,8 @@ class PoolingRunner:
     def _take(self) -> list[tuple[_Request, int]]:
         """The next batch: (request, input index) in arrival order, within the limits."""
         batch: list[tuple[_Request, int]] = []
-        width = 0
+        width = total = 0
+        packed = self.model.packed
         while self._queue:
             request = self._queue[0]
             if request.future.done():  # cancelled, or failed in an earlier batch
@@ -160,13 +163,11 @@ class PoolingRunner:
             while request.next < len(request.inputs):
                 n = len(request.inputs[request.next]["input_ids"])
                 wider = max(width, n)
-                if batch and (
-                    len(batch) + 1 > self.max_batch_rows
-                    or wider * (len(batch) + 1) > self.max_batch_tokens
-                ):
+                cost = total + n if packed else wider * (len(batch) + 1)
+                if batch and (len(batch) + 1 > self.max_batch_rows or cost > self.max_batch_tokens):
                     return batch
                 batch.append((request, request.next))
-                width = wider
+                width, total = wider, total + n
                 request.next += 1
             self._queue.popleft()
         return batch
@@ -183,8 +184,9 @@ class PoolingRunner:
                     request.future.set_exception(exc)
             return
         if self.on_batch is not None:
-            width = max(len(r.inputs[i]["input_ids"]) for r, i in live)
-            self.on_batch(len(live), width * len(live))
+            lengths = [len(r.inputs[i]["input_ids"]) for r, i in live]
+            cost = sum(lengths) if self.model.packed else max(lengths) * len(live)
+            self.on_batch(len(live), cost)
         for (request, index), row in zip(live, out.rows, strict=True):
             request.results[index] = row
             request.done += 1
