@@ -26,6 +26,20 @@ def test_sentence_transformers_modules_say_the_pooling(tmp_path: Path) -> None:
     assert decoder is not None and (decoder.modes, decoder.normalize) == (("lasttoken",), True)
 
 
+def test_a_mode_the_pooling_config_leaves_out_takes_sentence_transformers_default(
+    tmp_path: Path,
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    directory = bert_embedder(tmp_path / "a", ("lasttoken",))
+    settings = directory / "1_Pooling" / "config.json"
+    written = json.loads(settings.read_text())
+    settings.write_text(json.dumps({k: v for k, v in written.items() if "mean" not in k}))
+    spec = spec_of(directory)
+    assert spec is not None and spec.modes == ("mean", "lasttoken")  # mean is on by default
+    assert SentenceTransformer(str(directory), device="cpu").get_sentence_embedding_dimension() == 64
+
+
 def test_without_them_the_architecture_decides(tmp_path: Path, demo_model_dir: Path) -> None:
     reranker = spec_of(cross_encoder(tmp_path / "ce"))
     assert reranker == PoolingSpec("rerank", labels=("LABEL_0",))
@@ -54,6 +68,6 @@ def test_a_module_tgis_does_not_run_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no Pooling module"):
         spec_of(directory)
     (directory / "modules.json").write_text(json.dumps(modules[:2]))
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": False}))  # fmt: skip
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False}))  # fmt: skip
     with pytest.raises(ConfigError, match="turns no pooling mode on"):
         spec_of(directory)

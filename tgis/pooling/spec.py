@@ -126,7 +126,8 @@ def _from_sentence_transformers(
     if not pooling:
         raise ConfigError(f"{model_dir}/modules.json has no Pooling module", _REFETCH)
     settings = _json(model_dir / pooling[0] / "config.json")
-    modes = tuple(mode for mode in MODES if settings.get(_MODE_KEYS[mode]))
+    # A mode the file leaves out takes sentence-transformers' default: mean on, the rest off.
+    modes = tuple(mode for mode in MODES if settings.get(_MODE_KEYS[mode], mode == "mean"))
     if not modes:
         raise ConfigError(
             f"{model_dir}/{pooling[0]}/config.json turns no pooling mode on", _REFETCH
