@@ -50,12 +50,9 @@ def build(directory: Path, hidden: int, layers: int, heads: int, kv_heads: int) 
     (directory / "modules.json").write_text(json.dumps(modules))
     (directory / "1_Pooling").mkdir()
     (directory / "2_Normalize").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(
-        json.dumps(
-            {"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True,
-             "pooling_mode_mean_tokens": False}
-        )  # fmt: skip
-    )
+    pooling = {"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True}
+    pooling["pooling_mode_mean_tokens"] = False  # on unless said (sentence-transformers)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 2048}))
     return directory
 
