@@ -94,6 +94,34 @@ def bert_embedder(
     return directory
 
 
+def encoder_embedder(
+    directory: Path, arch: str, modes: Sequence[str] = ("mean",), seed: int = 0
+) -> Path:
+    """An XLM-RoBERTa (positions offset past the padding id) or ModernBERT (alternating local
+    and global attention) encoder with sentence-transformers' modules."""
+    from transformers import ModernBertConfig, ModernBertModel, XLMRobertaConfig, XLMRobertaModel
+
+    shape = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "pad_token_id": PAD_ID,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    if arch == "xlm-roberta":  # its positions start after the padding id's
+        model = XLMRobertaModel(XLMRobertaConfig(max_position_embeddings=130, **shape))
+    elif arch == "modernbert":
+        config = ModernBertConfig(
+            max_position_embeddings=128, cls_token_id=1, sep_token_id=2, **shape
+        )
+        model = ModernBertModel(config)
+    else:
+        raise ValueError(f"no encoder {arch!r}")
+    model.eval().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    write_sentence_transformers(directory, modes, True, 32)
+    return directory
+
+
 def cross_encoder(directory: Path, seed: int = 0) -> Path:
     from transformers import BertForSequenceClassification
 

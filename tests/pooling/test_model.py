@@ -10,7 +10,14 @@ import pytest
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from tests.pooling.models import PROMPTS, TEXTS, bert_embedder, cross_encoder, decoder_embedder
+from tests.pooling.models import (
+    PROMPTS,
+    TEXTS,
+    bert_embedder,
+    cross_encoder,
+    decoder_embedder,
+    encoder_embedder,
+)
 from tgis.errors import InputValidationError
 from tgis.hub import read_model_config
 from tgis.pooling.model import DecoderForward, PoolingModel, finish_embedding
@@ -45,6 +52,20 @@ def test_embeddings_equal_sentence_transformers_encode(
     torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
     if normalize:
         torch.testing.assert_close(got.norm(dim=1), torch.ones(len(TEXTS)))
+
+
+@pytest.mark.parametrize("arch", ["xlm-roberta", "modernbert"])
+def test_roberta_and_modernbert_style_encoders_equal_sentence_transformers(
+    tmp_path: Path, arch: str
+) -> None:
+    directory = encoder_embedder(tmp_path / arch, arch, ("mean", "cls"))
+    model = load(directory)
+    assert not model.packed  # encoders run as transformers' model
+    oracle = SentenceTransformer(str(directory), device="cpu")
+    expected = oracle.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
+    rows = model.run([model.encode(t) for t in TEXTS]).rows
+    got = torch.stack([finish_embedding(row, None, True) for row in rows])
+    torch.testing.assert_close(got, expected.float(), atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.parametrize("modes", [("lasttoken",), ("mean",), ("cls", "lasttoken")])

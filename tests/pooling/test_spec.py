@@ -37,7 +37,9 @@ def test_a_mode_the_pooling_config_leaves_out_takes_sentence_transformers_defaul
     settings.write_text(json.dumps({k: v for k, v in written.items() if "mean" not in k}))
     spec = spec_of(directory)
     assert spec is not None and spec.modes == ("mean", "lasttoken")  # mean is on by default
-    assert SentenceTransformer(str(directory), device="cpu").get_sentence_embedding_dimension() == 64
+    assert (
+        SentenceTransformer(str(directory), device="cpu").get_sentence_embedding_dimension() == 64
+    )
 
 
 def test_without_them_the_architecture_decides(tmp_path: Path, demo_model_dir: Path) -> None:
