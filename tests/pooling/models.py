@@ -146,6 +146,18 @@ def decoder_embedder(
     return directory
 
 
+def decoder_cross_encoder(directory: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A Qwen2ForSequenceClassification (the layout of Qwen3-Reranker's "seq-cls" conversions):
+    one label reranks, more classify."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = tiny_config("qwen2", num_labels=num_labels, pad_token_id=PAD_ID)
+    AutoModelForSequenceClassification.from_config(config).eval().save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
 # The two one-token words of the suite's tokenizer a yes/no reranker answers with.
 YES, NO = "the", "a"
 

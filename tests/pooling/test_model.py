@@ -11,10 +11,12 @@ import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from tests.pooling.models import (
+    PAD_ID,
     PROMPTS,
     TEXTS,
     bert_embedder,
     cross_encoder,
+    decoder_cross_encoder,
     decoder_embedder,
     encoder_embedder,
 )
@@ -165,6 +167,34 @@ def test_rerank_scores_equal_the_cross_encoders_logits(tmp_path: Path) -> None:
     logits = oracle.predict(pairs, activation_fn=torch.nn.Identity(), convert_to_tensor=True)
     got = torch.cat(model.run([model.encode(pair) for pair in pairs]).rows)
     torch.testing.assert_close(got, logits.float().view(-1), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_a_decoder_sequence_classifier_on_the_paged_layers_gives_transformers_logits(
+    tmp_path: Path, num_labels: int
+) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    directory = decoder_cross_encoder(tmp_path / "qwen-cls", num_labels)
+    model = load(directory)
+    assert model.spec.task == ("rerank" if num_labels == 1 else "classify")
+    assert model.packed and model.dimension == num_labels
+    pairs = [("what is a tree", text) for text in TEXTS]
+    encoded = [model.encode(pair) for pair in pairs]
+    # A row that ends with the pad token: transformers scores its last token that is not one.
+    encoded.append({"input_ids": [*encoded[0]["input_ids"], PAD_ID, PAD_ID]})
+    got = torch.stack(model.run(encoded).rows)
+    oracle = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
+    for row, ids in zip(got, encoded, strict=True):
+        with torch.no_grad():
+            expected = oracle(torch.tensor([ids["input_ids"]])).logits[0]
+        torch.testing.assert_close(row, expected, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(got[-1], got[0], atol=TOLERANCE, rtol=0)
+    if num_labels == 1:  # and as sentence-transformers' CrossEncoder scores the pairs
+        logits = CrossEncoder(str(directory), device="cpu").predict(
+            pairs, activation_fn=torch.nn.Identity(), convert_to_tensor=True
+        )
+        torch.testing.assert_close(got[:-1, 0], logits.float(), atol=TOLERANCE, rtol=0)
 
 
 def test_each_row_is_the_same_alone_and_in_any_batch(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from tgis.backends.common.gemm import linear
 from tgis.backends.common.masks import causal_mask
 from tgis.backends.models.decoder import DecoderWeights, LayerWeights
 from tgis.backends.paged.attention import FLASH_DTYPES, sdpa, varlen_parameters
@@ -85,7 +86,7 @@ class PackedRows:
 
 class PackedDecoder:
     """A decoder's forward over `PackedRows`, returning the final norm's hidden states
-    (`hidden`) or a yes/no reranker's scores (`scores`)."""
+    (`hidden`), a yes/no reranker's scores or a sequence classifier's logits (`scores`)."""
 
     @torch.inference_mode()
     def __init__(
@@ -94,18 +95,23 @@ class PackedDecoder:
         max_positions: int,
         score_ids: tuple[int, int] | None = None,
     ) -> None:
-        """`model`: a causal LM (its weights move into the lean layouts); `score_ids`: the
-        (yes, no) token ids a reranker scores with (None: an embedder, no lm_head kept)."""
+        """`model`: a causal LM, or a `*ForSequenceClassification` decoder (its weights move
+        into the lean layouts); `score_ids`: the (yes, no) token ids a causal LM reranks with
+        (None: an embedder, no lm_head kept)."""
         device = next(model.parameters()).device
         self.weights = DecoderWeights(model, device, max_positions)
         self.device = device
         self.dtype = self.weights.dtype
         self.hidden_size = self.weights.hidden
         self.score_ids = score_ids
+        # A classifier scores the last token that is not padding, as transformers does.
+        self.classifier = model.get_output_embeddings() is None
+        self.pad_id = model.config.pad_token_id if self.classifier else None
         head = self.weights.lm_head
-        # Only the two scored tokens' rows of the lm_head are read; the rest is let go.
         assert isinstance(head, torch.Tensor)
-        self.weights.lm_head = head[list(score_ids)].clone() if score_ids else head[:0]
+        if not self.classifier:
+            # Only the two scored tokens' rows of the lm_head are read; the rest is let go.
+            self.weights.lm_head = head[list(score_ids)].clone() if score_ids else head[:0]
         self.path = packed_attention_path(
             device, self.dtype, self.weights.attn_softcap, varlen_parameters()
         )
@@ -117,12 +123,34 @@ class PackedDecoder:
 
     @torch.inference_mode()
     def scores(self, rows: PackedRows) -> torch.Tensor:
-        """Each row's score [rows, 1] (float32): its last token's logit of "yes" less that of
-        "no", as the family scales and caps its logits."""
+        """Each row's scores (float32): a classifier's logits [rows, labels] at its last
+        token that is not the pad token (transformers' `score` over the final norm, unscaled),
+        or a yes/no reranker's [rows, 1], its last token's logit of "yes" less that of "no",
+        as the family scales and caps its logits."""
+        if self.classifier:
+            w = self.weights
+            picked = self._layers(rows)[self._classified(rows)]
+            return linear(w.normed(picked), w.lm_head).float()
         if self.score_ids is None:
             raise ValueError("this decoder embeds; it scores no tokens")
         logits = self.weights.logits(self._layers(rows)[rows.last])
         return (logits[:, 0] - logits[:, 1]).unsqueeze(1)
+
+    def _classified(self, rows: PackedRows) -> torch.Tensor:
+        """Each row's index of its last token that is not the pad token (its last token where
+        there is none, or the model names no pad token)."""
+        if self.pad_id is None:
+            return rows.last
+        device = rows.ids.device
+        index = torch.arange(rows.ids.shape[0], device=device)
+        real = torch.where(rows.ids != self.pad_id, index, -1)
+        row_of = torch.repeat_interleave(
+            torch.arange(len(rows.lengths), device=device),
+            torch.tensor(rows.lengths, device=device),
+        )
+        found = torch.full((len(rows.lengths),), -1, device=device, dtype=index.dtype)
+        found = found.scatter_reduce(0, row_of, real, "amax")
+        return torch.where(found >= 0, found, rows.last)
 
     def _layers(self, rows: PackedRows) -> torch.Tensor:
         """The last layer's output [tokens, hidden], before the final norm."""

@@ -136,9 +136,12 @@ class PoolingModel:
         forward: Forward
         if spec.decoder:
             score_ids = score_token_ids(tokenizer, spec.score_tokens) if spec.score_tokens else None
-            # An embedder reads no logits: a tied head is the embeddings, never a new tensor.
-            tie = {} if score_ids else {"tie_word_embeddings": True}
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen, **tie)
+            if spec.task != "embed" and not score_ids:  # a decoder's *ForSequenceClassification
+                model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=chosen)
+            else:
+                # An embedder reads no logits: a tied head is the embeddings, never a new one.
+                tie = {} if score_ids else {"tie_word_embeddings": True}
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen, **tie)
             positions = int(getattr(config, "max_position_embeddings", 0) or 0)
             limit = min(n for n in (spec.max_length, positions) if n)
             forward = DecoderForward(PackedDecoder(model.to(device).eval(), limit, score_ids))

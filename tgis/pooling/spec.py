@@ -100,7 +100,8 @@ def read_pooling_spec(
     architectures = [str(a) for a in config.get("architectures") or ()]
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         labels = _labels(config)
-        return PoolingSpec("rerank" if len(labels) == 1 else "classify", labels=labels)
+        task: Task = "rerank" if len(labels) == 1 else "classify"
+        return PoolingSpec(task, labels=labels, decoder=runs_on_decoder_layers(config))
     if any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         return None
     if any(a.endswith("Model") for a in architectures) and _is_encoder(config):

@@ -281,8 +281,11 @@ class DecoderWeights:
 
     def _head(self, model: PreTrainedModel) -> Weight:
         """The lm_head's weight [vocab, hidden], packed with `packed` or quantized as
-        `quantization` says (a tied one as a copy)."""
+        `quantization` says (a tied one as a copy); a `*ForSequenceClassification` model's
+        `score` [labels, hidden], the head it has over the same final norm."""
         head = model.get_output_embeddings()
+        if head is None:
+            head = model.score
         weight: Weight
         if self.packed:
             weight = pack(head.weight)
