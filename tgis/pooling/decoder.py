@@ -102,7 +102,6 @@ class PackedDecoder:
         self.weights = DecoderWeights(model, device, max_positions)
         self.device = device
         self.dtype = self.weights.dtype
-        self.hidden_size = self.weights.hidden
         self.score_ids = score_ids
         # A classifier scores the last token that is not padding, as transformers does.
         self.classifier = model.get_output_embeddings() is None

@@ -104,10 +104,7 @@ class PoolingModel:
         self.tokenizer = tokenizer
         self.spec = spec
         self.config = config
-        positions = getattr(config, "max_position_embeddings", None)
-        limits = [n for n in (spec.max_length, positions) if n]
-        # The longest input, in tokens (sentence-transformers' max_seq_length first).
-        self.max_length = min(limits) if limits else None
+        self.max_length = longest_input(spec, config)
         self._left: Any = None
         self._template = compile_template(spec.template) if spec.template else None
 
@@ -142,8 +139,8 @@ class PoolingModel:
                 # An embedder reads no logits: a tied head is the embeddings, never a new one.
                 tie = {} if score_ids else {"tie_word_embeddings": True}
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=chosen, **tie)
-            positions = int(getattr(config, "max_position_embeddings", 0) or 0)
-            limit = min(n for n in (spec.max_length, positions) if n)
+            limit = longest_input(spec, config)
+            assert limit is not None  # a decoder the paged layers run has its positions
             forward = DecoderForward(PackedDecoder(model.to(device).eval(), limit, score_ids))
         else:
             kind = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
@@ -278,6 +275,14 @@ class PoolingModel:
             return PooledBatch([rows[i, : len(row["input_ids"])] for i, row in enumerate(batch)])
         pooled = pool(hidden, mask, self.spec.modes)
         return PooledBatch(list(pooled.float().cpu().unbind(0)))
+
+
+def longest_input(spec: PoolingSpec, config: Any) -> int | None:
+    """The longest input in tokens: sentence-transformers' max_seq_length or the model's
+    positions, the smaller (None: neither is known)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    limits = [n for n in (spec.max_length, positions) if n]
+    return min(limits) if limits else None
 
 
 def score_token_ids(tokenizer: Any, tokens: Sequence[str]) -> tuple[int, int]:

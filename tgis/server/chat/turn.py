@@ -22,10 +22,10 @@ from tgis.engine.types import Completion
 from tgis.params import GenerateParameters
 from tgis.server.chat.prompt import ChatOutput, ChatPlan, chat_images, plan_chat, render_chat
 from tgis.server.chat.tool_calls import ToolChoice
-from tgis.server.http.errors import ApiError, Shape, classify, error_response
+from tgis.server.http.errors import ApiError, Shape, error_response
 from tgis.server.http.generation import EventStream, Prepared, adapter_of
 from tgis.server.http.images import ImageRef
-from tgis.server.http.sse import ClientDisconnected, unless_disconnected
+from tgis.server.http.sse import failed_response, unless_disconnected
 from tgis.server.http.state import ServerState
 
 
@@ -114,12 +114,7 @@ async def turn_failed(
     closed either way."""
     if turn is not None:
         await turn.events.aclose()
-    if isinstance(exc, ClientDisconnected):
-        state.metrics.request_failed("cancelled")
-        return Response(status_code=499)
-    error = classify(exc)
-    state.metrics.request_failed(error.error_type)
-    return error_response(error, shape)
+    return failed_response(state.metrics, exc, shape)
 
 
 async def render_turn(state: ServerState, turn: TurnRequest) -> str:

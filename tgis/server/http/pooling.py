@@ -21,11 +21,11 @@ from tgis.errors import InputValidationError, OverloadedError
 from tgis.pooling.model import PoolingModel
 from tgis.pooling.runner import PoolingRunner
 from tgis.server.http.contract import RequestContract
-from tgis.server.http.errors import SHUTTING_DOWN, ApiError, Shape, classify, error_response
+from tgis.server.http.errors import SHUTTING_DOWN, ApiError, Shape, error_response
 from tgis.server.http.fields import PoolingInput
 from tgis.server.http.lifecycle import Lifecycle
 from tgis.server.http.metrics import CONTENT_TYPE, Metrics
-from tgis.server.http.sse import ClientDisconnected, unless_disconnected
+from tgis.server.http.sse import failed_response, unless_disconnected
 
 # One input of a pooling request: text, token ids, or a text and its pair (rerank, predict).
 Text = PoolingInput | tuple[str, str]
@@ -136,13 +136,8 @@ async def answered(
         return error_response(SHUTTING_DOWN, shape)
     try:
         return await work()
-    except ClientDisconnected:
-        state.metrics.request_failed("cancelled")
-        return Response(status_code=499)
     except Exception as exc:
-        error = classify(exc)
-        state.metrics.request_failed(error.error_type)
-        return error_response(error, shape)
+        return failed_response(state.metrics, exc, shape)
 
 
 async def health(request: Request) -> Response:

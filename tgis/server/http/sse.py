@@ -16,7 +16,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tgis.server.http.errors import ApiError, classify
+from tgis.server.http.errors import ApiError, Shape, classify, error_response
 
 if TYPE_CHECKING:
     from tgis.server.http.metrics import Metrics
@@ -52,6 +52,18 @@ async def stream_failures(
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
+
+
+def failed_response(metrics: Metrics, exc: Exception, shape: Shape = "tgi") -> Response:
+    """The response to a request that failed before its answer (`stream_failures` is a
+    started stream's): 499 for a client that went away, counted as `cancelled`; else the
+    error classified, counted and in the route family's shape."""
+    if isinstance(exc, ClientDisconnected):
+        metrics.request_failed("cancelled")
+        return Response(status_code=499)
+    error = classify(exc)
+    metrics.request_failed(error.error_type)
+    return error_response(error, shape)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tgis.server.chat.prompt import ChatPlan, chat_images, plan_chat, render_chat
-from tgis.server.http.errors import ApiError, classify, error_response
+from tgis.server.http.errors import ApiError, error_response
 from tgis.server.http.fields import read_json
 from tgis.server.http.generation import (
     EventStream,
@@ -28,7 +28,7 @@ from tgis.server.http.generation import (
     adapter_of,
 )
 from tgis.server.http.images import ImageRef
-from tgis.server.http.sse import ClientDisconnected, unless_disconnected
+from tgis.server.http.sse import failed_response, unless_disconnected
 from tgis.server.http.state import ServerState, get_state
 from tgis.server.openai.payloads import (
     Envelope,
@@ -140,15 +140,9 @@ async def _serve(request: Request, *, chat: bool) -> Response:
             await unless_disconnected(request.receive, partial(state.pipeline.collect, s, req.n))
             for s in streams
         ]
-    except ClientDisconnected:
-        state.metrics.request_failed("cancelled")
-        await _close_all(streams)
-        return Response(status_code=499)
     except Exception as exc:
         await _close_all(streams)
-        error = classify(exc)
-        state.metrics.request_failed(error.error_type)
-        return error_response(error, "openai")
+        return failed_response(state.metrics, exc, "openai")
     return JSONResponse(_response(state, req, prepared, results, envelope, plan, kind))
 
 

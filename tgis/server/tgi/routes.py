@@ -28,9 +28,9 @@ from tgis.server.http.generation import (
 from tgis.server.http.images import ImageRef, markdown_images
 from tgis.server.http.metrics import CONTENT_TYPE
 from tgis.server.http.sse import (
-    ClientDisconnected,
     Emit,
     EventStreamResponse,
+    failed_response,
     stream_failures,
     unless_disconnected,
 )
@@ -93,13 +93,8 @@ async def _serve(request: Request, *, compat: bool, stream: bool) -> Response:
         results = await unless_disconnected(
             request.receive, lambda: state.pipeline.collect(events, prepared.params.best_of or 1)
         )
-    except ClientDisconnected:
-        state.metrics.request_failed("cancelled")
-        return Response(status_code=499)
     except Exception as exc:
-        error = classify(exc)
-        state.metrics.request_failed(error.error_type)
-        return error_response(error)
+        return failed_response(state.metrics, exc)
     best, others = pick_best(results)
     state.pipeline.succeeded("single", prepared, best.completion)
     params = prepared.params
